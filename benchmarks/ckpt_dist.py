@@ -1,0 +1,67 @@
+"""Process-group setup for the checkpoint benchmark: under torchrun, or as a 1-process group under plain python."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# A checkpoint of several GB on a slow disk can keep ranks apart for minutes; gloo's default is 30 min anyway.
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    device: torch.device
+    mesh: DeviceMesh
+    launched_by_torchrun: bool
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str) -> Runtime:
+    """Join the torchrun group, or make a 1-process group when no torchrun variables are set."""
+    launched = "RANK" in os.environ or "WORLD_SIZE" in os.environ
+    if not launched:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
+    world_size = int(os.environ["WORLD_SIZE"])
+    if backend == "gloo":
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        mesh = init_device_mesh("cpu", (world_size,))
+    elif backend == "nccl":
+        if not torch.cuda.is_available():
+            raise SystemExit("--backend nccl needs CUDA, and torch.cuda.is_available() is False")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        # async_save needs a CPU backend next to NCCL for its collectives.
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=PROCESS_GROUP_TIMEOUT, device_id=device)
+        mesh = init_device_mesh("cuda", (world_size,))
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    return Runtime(dist.get_rank(), world_size, backend, device, mesh, launched)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so device-to-host copies are inside the timed region."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""Where a save writes before it is complete, and how it becomes the checkpoint at the requested path.
+
+* Local paths: every rank writes into a hidden staging directory beside the target; the coordinator writes the
+  root ``zarr.json`` there last, fsyncs, then renames the directory onto the target (swapping atomically with
+  ``renameat2(RENAME_EXCHANGE)`` when replacing). A crash at any moment leaves the target as it was.
+* Object stores have no rename: ranks write in place and the root ``zarr.json`` (written last) is the commit.
+  Replacing an existing checkpoint there first deletes it, so it is refused unless ``overwrite=True``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
+from dcp_zarr.manifest import ROOT_KEY, read_manifest
+from dcp_zarr.storage import Storage, is_local, local_path, open_storage
+
+STAGING_MARK = ".dcp-zarr-partial-"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def staging_location(target: str, save_id: str) -> str:
+    if not is_local(target):
+        return target
+    path = local_path(target)
+    parent, name = os.path.split(path.rstrip(os.sep))
+    return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
+
+
+def check_target(target: str, storage_options: dict | None, overwrite: bool) -> None:
+    """Refuse before anything is written if the target holds data we must not replace."""
+    if is_local(target):
+        path = local_path(target)
+        if not os.path.exists(path):
+            return
+        if not os.path.isdir(path):
+            raise CheckpointExistsError(f"{path} exists and is not a directory; refusing to replace it")
+        if not os.listdir(path):
+            return
+    storage = open_storage(target, storage_options, read_only=True)
+    if not storage.exists(ROOT_KEY) and not is_local(target):
+        return  # nothing committed there: leftovers of an interrupted save are cleared before writing
+    try:
+        read_manifest(storage)
+    except NotACheckpointError as exc:
+        raise CheckpointExistsError(
+            f"{target} already holds data that is not a dcp_zarr checkpoint ({exc}); refusing to replace it"
+        ) from None
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{target} already holds a checkpoint; pass overwrite=True to ZarrWriter to replace it "
+            "(locally the old one is swapped out only after the new one is complete)"
+        )
+
+
+def prepare_staging(staging: Storage) -> None:
+    """Start from an empty staging area (an object-store prefix may hold an interrupted save's chunks)."""
+    staging.remove_all()
+
+
+def commit(staging: Storage, target: str) -> None:
+    """Make the fully written staging area the checkpoint at ``target``."""
+    staging.flush()
+    if not is_local(target):
+        return
+    final = local_path(target)
+    source = staging.url
+    if os.path.isdir(final) and os.listdir(final):
+        _exchange(source, final)
+        shutil.rmtree(source)  # now holds the replaced checkpoint
+    else:
+        if os.path.isdir(final):
+            os.rmdir(final)
+        os.rename(source, final)
+    _fsync_directory(os.path.dirname(final))
+
+
+def _exchange(a: str, b: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None and renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) == 0:
+        return
+    # No atomic exchange (older libc, or a filesystem without it): move the old one aside, then into place.
+    aside = a + ".replaced"
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,33 @@
+"""Exceptions raised by dcp_zarr. Each names the path, key or array at fault."""
+
+
+class ZarrCheckpointError(Exception):
+    """Base class of every error dcp_zarr raises on purpose."""
+
+
+class NotACheckpointError(ZarrCheckpointError):
+    """The path holds no dcp_zarr checkpoint (missing, foreign, or not a zarr store)."""
+
+
+class IncompleteCheckpointError(NotACheckpointError):
+    """The store was started but never committed: a save was interrupted or is still running."""
+
+
+class CheckpointExistsError(ZarrCheckpointError, FileExistsError):
+    """Saving would replace an existing checkpoint and the writer was not told to."""
+
+
+class InvalidKeyError(ZarrCheckpointError, ValueError):
+    """A state-dict key cannot be stored safely (it would escape the store or collide)."""
+
+
+class InvalidEntryError(ZarrCheckpointError, ValueError):
+    """A state-dict value cannot be stored (unsupported tensor kind, dtype or layout)."""
+
+
+class CorruptChunkError(ZarrCheckpointError):
+    """A stored chunk fails its checksum, is truncated, or is missing."""
+
+
+class MalformedMetadataError(ZarrCheckpointError, ValueError):
+    """The store's metadata (zarr.json or the dcp_zarr manifest) is not what this version writes."""

@@ -1,0 +1,165 @@
+"""Where a state-dict entry lives in the store, and how its array is cut into chunks.
+
+Two decisions are made here and nowhere else:
+
+* the zarr node path of a state-dict key (``("optim", "state", "layers.0.w", "exp_avg")`` ->
+  ``"optim/state/layers.0.w/exp_avg"``), with every component checked so no key can escape the store;
+* the chunk layout of a tensor, decided once from the global save plan so that every saved box (one rank's
+  shard) is a union of whole chunks: no chunk is ever written by two ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from dcp_zarr.errors import InvalidKeyError
+
+# Inner chunks of a sharded array are aimed at this size: small enough that a resharded load reads little more
+# than it needs, large enough that per-chunk overhead (one checksum, one index entry, one read) stays negligible.
+INNER_CHUNK_TARGET_BYTES = 4 << 20
+
+_FORBIDDEN_CHARACTERS = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def check_node_name(name: str, key: object) -> str:
+    """Return ``name`` if it is safe as one zarr node name; raise naming ``key`` otherwise."""
+    if not isinstance(name, str) or name == "":
+        raise InvalidKeyError(f"state-dict key {key!r}: empty component {name!r} cannot name a zarr node")
+    if name in (".", ".."):
+        raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} would escape the checkpoint store")
+    if name.startswith("__"):
+        raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} starts with '__', reserved by zarr v3")
+    if _FORBIDDEN_CHARACTERS.search(name):
+        raise InvalidKeyError(
+            f"state-dict key {key!r}: component {name!r} contains '/', '\\\\' or a control character, "
+            "which would escape or split the checkpoint store"
+        )
+    if name.lower() == "zarr.json":
+        raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} collides with zarr's own keys")
+    return name
+
+
+def node_path(path: Sequence[str | int], key: object = None) -> str:
+    """The zarr node path of a state-dict path; list indices become decimal names."""
+    if len(path) == 0:
+        raise InvalidKeyError(f"state-dict key {key!r} has an empty path")
+    names = [check_node_name(str(part) if isinstance(part, int) else part, key if key is not None else path)
+             for part in path]
+    return "/".join(names)
+
+
+def parent_groups(node: str) -> list[str]:
+    """Every group above ``node``, outermost first (the root, ``""``, excluded)."""
+    parts = node.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How one array is cut: ``chunk_shape`` is zarr's (outer) chunk grid; each outer chunk is written by one rank.
+
+    ``inner_rows`` > 0 means the outer chunks are shards of zarr's ``sharding_indexed`` codec, each split into inner
+    chunks of ``inner_rows`` rows along dim 0 (full extent along the other dims), so readers can fetch parts.
+    """
+
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    inner_rows: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.inner_rows > 0
+
+    @property
+    def inner_chunk_shape(self) -> tuple[int, ...]:
+        return (self.inner_rows, *self.chunk_shape[1:]) if self.sharded else self.chunk_shape
+
+    @property
+    def inner_chunks_per_chunk(self) -> int:
+        return self.chunk_shape[0] // self.inner_rows if self.sharded else 1
+
+    def grid_shape(self) -> tuple[int, ...]:
+        return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.chunk_shape))
+
+    def chunks_in_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterable[tuple[int, ...]]:
+        """Grid coordinates of every chunk that intersects the box."""
+        ranges = []
+        for off, size, c in zip(offsets, sizes, self.chunk_shape):
+            if size == 0:
+                return
+            ranges.append(range(off // c, (off + size - 1) // c + 1))
+        yield from _product(ranges)
+
+    def chunk_box(self, coords: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Offsets and sizes of the chunk's data inside the global array (edge chunks clipped to the shape)."""
+        offsets = tuple(i * c for i, c in zip(coords, self.chunk_shape))
+        sizes = tuple(min(c, n - o) for o, c, n in zip(offsets, self.chunk_shape, self.shape))
+        return offsets, sizes
+
+
+def chunk_key(coords: Sequence[int]) -> str:
+    """Zarr v3's default chunk key encoding with the '/' separator (``c/0/1``; ``c`` for 0-d arrays)."""
+    return "/".join(["c", *map(str, coords)])
+
+
+def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    head, *rest = ranges
+    for i in head:
+        for tail in _product(rest):
+            yield (i, *tail)
+
+
+def chunk_layout_for_boxes(
+    shape: Sequence[int],
+    boxes: Iterable[tuple[Sequence[int], Sequence[int]]],
+    itemsize: int,
+    inner_target_bytes: int = INNER_CHUNK_TARGET_BYTES,
+) -> ChunkLayout:
+    """The regular chunk grid in which every box (offsets, sizes) is a union of whole chunks.
+
+    Along each dim the chunk length is the gcd of all box boundaries inside the array, so FSDP2's ``torch.chunk``
+    split (boundaries at multiples of ceil(n/k)) gives one chunk per rank. Irregular splits (FSDP+TP, hand-made
+    ShardedTensors) can shrink it down to 1: correct, but many small files; see README "Chunk layout".
+    """
+    shape = tuple(int(n) for n in shape)
+    boundaries: list[set[int]] = [set() for _ in shape]
+    for offsets, sizes in boxes:
+        if any(s == 0 for s in sizes):
+            continue  # an empty shard (a rank with no rows) writes nothing and constrains nothing
+        for d, (off, size) in enumerate(zip(offsets, sizes)):
+            for b in (off, off + size):
+                if 0 < b < shape[d]:
+                    boundaries[d].add(b)
+    chunk_shape = []
+    for d, n in enumerate(shape):
+        length = math.gcd(*boundaries[d]) if boundaries[d] else n
+        chunk_shape.append(max(length, 1))
+    return ChunkLayout(shape, tuple(chunk_shape), _inner_rows(tuple(chunk_shape), itemsize, inner_target_bytes))
+
+
+def _inner_rows(chunk_shape: tuple[int, ...], itemsize: int, target: int) -> int:
+    """Rows per inner chunk (a divisor of the chunk's rows), or 0 when the chunk is small enough to stay whole."""
+    if not chunk_shape:
+        return 0
+    row_bytes = math.prod(chunk_shape[1:]) * itemsize
+    rows = chunk_shape[0]
+    if rows * row_bytes <= target or rows == 1:
+        return 0
+    wanted = max(1, target // max(row_bytes, 1))
+    best = max((d for d in _divisors(rows) if d <= wanted), default=1)
+    # A chunk whose row count has no divisor near the target (a large prime) would split into tiny inner chunks
+    # with an index entry each; keep it whole instead.
+    if best * 8 < wanted:
+        return 0
+    return best if best < rows else 0
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

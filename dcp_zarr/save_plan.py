@@ -1,0 +1,101 @@
+"""The coordinator's decisions for one save, made once from every rank's plan: node paths and chunk layouts.
+
+``array_specs_for_plans`` sees the deduplicated global plan (DCP already assigned each replicated item to one
+rank), so the boxes it sees are exactly what will be written, each by one rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+
+from dcp_zarr.dtypes import numpy_dtype, zarr_dtype_name
+from dcp_zarr.errors import InvalidKeyError
+from dcp_zarr.layout import ChunkLayout, chunk_layout_for_boxes, node_path
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """Everything a rank needs to write its part of one array."""
+
+    fqn: str
+    node: str
+    data_type: str
+    itemsize: int
+    layout: ChunkLayout
+
+
+@dataclass(frozen=True)
+class RankAssignment:
+    """What the coordinator sends each rank in ``SavePlan.storage_data``."""
+
+    staging_location: str
+    arrays: dict[str, ArraySpec]  # fqn -> spec, for this rank's tensor items
+    nodes: dict[str, str]  # fqn -> node, for this rank's non-tensor items
+
+
+def node_paths(plans: list[SavePlan]) -> dict[str, str]:
+    """fqn -> zarr node for every item, checked for escapes and collisions."""
+    mapping: dict = {}
+    for plan in plans:
+        mapping.update(plan.planner_data or {})
+    nodes: dict[str, str] = {}
+    owners: dict[str, str] = {}
+    for plan in plans:
+        for item in plan.items:
+            fqn = item.index.fqn
+            if fqn in nodes:
+                continue
+            path = mapping.get(fqn, (fqn,))
+            node = node_path(path, key=fqn)
+            other = owners.setdefault(node, fqn)
+            if other != fqn:
+                raise InvalidKeyError(f"state-dict keys {other!r} and {fqn!r} would both be stored at {node!r}")
+            nodes[fqn] = node
+    _check_prefixes(owners)
+    return nodes
+
+
+def _check_prefixes(owners: dict[str, str]) -> None:
+    """An entry cannot also be a group holding other entries (``a`` and ``a/b``)."""
+    for node, fqn in owners.items():
+        parts = node.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in owners:
+                raise InvalidKeyError(
+                    f"state-dict key {owners[prefix]!r} is stored at {prefix!r}, which {fqn!r} needs as a group"
+                )
+
+
+def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int) -> dict[str, ArraySpec]:
+    boxes: dict[str, list] = defaultdict(list)
+    tensor_data = {}
+    for plan in plans:
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            data = item.tensor_data
+            boxes[item.index.fqn].append((tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
+            tensor_data.setdefault(item.index.fqn, data)
+    specs = {}
+    for fqn, data in tensor_data.items():
+        np_dtype = numpy_dtype(data.properties.dtype)
+        layout = chunk_layout_for_boxes(tuple(data.size), boxes[fqn], np_dtype.itemsize, inner_chunk_bytes)
+        specs[fqn] = ArraySpec(fqn, nodes[fqn], zarr_dtype_name(data.properties.dtype), np_dtype.itemsize, layout)
+    return specs
+
+
+def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],
+                staging_location: str) -> list[RankAssignment]:
+    result = []
+    for plan in plans:
+        fqns = {item.index.fqn for item in plan.items}
+        result.append(RankAssignment(
+            staging_location=staging_location,
+            arrays={f: specs[f] for f in fqns if f in specs},
+            nodes={f: nodes[f] for f in fqns if f not in specs},
+        ))
+    return result

@@ -1,0 +1,43 @@
+"""What kind of object each saved tensor was (DTensor and its placements, ShardedTensor, plain tensor)."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+DTENSOR = "dtensor"
+SHARDED_TENSOR = "sharded_tensor"
+PLAIN_TENSOR = "tensor"
+
+
+def describe_source(value) -> dict:
+    """JSON description of a state-dict value as the saving rank held it."""
+    if isinstance(value, DTensor):
+        mesh = value.device_mesh
+        return {
+            "type": DTENSOR,
+            "placements": [str(p) for p in value.placements],
+            "mesh_shape": list(mesh.shape),
+            "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+        }
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
+        ShardedTensor = ()
+    if isinstance(value, ShardedTensor):
+        return {"type": SHARDED_TENSOR}
+    if isinstance(value, torch.Tensor):
+        return {"type": PLAIN_TENSOR}
+    return {"type": "unknown"}
+
+
+def summarize_sources(sources: list[dict]) -> dict:
+    """The checkpoint's state_dict_type and the device meshes its DTensors lived on."""
+    meshes = []
+    for source in sources:
+        if source.get("type") == DTENSOR:
+            mesh = {"shape": source["mesh_shape"], "dim_names": source["mesh_dim_names"]}
+            if mesh not in meshes:
+                meshes.append(mesh)
+    sharded = any(s.get("type") in (DTENSOR, SHARDED_TENSOR) for s in sources)
+    return {"state_dict_type": "sharded" if sharded else "full", "meshes": meshes}

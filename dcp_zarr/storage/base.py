@@ -1,0 +1,45 @@
+"""The one interface every backend speaks: whole-key writes from a list of buffers, whole or ranged reads."""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Sequence
+
+
+class Storage(abc.ABC):
+    """A flat key space (zarr's: ``model/w/c/0``, ``model/w/zarr.json``) under one checkpoint root."""
+
+    url: str
+
+    @abc.abstractmethod
+    def write(self, key: str, buffers: Sequence) -> None:
+        """Store the concatenation of ``buffers`` at ``key``, replacing it; never visible half-written."""
+
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole value; ``FileNotFoundError`` naming the key if absent."""
+
+    @abc.abstractmethod
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start``; fewer if the value is shorter (callers check)."""
+
+    @abc.abstractmethod
+    def read_tail(self, key: str, length: int) -> bytes:
+        """The last ``length`` bytes (all of it if shorter)."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def remove_all(self) -> None:
+        """Delete every key under this root (the root itself may remain)."""
+
+    def read_json(self, key: str):
+        return json.loads(self.read(key))
+
+    def write_json(self, key: str, document) -> None:
+        self.write(key, [json.dumps(document, indent=1, allow_nan=False).encode()])
+
+    def flush(self) -> None:
+        """Make everything written so far durable (no-op where the backend has no such notion)."""

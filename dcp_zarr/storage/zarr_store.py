@@ -1,0 +1,45 @@
+"""Any zarr v3 store (fsspec URLs such as ``s3://``/``memory://``, obstore, ...) behind the Storage interface."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zarr.abc.store import RangeByteRequest, Store, SuffixByteRequest
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.sync import sync
+
+from dcp_zarr.storage.base import Storage
+
+
+class ZarrStoreStorage(Storage):
+    """Calls are synchronous; zarr runs them on its event loop, so calls from several threads overlap."""
+
+    def __init__(self, store: Store, url: str):
+        self.store = store
+        self.url = url
+        self._prototype = default_buffer_prototype()
+
+    def write(self, key: str, buffers: Sequence) -> None:
+        data = b"".join(memoryview(b).cast("B") for b in buffers)
+        sync(self.store.set(key, self._prototype.buffer.from_bytes(data)))
+
+    def _get(self, key: str, byte_range=None) -> bytes:
+        buffer = sync(self.store.get(key, self._prototype, byte_range))
+        if buffer is None:
+            raise FileNotFoundError(f"{self.url}: no key {key!r}")
+        return buffer.to_bytes()
+
+    def read(self, key: str) -> bytes:
+        return self._get(key)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return self._get(key, RangeByteRequest(start, start + length))
+
+    def read_tail(self, key: str, length: int) -> bytes:
+        return self._get(key, SuffixByteRequest(length))
+
+    def exists(self, key: str) -> bool:
+        return sync(self.store.exists(key))
+
+    def remove_all(self) -> None:
+        sync(self.store.delete_dir(""))

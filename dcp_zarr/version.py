@@ -1,0 +1,17 @@
+"""Versions recorded in every checkpoint."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+import zarr
+
+try:
+    __version__ = version("dcp-zarr")
+except PackageNotFoundError:  # running from a source tree that was not installed
+    __version__ = "0.0.0+source"
+
+
+def versions() -> dict:
+    return {"dcp_zarr": __version__, "torch": torch.__version__, "zarr": zarr.__version__}

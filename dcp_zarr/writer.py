@@ -1,0 +1,221 @@
+"""``ZarrWriter``: the ``torch.distributed.checkpoint`` StorageWriter that saves into a Zarr v3 store.
+
+Data path: prepare_local_plan (each rank: check keys and dtypes) -> prepare_global_plan (coordinator: node paths,
+chunk layouts, staging area; save_plan.py) -> write_data (each rank: its chunks, concurrently; chunk_io.py) ->
+finish (coordinator: every zarr.json, the manifest last, then the commit; commit.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_zarr import commit
+from dcp_zarr.chunk_io import chunk_writes
+from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
+from dcp_zarr.encoding import array_metadata, checksum, group_metadata
+from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, node_path, parent_groups
+from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
+from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
+from dcp_zarr.sources import describe_source, summarize_sources
+from dcp_zarr.storage import open_storage
+from dcp_zarr.values import NotJSONError, encode_value
+from dcp_zarr.version import versions
+
+
+class ZarrWriter(StorageWriter):
+    """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
+
+    Args:
+        path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s
+            ``checkpoint_id`` replaces it.
+        storage_options: passed to fsspec for URLs (credentials, ``endpoint_url``, ...).
+        thread_count: concurrent chunk writes per rank.
+        sync_files: fsync chunks and directories before the commit (local paths).
+        overwrite: replace a checkpoint already at ``path`` (after the new one is complete, locally).
+        inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
+    """
+
+    def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
+                 sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES):
+        self.path = os.fspath(path)
+        self.storage_options = storage_options
+        self.thread_count = max(1, int(thread_count))
+        self.sync_files = sync_files
+        self.overwrite = overwrite
+        self.inner_chunk_bytes = inner_chunk_bytes
+        self.save_id: str | None = None
+        self.is_coordinator = False
+        self._specs: dict[str, ArraySpec] = {}
+        self._staging = ""
+        self._world_size = 1
+
+    # -- StorageWriter interface -------------------------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        if not self.path:
+            raise ValueError("ZarrWriter needs a path: pass one, or checkpoint_id= to dcp.save")
+        self.is_coordinator = is_coordinator
+        if is_coordinator:
+            commit.check_target(self.path, self.storage_options, self.overwrite)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:
+            if item.type != WriteItemType.BYTE_IO:
+                numpy_dtype(item.tensor_data.properties.dtype)  # raises naming the dtype if unsupported
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        nodes = node_paths(plans)
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes)
+        self._world_size = len(plans)
+        self.save_id = uuid.uuid4().hex[:12]
+        self._staging = commit.staging_location(self.path, self.save_id)
+        commit.prepare_staging(open_storage(self._staging, self.storage_options))
+        return [dataclasses.replace(plan, storage_data=assignment)
+                for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging))]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment: RankAssignment = plan.storage_data
+        storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
+        results = []
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-write") as pool:
+            pending = []
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
+                    if write:
+                        pending.append(pool.submit(storage.write, *write))
+                else:
+                    spec = assignment.arrays[item.index.fqn]
+                    tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
+                    local = tensor_as_numpy(tensor)
+                    for key, buffers in chunk_writes(spec.node, spec.layout, item.tensor_data.chunk.offsets, local):
+                        pending.append(pool.submit(storage.write, key, buffers))
+                    source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
+                    result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
+                results.append(result)
+            for job in pending:
+                job.result()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
+        by_fqn: dict[str, list] = {}
+        for rank_results in results:
+            for result in rank_results:
+                by_fqn.setdefault(result.index.fqn, []).append(result.storage_data)
+        entries, documents = {}, {}
+        paths = metadata.planner_data or {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            entry: dict = {"path": list(paths.get(fqn, (fqn,)))}
+            if isinstance(md, TensorStorageMetadata):
+                spec = self._specs[fqn]
+                entry.update(_tensor_entry(spec, md, by_fqn.get(fqn, [])))
+                documents[f"{spec.node}/zarr.json"] = array_metadata(
+                    spec.layout, spec.data_type, spec.itemsize, {"dcp_zarr": {"fqn": fqn, "dtype": entry["dtype"]}})
+            else:
+                node = self._bytes_node(fqn, metadata)
+                stored = by_fqn[fqn][0]
+                entry["node"] = node
+                if "value" in stored:
+                    entry.update(kind=VALUE, value=stored["value"])
+                else:
+                    entry.update(kind=OBJECT, nbytes=stored["object_nbytes"])
+                    documents[f"{node}/zarr.json"] = array_metadata(
+                        ChunkLayout((stored["object_nbytes"],), (max(stored["object_nbytes"], 1),)), "uint8", 1,
+                        {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}})
+            entries[fqn] = entry
+        for entry in entries.values():
+            for group in parent_groups(entry["node"]):
+                documents.setdefault(f"{group}/zarr.json", group_metadata())
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-meta") as pool:
+            list(pool.map(lambda kv: storage.write_json(*kv), documents.items()))
+        manifest = self._manifest(entries)
+        storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
+        commit.commit(storage, self.path)
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _bytes_node(self, fqn: str, metadata: Metadata) -> str:
+        return node_path((metadata.planner_data or {}).get(fqn, (fqn,)), key=fqn)
+
+    def _manifest(self, entries: dict) -> dict:
+        sources = [e["source"] for e in entries.values() if e["kind"] == TENSOR]
+        summary = summarize_sources(sources)
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "complete": True,
+            "save_id": self.save_id,
+            "versions": versions(),
+            "saved_world_size": self._world_size,
+            "state_dict_type": summary["state_dict_type"],
+            "meshes": summary["meshes"],
+            "entries": entries,
+        }
+
+
+def _cpu_tensor(value, fqn: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidEntryError(f"state-dict entry {fqn!r}: expected a tensor, the planner returned {type(value).__name__}")
+    tensor = value.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise InvalidEntryError(f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
+    return tensor
+
+
+def _value_write(item, planner: SavePlanner, node: str):
+    """The WriteResult of a non-tensor entry, and the (key, buffers) to write when it is not JSON."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        try:
+            document = encode_value(lookup(item.index))
+            size = len(json.dumps(document))
+            return WriteResult(index=item.index, size_in_bytes=size, storage_data={"value": document}), None
+        except NotJSONError:
+            pass
+    data = planner.resolve_data(item).getvalue()
+    result = WriteResult(index=item.index, size_in_bytes=len(data), storage_data={"object_nbytes": len(data)})
+    return result, (f"{node}/c/0", [data, checksum(data)])
+
+
+def _tensor_entry(spec: ArraySpec, md: TensorStorageMetadata, stored: list) -> dict:
+    sources = [s["source"] for s in stored if "source" in s]
+    return {
+        "kind": TENSOR,
+        "node": spec.node,
+        "dtype": torch_dtype_name(md.properties.dtype),
+        "shape": list(md.size),
+        "requires_grad": bool(md.properties.requires_grad),
+        "saved_chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        "chunk_shape": list(spec.layout.chunk_shape),
+        "inner_chunk_rows": spec.layout.inner_rows,
+        "source": sources[0] if sources else {"type": "unknown"},
+    }
