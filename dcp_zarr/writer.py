@@ -59,6 +59,7 @@ class ZarrWriter(StorageWriter):
         self._specs: dict[str, ArraySpec] = {}
         self._staging = ""
         self._world_size = 1
+        self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
 
     # -- StorageWriter interface -------------------------------------------------------------------------------------
 
@@ -101,18 +102,21 @@ class ZarrWriter(StorageWriter):
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
         results = []
+        self.written_keys = []
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-write") as pool:
             pending = []
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
                     if write:
+                        self.written_keys.append(write[0])
                         pending.append(pool.submit(storage.write, *write))
                 else:
                     spec = assignment.arrays[item.index.fqn]
                     tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
                     local = tensor_as_numpy(tensor)
                     for key, buffers in chunk_writes(spec.node, spec.layout, item.tensor_data.chunk.offsets, local):
+                        self.written_keys.append(key)
                         pending.append(pool.submit(storage.write, key, buffers))
                     source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
                     result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})

@@ -1,0 +1,107 @@
+"""FSDP2 / HSDP / FSDP+TP checkpoints saved at one world size load bit-exactly at every other (real gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import zarr
+
+from dcp_zarr import ZarrReader, ZarrWriter
+from tests import distributed as d
+
+SAVE_WORLD_SIZES = (1, 2, 3, 4)
+
+
+def save_and_report(rank, world_size, layout, path):
+    """Rank program: train, save, and report which chunk keys this rank wrote."""
+    writer = ZarrWriter(path)
+    full, shapes = d.train_and_save(rank, world_size, layout, writer)
+    return full, shapes, writer.written_keys
+
+
+def load_each(rank, world_size, layout, paths):
+    return [d.load_fresh(rank, world_size, layout, ZarrReader(p)) for p in paths]
+
+
+def chunk_files(path: str) -> set[str]:
+    found = set()
+    for root, _, files in os.walk(path):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), path)
+            if name != "zarr.json":
+                found.add(rel.replace(os.sep, "/"))
+    return found
+
+
+@pytest.fixture(scope="module")
+def fsdp2_checkpoints(tmp_path_factory):
+    """One FSDP2 checkpoint per world size, with the full state rank 0 saved and each rank's chunk keys."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    saved = {}
+    for ws in SAVE_WORLD_SIZES:
+        path = str(root / f"ws{ws}.zarr")
+        results = d.run_ranks(save_and_report, ws, "fsdp2", path)
+        saved[ws] = (path, results[0][0], [r[2] for r in results], [r[1] for r in results])
+    return saved
+
+
+def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
+    for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
+        all_keys = [k for keys in keys_per_rank for k in keys]
+        assert len(all_keys) == len(set(all_keys)), f"world size {ws}: a chunk was written twice"
+        assert set(all_keys) == chunk_files(path), f"world size {ws}: written keys differ from the store's files"
+
+
+def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
+    """The model really exercises uneven torch.chunk splits and ranks with empty shards."""
+    shapes = fsdp2_checkpoints[4][3]
+    assert any(0 in s for rank_shapes in shapes for s in rank_shapes.values())
+    assert len({rank_shapes["embed.weight"] for rank_shapes in shapes}) > 1
+
+
+@pytest.mark.parametrize("load_ws", SAVE_WORLD_SIZES)
+def test_fsdp2_loads_at_every_world_size(fsdp2_checkpoints, load_ws):
+    sources = [ws for ws in SAVE_WORLD_SIZES if ws != load_ws]
+    paths = [fsdp2_checkpoints[ws][0] for ws in sources]
+    loaded = d.run_ranks(load_each, load_ws, "fsdp2", paths)[0]
+    for ws, state in zip(sources, loaded):
+        d.assert_state_equal(state, fsdp2_checkpoints[ws][1])
+
+
+def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
+    for ws, (path, full, _, _) in fsdp2_checkpoints.items():
+        group = zarr.open_group(path, mode="r")
+        state = group["optim/state"]
+        params = sorted(state.group_keys())
+        assert params == sorted(full["optim"]["state"]), f"world size {ws}"
+        for name in params:
+            step = state[name]["step"]
+            assert step.shape == ()
+            files = [f for f in chunk_files(path) if f.startswith(f"optim/state/{name}/step/")]
+            assert files == [f"optim/state/{name}/step/c"], f"world size {ws}: {files}"
+            assert torch.equal(torch.tensor(step[()]), full["optim"]["state"][name]["step"])
+
+
+def test_zarr_reads_full_unsharded_tensors(fsdp2_checkpoints):
+    path, full, _, _ = fsdp2_checkpoints[3]
+    group = zarr.open_group(path, mode="r")
+    for name, tensor in full["model"].items():
+        stored = torch.from_numpy(group["model"][name][...])
+        assert stored.shape == tensor.shape and torch.equal(stored, tensor), name
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
+def test_2d_meshes_load_at_one_and_three_ranks(tmp_path, layout):
+    path = str(tmp_path / f"{layout}.zarr")
+    results = d.run_ranks(save_and_report, 4, layout, path)
+    expected = results[0][0]
+    all_keys = [k for r in results for k in r[2]]
+    assert len(all_keys) == len(set(all_keys)), "a chunk was written twice"
+    d.assert_state_equal(d.run_ranks(load_each, 1, "plain", [path])[0][0], expected)
+    d.assert_state_equal(d.run_ranks(load_each, 3, "fsdp2", [path])[0][0], expected)
+    manifest = zarr.open_group(path, mode="r").attrs["dcp_zarr"]
+    assert manifest["saved_world_size"] == 4
+    assert manifest["state_dict_type"] == "sharded"
+    assert any(m["shape"] == [2, 2] for m in manifest["meshes"])

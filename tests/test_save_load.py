@@ -1,0 +1,243 @@
+"""Single-process save and load: every dtype, edge-case tensors, non-tensor values, paths, and bad input."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zarr
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_zarr import (
+    CheckpointExistsError,
+    IncompleteCheckpointError,
+    InvalidKeyError,
+    NotACheckpointError,
+    ZarrReader,
+    ZarrWriter,
+)
+from dcp_zarr.dtypes import numpy_as_tensor
+from tests.distributed import assert_state_equal
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool, torch.complex64, torch.complex128,
+]
+
+
+def random_bits(shape, dtype, seed=0) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN payloads, subnormals, -0.0 included) of ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def save(sd, path, **kwargs):
+    dcp.save(sd, storage_writer=ZarrWriter(path, **kwargs))
+
+
+def load(sd, path, **kwargs):
+    dcp.load(sd, storage_reader=ZarrReader(path, **kwargs))
+    return sd
+
+
+def blank_like(sd):
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: blank_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [blank_like(v) for v in sd]
+    return None
+
+
+def test_every_dtype_round_trips_bit_exact_and_zarr_sees_numbers(tmp_path):
+    sd = {"t": {str(dtype).removeprefix("torch."): random_bits((7, 3), dtype, i) for i, dtype in enumerate(DTYPES)}}
+    path = str(tmp_path / "dtypes.zarr")
+    save(sd, path)
+    back = load(blank_like(sd), path)
+    group = zarr.open_group(path, mode="r")
+    for name, tensor in sd["t"].items():
+        assert same_bits(back["t"][name], tensor), name
+        stored = group["t"][name]
+        assert stored.shape == (7, 3)
+        assert same_bits(numpy_as_tensor(stored[...], tensor.dtype), tensor), name
+    assert group["t"]["bfloat16"].metadata.data_type.to_json(zarr_format=3) == "bfloat16"
+
+
+def test_edge_case_tensors(tmp_path):
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    sd = {
+        "empty": torch.zeros(0, 5),
+        "empty_inner": torch.zeros(3, 0, 2),
+        "scalar": torch.tensor(3.5),
+        "zero_step": torch.tensor(0.0),
+        "zeros": torch.zeros(4, 4),
+        "transposed": base.t(),
+        "strided_view": base[1:5, ::3],
+        "row_view": base[2],
+    }
+    path = str(tmp_path / "edge.zarr")
+    save(sd, path)
+    back = load(blank_like(sd), path)
+    for name, tensor in sd.items():
+        assert same_bits(back[name], tensor.contiguous()), name
+    group = zarr.open_group(path, mode="r")
+    assert group["row_view"].shape == (10,), "a view stores only its own elements"
+    assert group["zero_step"][()] == 0.0
+    assert os.path.exists(os.path.join(path, "zero_step", "c")), "an all-zero chunk must be stored, not skipped"
+    assert os.path.exists(os.path.join(path, "zeros", "c", "0", "0"))
+
+
+def test_large_tensor_is_sharded_into_inner_chunks_and_reads_partially(tmp_path):
+    big = torch.randn(4096, 300)
+    path = str(tmp_path / "big.zarr")
+    save({"w": big}, path, inner_chunk_bytes=256 << 10)
+    array = zarr.open_group(path, mode="r")["w"]
+    assert array.metadata.codecs[0].__class__.__name__ == "ShardingCodec"
+    assert torch.equal(torch.from_numpy(array[...]), big)
+    reader = ZarrReader(path)
+    target = {"w": torch.zeros_like(big)}
+    dcp.load(target, storage_reader=reader)
+    assert torch.equal(target["w"], big)
+
+
+def test_non_tensor_values_round_trip_exactly(tmp_path):
+    sd = {
+        "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": float("nan"), "foreach": None,
+                                    "params": ["a.weight", "b"], "amsgrad": False}]},
+        # DCP itself turns int dict keys of the state dict into strings (FileSystemWriter too); inside a leaf tuple
+        # they are ours to keep.
+        "sched": {"last_epoch": 7, "_step_count": 8, "milestones": ({3: 1, "__x": 2},)},
+        "misc": {"name": "run-1", "inf": float("-inf"), "nested": [[1, (2, 3)], {"x": "four"}]},
+        "obj": {"set": {1, 2, 3}},
+    }
+    path = str(tmp_path / "values.zarr")
+    save(sd, path)
+    back = load(blank_like(sd), path)
+    assert_state_equal(back, sd)
+    manifest = zarr.open_group(path, mode="r").attrs["dcp_zarr"]
+    assert manifest["entries"]["optim.param_groups.0.betas"]["value"] == {"__tuple__": [0.9, 0.999]}
+    assert manifest["entries"]["obj.set"]["kind"] == "object"
+
+
+def test_object_values_are_never_unpickled_beyond_weights_only(tmp_path):
+    path = str(tmp_path / "np.zarr")
+    save({"array": np.arange(3)}, path)
+    with pytest.raises(CheckpointException, match="safe_globals"):
+        load({"array": None}, path)
+    back = load({"array": None}, path, safe_globals=[np._core.multiarray._reconstruct, np.ndarray, np.dtype,
+                                                     type(np.dtype("int64"))])
+    assert np.array_equal(back["array"], np.arange(3))
+
+
+def test_checkpoint_id_argument_selects_the_path(tmp_path):
+    path = str(tmp_path / "by_id.zarr")
+    dcp.save({"x": torch.ones(3)}, checkpoint_id=path, storage_writer=ZarrWriter())
+    back = {"x": torch.zeros(3)}
+    dcp.load(back, checkpoint_id=path, storage_reader=ZarrReader())
+    assert torch.equal(back["x"], torch.ones(3))
+
+
+def test_memory_url(tmp_path):
+    sd = {"x": torch.arange(10.0), "lr": 0.5}
+    save(sd, "memory://dcp-zarr-test/ckpt.zarr")
+    back = load({"x": torch.zeros(10), "lr": 0.0}, "memory://dcp-zarr-test/ckpt.zarr")
+    assert_state_equal(back, sd)
+
+
+def test_path_that_is_not_a_checkpoint_is_named(tmp_path):
+    with pytest.raises(CheckpointException) as info:
+        load({"x": torch.zeros(1)}, str(tmp_path / "nothing-here"))
+    assert "nothing-here" in str(info.value) and "not a dcp_zarr checkpoint" in str(info.value)
+    zarr.open_group(str(tmp_path / "foreign.zarr"), mode="w")
+    with pytest.raises(CheckpointException, match="foreign.zarr is a zarr store but not a dcp_zarr checkpoint"):
+        load({"x": torch.zeros(1)}, str(tmp_path / "foreign.zarr"))
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    save({"model": {"w": torch.ones(2)}}, path)
+    os.remove(os.path.join(path, "zarr.json"))  # as if the commit never happened
+    with pytest.raises(CheckpointException, match="incomplete"):
+        load({"model": {"w": torch.zeros(2)}}, path)
+
+
+def test_absent_key_is_named(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    save({"model": {"w": torch.ones(2)}}, path)
+    with pytest.raises(CheckpointException, match="model.v"):
+        load({"model": {"w": torch.zeros(2), "v": torch.zeros(2)}}, path)
+
+
+@pytest.mark.parametrize("key", ["..", "a/b", "/abs", "__reserved", "zarr.json", "", "nul\x00"])
+def test_keys_that_would_escape_the_store_are_rejected_before_writing(tmp_path, key):
+    path = tmp_path / "bad.zarr"
+    with pytest.raises(CheckpointException) as info:
+        save({"model": {key: torch.ones(2)}}, str(path))
+    assert isinstance(info.value.failures[0][0], InvalidKeyError)
+    assert repr(key)[1:-1] in str(info.value) or key in str(info.value)
+    assert not path.exists()
+    assert not any(p.name.startswith(".bad.zarr") for p in tmp_path.iterdir()), "nothing was written"
+
+
+def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    save({"x": torch.ones(2)}, path)
+    with pytest.raises(CheckpointException) as info:
+        save({"x": torch.full((2,), 2.0)}, path)
+    assert isinstance(info.value.failures[0][0], CheckpointExistsError)
+    assert torch.equal(load({"x": torch.zeros(2)}, path)["x"], torch.ones(2))
+    save({"x": torch.full((3,), 2.0)}, path, overwrite=True)
+    assert torch.equal(load({"x": torch.zeros(3)}, path)["x"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"], "no staging or replaced directories are left behind"
+
+
+def test_a_directory_of_other_files_is_never_replaced(tmp_path):
+    path = tmp_path / "data"
+    path.mkdir()
+    (path / "precious.txt").write_text("keep me")
+    with pytest.raises(CheckpointException, match="not a dcp_zarr checkpoint"):
+        save({"x": torch.ones(2)}, str(path), overwrite=True)
+    assert (path / "precious.txt").read_text() == "keep me"
+
+
+def test_unsupported_dtype_is_refused_by_name(tmp_path):
+    with pytest.raises(CheckpointException, match="float8_e4m3fnuz"):
+        save({"x": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}, str(tmp_path / "x.zarr"))
+    assert not (tmp_path / "x.zarr").exists()
+
+
+def async_save_and_load(rank, world_size, path, executor):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    sd = {"model": {"w": torch.randn(33, 7, generator=torch.Generator().manual_seed(0))}, "step": 3}
+    kind = AsyncCheckpointerType.THREAD if executor == "thread" else AsyncCheckpointerType.PROCESS
+    future = dcp.async_save(sd, storage_writer=ZarrWriter(path), async_checkpointer_type=kind)
+    future.result()
+    back = load({"model": {"w": torch.zeros(33, 7)}, "step": 0}, path)
+    assert_state_equal(back, sd)
+    return True
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_async_save(tmp_path, executor):
+    from tests.distributed import run_ranks
+
+    assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
