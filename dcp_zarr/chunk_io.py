@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from dcp_zarr.encoding import (
+    CHECKSUM_BYTES,
     MISSING,
+    as_bytes,
+    checksum,
     decode_shard_index,
     encode_chunk,
-    rows_from_payload,
     shard_index_bytes,
-    verify_plain,
 )
 from dcp_zarr.errors import CorruptChunkError
 from dcp_zarr.layout import ChunkLayout, chunk_key
@@ -53,72 +55,76 @@ class RegionReader:
     def read_into(self, offsets: Sequence[int], out: np.ndarray) -> int:
         """Fill ``out`` with the region of the array starting at ``offsets``; returns the bytes fetched."""
         layout = self.layout
-        fetched = 0
         if out.ndim == 0:
-            rows, fetched = self._rows(())
-            out[()] = rows[()]
-            return fetched
+            return self._read_piece(f"{self.node}/c", 0, None, (), (), out, "chunk c")
+        fetched = 0
         for coords in layout.chunks_in_box(offsets, out.shape):
             chunk_offsets, chunk_extent = layout.chunk_box(coords)
             lo = [max(o, c) for o, c in zip(offsets, chunk_offsets)]
             hi = [min(o + n, c + e) for o, n, c, e in zip(offsets, out.shape, chunk_offsets, chunk_extent)]
             target = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             inside = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk_offsets))
+            key = f"{self.node}/{chunk_key(coords)}"
             if layout.sharded:
-                fetched += self._read_from_shard(coords, inside, target)
+                fetched += self._read_from_shard(key, coords, inside, target)
             else:
-                rows, n = self._rows(coords)
-                target[...] = rows[inside]
-                fetched += n
+                fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, chunk_key(coords))
         return fetched
 
-    def _where(self, coords) -> str:
-        return f"array {self.node!r} chunk {chunk_key(coords)}"
+    def _read_piece(self, key: str, offset: int, length: int | None, shape: tuple[int, ...],
+                    inside: tuple[slice, ...], target: np.ndarray, name: str) -> int:
+        """Read one stored piece (a chunk, or an inner chunk of a shard), verify it, copy ``inside`` to ``target``.
 
-    def _rows(self, coords) -> tuple[np.ndarray, int]:
-        key = f"{self.node}/{chunk_key(coords)}"
+        When the piece is exactly ``target`` (whole, C-contiguous), its bytes are read straight into ``target``'s
+        memory; otherwise into a scratch buffer first.
+        """
+        where = f"array {self.node!r} {name}"
+        payload_bytes = math.prod(shape) * self.dtype.itemsize
+        if length is not None and length != payload_bytes + CHECKSUM_BYTES:
+            raise CorruptChunkError(f"{where}: stored length {length} does not fit shape {shape}")
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(inside, shape)) and target.flags.c_contiguous
+        payload = target if whole else np.empty(shape, dtype=self.dtype)
+        stored_crc = bytearray(CHECKSUM_BYTES)
         try:
-            raw = self.storage.read(key)
+            got = self.storage.read_range_into(key, offset, [as_bytes(payload), memoryview(stored_crc)])
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"{self._where(coords)}: chunk is missing from the store") from exc
-        payload = verify_plain(raw, self._where(coords))
-        return rows_from_payload(payload, self.dtype, self.layout.chunk_shape, self._where(coords)), len(raw)
+            raise CorruptChunkError(f"{where}: missing from the store") from exc
+        if got != payload_bytes + CHECKSUM_BYTES:
+            raise CorruptChunkError(f"{where}: truncated ({got} of {payload_bytes + CHECKSUM_BYTES} bytes)")
+        if checksum(as_bytes(payload)) != bytes(stored_crc):
+            raise CorruptChunkError(f"{where}: crc32c mismatch (the chunk is corrupt)")
+        if not whole:
+            target[...] = payload[inside]
+        return got
 
-    def _index(self, coords) -> np.ndarray:
+    def _index(self, key: str, coords) -> np.ndarray:
         with self._lock:
             if coords in self._indexes:
                 return self._indexes[coords]
-        key = f"{self.node}/{chunk_key(coords)}"
         try:
             tail = self.storage.read_tail(key, shard_index_bytes(self.layout))
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"{self._where(coords)}: shard is missing from the store") from exc
-        index = decode_shard_index(tail, self.layout, self._where(coords))
+            raise CorruptChunkError(f"array {self.node!r} shard {chunk_key(coords)}: missing from the store") from exc
+        index = decode_shard_index(tail, self.layout, f"array {self.node!r} shard {chunk_key(coords)}")
         with self._lock:
             self._indexes[coords] = index
         return index
 
-    def _read_from_shard(self, coords, inside: tuple[slice, ...], target: np.ndarray) -> int:
+    def _read_from_shard(self, key: str, coords, inside: tuple[slice, ...], target: np.ndarray) -> int:
         layout = self.layout
-        index = self._index(coords)
+        index = self._index(key, coords)
         inner = layout.inner_rows
-        inner_shape = layout.inner_chunk_shape
-        key = f"{self.node}/{chunk_key(coords)}"
         fetched = shard_index_bytes(layout)
         row_slice, rest = inside[0], inside[1:]
         for i in range(row_slice.start // inner, (row_slice.stop - 1) // inner + 1):
             lo = max(row_slice.start, i * inner)
             hi = min(row_slice.stop, (i + 1) * inner)
-            dest = target[lo - row_slice.start : hi - row_slice.start]
             offset, length = index[i]
-            where = f"{self._where(coords)} inner chunk {i}"
+            name = f"shard {chunk_key(coords)} inner chunk {i}"
             if offset == MISSING:
                 # The writer leaves out only inner chunks wholly in the edge padding, which no region reaches.
-                raise CorruptChunkError(f"{where}: the shard index marks it missing")
-            raw = self.storage.read_range(key, int(offset), int(length))
-            if len(raw) != int(length):
-                raise CorruptChunkError(f"{where}: shard is truncated")
-            rows = rows_from_payload(verify_plain(raw, where), self.dtype, inner_shape, where)
-            dest[...] = rows[(slice(lo - i * inner, hi - i * inner), *rest)]
-            fetched += len(raw)
+                raise CorruptChunkError(f"array {self.node!r} {name}: the shard index marks it missing")
+            fetched += self._read_piece(key, int(offset), int(length), layout.inner_chunk_shape,
+                                        (slice(lo - i * inner, hi - i * inner), *rest),
+                                        target[lo - row_slice.start: hi - row_slice.start], name)
         return fetched

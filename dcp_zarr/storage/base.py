@@ -24,6 +24,16 @@ class Storage(abc.ABC):
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start``; fewer if the value is shorter (callers check)."""
 
+    def read_range_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        """Fill ``buffers`` in turn with bytes from ``start``; returns how many were available (callers check)."""
+        data = memoryview(self.read_range(key, start, sum(len(b) for b in buffers)))
+        done = 0
+        for buffer in buffers:
+            piece = data[done: done + len(buffer)]
+            buffer[: len(piece)] = piece
+            done += len(piece)
+        return done
+
     @abc.abstractmethod
     def read_tail(self, key: str, length: int) -> bytes:
         """The last ``length`` bytes (all of it if shorter)."""

@@ -52,6 +52,26 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def read_range_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
+        # Straight into the caller's (destination tensor's) memory: no intermediate buffer to allocate and copy.
+        fd = os.open(self._path(key), os.O_RDONLY)
+        try:
+            pending = [b for b in buffers if len(b)]
+            total = 0
+            while pending:
+                n = os.preadv(fd, pending, start + total)
+                if n == 0:
+                    break
+                total += n
+                while pending and n >= len(pending[0]):
+                    n -= len(pending[0])
+                    pending.pop(0)
+                if n:
+                    pending[0] = pending[0][n:]
+            return total
+        finally:
+            os.close(fd)
+
     def read_tail(self, key: str, length: int) -> bytes:
         fd = os.open(self._path(key), os.O_RDONLY)
         try:
