@@ -22,20 +22,24 @@ from dcp_zarr.layout import ChunkLayout, chunk_key
 from dcp_zarr.storage import Storage
 
 
-def chunk_writes(node: str, layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, list]]:
-    """``(key, buffers)`` for every chunk of the box that ``local`` (a rank's shard at ``box_offsets``) covers.
+def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """``(chunk key, data)`` for every chunk of the box that ``local`` (a rank's shard at ``box_offsets``) covers.
 
-    The box must be a union of whole chunks (``chunk_layout_for_boxes`` guarantees it); buffers alias ``local``'s
-    memory wherever the chunk is a contiguous run of it.
+    The box must be a union of whole chunks (``chunk_layout_for_boxes`` guarantees it); each ``data`` is a view of
+    ``local`` (unpadded), ready for ``encode_chunk``.
     """
     sizes = local.shape
     for coords in layout.chunks_in_box(box_offsets, sizes):
         offsets, extent = layout.chunk_box(coords)
         start = [o - b for o, b in zip(offsets, box_offsets)]
         if any(s < 0 or s + e > n for s, e, n in zip(start, extent, sizes)):
-            raise AssertionError(f"{node}: chunk {coords} is not inside the saved box at {tuple(box_offsets)}")
-        data = local[tuple(slice(s, s + e) for s, e in zip(start, extent))]
-        yield f"{node}/{chunk_key(coords)}", encode_chunk(data, layout)
+            raise AssertionError(f"chunk {coords} is not inside the saved box at {tuple(box_offsets)}")
+        yield chunk_key(coords), local[tuple(slice(s, s + e) for s, e in zip(start, extent))]
+
+
+def write_chunk(storage: Storage, key: str, data: np.ndarray, layout: ChunkLayout) -> None:
+    """Encode (checksums: the CPU part) and store one chunk; run on IO threads so encoding overlaps other writes."""
+    storage.write(key, encode_chunk(data, layout))
 
 
 class RegionReader:

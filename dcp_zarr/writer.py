@@ -20,12 +20,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_zarr import commit
-from dcp_zarr.chunk_io import chunk_writes
+from dcp_zarr.chunk_io import chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, node_path, parent_groups
 from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
+from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.storage import open_storage
@@ -115,9 +116,10 @@ class ZarrWriter(StorageWriter):
                     spec = assignment.arrays[item.index.fqn]
                     tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
                     local = tensor_as_numpy(tensor)
-                    for key, buffers in chunk_writes(spec.node, spec.layout, item.tensor_data.chunk.offsets, local):
+                    for chunk, data in chunks_of_box(spec.layout, item.tensor_data.chunk.offsets, local):
+                        key = f"{spec.node}/{chunk}"
                         self.written_keys.append(key)
-                        pending.append(pool.submit(storage.write, key, buffers))
+                        pending.append(pool.submit(write_chunk, storage, key, data, spec.layout))
                     source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
                     result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
                 results.append(result)
@@ -159,7 +161,7 @@ class ZarrWriter(StorageWriter):
                 documents.setdefault(f"{group}/zarr.json", group_metadata())
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-meta") as pool:
             list(pool.map(lambda kv: storage.write_json(*kv), documents.items()))
-        manifest = self._manifest(entries)
+        manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
         commit.commit(storage, self.path)
 
@@ -168,7 +170,9 @@ class ZarrWriter(StorageWriter):
     def _bytes_node(self, fqn: str, metadata: Metadata) -> str:
         return node_path((metadata.planner_data or {}).get(fqn, (fqn,)), key=fqn)
 
-    def _manifest(self, entries: dict) -> dict:
+    def _manifest(self, entries: dict, key_order: tuple | list = ()) -> dict:
+        # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
+        # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
         sources = [e["source"] for e in entries.values() if e["kind"] == TENSOR]
         summary = summarize_sources(sources)
         return {
@@ -181,6 +185,7 @@ class ZarrWriter(StorageWriter):
             "state_dict_type": summary["state_dict_type"],
             "meshes": summary["meshes"],
             "entries": entries,
+            "optimizers": to_manifest(tables_from_entries(entries, key_order)),
         }
 
 
