@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -22,8 +22,12 @@ from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.encoding import layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.manifest import OBJECT, TENSOR, dcp_metadata, read_manifest
+from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage
 from dcp_zarr.values import decode_value
+
+# Key of the manifest in ``Metadata.storage_data``: ZarrLoadPlanner reads the optimizer param tables from it.
+MANIFEST_IN_STORAGE_DATA = "dcp_zarr_manifest"
 
 
 class ZarrReader(StorageReader):
@@ -65,6 +69,7 @@ class ZarrReader(StorageReader):
         self.manifest = read_manifest(self._storage())
         metadata = dcp_metadata(self.manifest)
         metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.manifest.get("save_id"))
+        metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
@@ -99,13 +104,25 @@ class ZarrReader(StorageReader):
             offsets = [a + b for a, b in zip(item.storage_index.offset or (), item.storage_offsets)]
             return _read_into_tensor(reader, stored_dtype, offsets, item.lengths, dest)
 
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-read") as pool:
-            self.bytes_read += sum(pool.map(read, tensor_items))
+        jobs = [(dest.numel() * dest.element_size(), partial(read, job)) for job in tensor_items for dest in [job[1]]]
+        self.bytes_read += sum(run_jobs(jobs, self.thread_count, name="dcp-zarr-read"))
         for item, dest, _, _ in tensor_items:
             planner.commit_tensor(item, dest)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def read_entry(self, fqn: str):
+        """One saved entry, whole, outside ``dcp.load`` (no collectives): a tensor at its global shape, or the value."""
+        if self.manifest is None:
+            self.read_metadata()
+        storage = self._storage()
+        entry = self.manifest["entries"][fqn]
+        if entry["kind"] != TENSOR:
+            return torch.load(io.BytesIO(_value_bytes(storage, entry, fqn, self.safe_globals)), weights_only=True)
+        tensor = torch.empty(entry["shape"], dtype=torch_dtype_from_name(entry["dtype"]))
+        self.bytes_read += _region_reader(storage, entry, fqn).read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
+        return tensor
 
 
 def _region_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:

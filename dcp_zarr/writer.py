@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -27,6 +27,7 @@ from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, node_path, parent_groups
 from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
+from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.storage import open_storage
@@ -103,28 +104,25 @@ class ZarrWriter(StorageWriter):
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
         results = []
-        self.written_keys = []
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-write") as pool:
-            pending = []
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
-                    if write:
-                        self.written_keys.append(write[0])
-                        pending.append(pool.submit(storage.write, *write))
-                else:
-                    spec = assignment.arrays[item.index.fqn]
-                    tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
-                    local = tensor_as_numpy(tensor)
-                    for chunk, data in chunks_of_box(spec.layout, item.tensor_data.chunk.offsets, local):
-                        key = f"{spec.node}/{chunk}"
-                        self.written_keys.append(key)
-                        pending.append(pool.submit(write_chunk, storage, key, data, spec.layout))
-                    source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
-                    result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
-                results.append(result)
-            for job in pending:
-                job.result()
+        jobs = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
+                if write:
+                    jobs.append((write[0], len(write[1][0]), partial(storage.write, *write)))
+            else:
+                spec = assignment.arrays[item.index.fqn]
+                tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
+                local = tensor_as_numpy(tensor)
+                for chunk, data in chunks_of_box(spec.layout, item.tensor_data.chunk.offsets, local):
+                    key = f"{spec.node}/{chunk}"
+                    jobs.append((key, data.nbytes, partial(write_chunk, storage, key, data, spec.layout)))
+                source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
+                result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
+            results.append(result)
+        self.written_keys = [key for key, _, _ in jobs]
+        run_jobs([(nbytes, job) for _, nbytes, job in jobs], self.thread_count, name="dcp-zarr-write")
+        storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -159,11 +157,10 @@ class ZarrWriter(StorageWriter):
         for entry in entries.values():
             for group in parent_groups(entry["node"]):
                 documents.setdefault(f"{group}/zarr.json", group_metadata())
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-meta") as pool:
-            list(pool.map(lambda kv: storage.write_json(*kv), documents.items()))
+        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()], self.thread_count)
         manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
-        commit.commit(storage, self.path)
+        commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
 

@@ -42,6 +42,10 @@ class Storage(abc.ABC):
     def exists(self, key: str) -> bool: ...
 
     @abc.abstractmethod
+    def remove(self, key: str) -> None:
+        """Delete ``key``; nothing happens if it is absent."""
+
+    @abc.abstractmethod
     def remove_all(self) -> None:
         """Delete every key under this root (the root itself may remain)."""
 
@@ -49,7 +53,7 @@ class Storage(abc.ABC):
         return json.loads(self.read(key))
 
     def write_json(self, key: str, document) -> None:
-        self.write(key, [json.dumps(document, indent=1, allow_nan=False).encode()])
+        self.write(key, [json.dumps(document, separators=(",", ":"), allow_nan=False).encode()])
 
     def flush(self) -> None:
         """Make everything written so far durable (no-op where the backend has no such notion)."""

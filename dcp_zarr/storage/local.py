@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from collections.abc import Sequence
@@ -36,8 +37,6 @@ class LocalStorage(Storage):
                     pending.pop(0)
                 if written:
                     pending[0] = pending[0][written:]
-            if self.sync_files:
-                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -84,16 +83,30 @@ class LocalStorage(Storage):
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
 
+    def remove(self, key: str) -> None:
+        try:
+            os.remove(self._path(key))
+        except FileNotFoundError:
+            pass
+
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def flush(self) -> None:
-        """fsync every directory of the tree, so the names of the fsynced files survive a crash too."""
-        if not self.sync_files:
-            return
-        for dirpath, _, _ in os.walk(self.root):
-            fd = os.open(dirpath, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        """Make every file and directory written under this root durable, with one ``syncfs`` call.
+
+        A checkpoint of thousands of small tensors is thousands of files; an fsync for each (10,000 for 5,000
+        tensors) made such a save about 3x slower than FileSystemWriter's on disk, where one syncfs is one flush.
+        """
+        if self.sync_files and os.path.isdir(self.root):
+            _syncfs(self.root)
+
+
+def _syncfs(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+        if syncfs is None or syncfs(fd) != 0:
+            os.sync()  # no syncfs (not Linux) or it failed: flush every filesystem instead
+    finally:
+        os.close(fd)
