@@ -1,6 +1,6 @@
 """Multi-process test machinery: launch gloo ranks on CPU, build sharded models, save/load, compare.
 
-Import it from test modules as ``import distributed`` (pytest puts ``tests/`` on sys.path).
+Import it from test modules as ``from tests import distributed``.
 
 Launching
     ``run_ranks(fn, world_size, *args, timeout=120, **kwargs)`` forks ``world_size`` processes from a
@@ -23,6 +23,8 @@ Save / load, as a checkpointing user would, with any DCP storage writer / reader
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import faulthandler
 import math
 import multiprocessing
@@ -84,7 +86,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 _REPO_DIR = os.path.dirname(_TESTS_DIR)
 
 # After one rank fails, the others are usually blocked in a collective that will never complete.
-_GRACE_AFTER_FAILURE_S = 5.0
+_GRACE_AFTER_FAILURE_S = 3.0
 # A rank that has sent its result still has to tear down gloo and exit.
 _EXIT_WAIT_S = 10.0
 
@@ -104,6 +106,7 @@ def _forkserver_context() -> multiprocessing.context.BaseContext:
         ctx.set_forkserver_preload(
             [
                 "torch",
+                "torch._dynamo",  # fully_shard imports it lazily: ~1.4 s per rank otherwise
                 "torch.distributed.checkpoint",
                 "torch.distributed.fsdp",
                 "torch.distributed.tensor.parallel",
@@ -111,7 +114,49 @@ def _forkserver_context() -> multiprocessing.context.BaseContext:
             ]
         )
         _context = ctx
+        atexit.register(_stop_forkserver)
     return _context
+
+
+def _stop_forkserver() -> None:
+    """At exit, stop and reap the forkserver and the resource tracker it started.
+
+    Left alone they exit just after this process, are adopted by PID 1 and, where PID 1 does not reap
+    (as in some sandboxes), stay zombies. Both objects are private to multiprocessing, hence the guards.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None and hasattr(server, "_stop"):
+        server._stop()  # returns once the forkserver exited; it exits as soon as asked
+    tracker = resource_tracker._resource_tracker
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    os.close(fd)  # the tracker exits when every holder of this pipe has closed it
+    tracker._fd = tracker._pid = None
+    deadline = time.monotonic() + 2.0  # bounded: an orphan elsewhere may still hold the pipe
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.02)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when the forkserver exits, which it does when the launching process dies.
+
+    Being in its own process group, a rank would otherwise outlive a killed pytest (CI timeouts).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _rank_main(
@@ -126,11 +171,12 @@ def _rank_main(
     """Body of one rank: ``payload`` is the pickled ``(fn, args, kwargs)``."""
     # Own process group, so the launcher can kill anything this rank starts along with it.
     os.setpgrp()
+    _die_with_parent()
     stacks = open(stacks_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    for path in (_REPO_DIR, _TESTS_DIR):
+    for path in (_REPO_DIR, _TESTS_DIR):  # appended, so tests/ modules never shadow installed ones
         if path not in sys.path:
-            sys.path.insert(0, path)
+            sys.path.append(path)
     os.environ.update(
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
@@ -156,10 +202,13 @@ def _rank_main(
         # BaseException: CheckpointException is one, and so are SystemExit and KeyboardInterrupt.
         outcome = ("raised", traceback.format_exc())
     # Report before tearing down the group: if peers are stuck, the launcher should know now.
+    # Plain pickle, not the Connection's ForkingPickler: torch registers reductions there that pass tensors
+    # as shared-memory handles, which die with this process before the launcher reads them.
     try:
-        result_conn.send(outcome)
+        message = pickle.dumps(outcome)
     except BaseException:
-        result_conn.send(("raised", f"rank {rank}'s result could not be sent:\n{traceback.format_exc()}"))
+        message = pickle.dumps(("raised", f"rank {rank}'s result does not pickle:\n{traceback.format_exc()}"))
+    result_conn.send_bytes(message)
     result_conn.close()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -193,7 +242,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     dies, or the ranks are still running after ``timeout`` seconds (Python stacks of the hung ranks are
     included). Every rank process, and whatever it started, is killed and reaped before returning.
     """
-    payload = pickle.dumps((fn, args, kwargs))  # fails here, clearly, for lambdas and local functions
+    try:
+        payload = pickle.dumps((fn, args, kwargs))
+    except Exception as e:
+        raise TypeError(
+            f"run_ranks needs a module-level fn and picklable args (a test module or tests/ module): {e}"
+        ) from e
     ctx = _forkserver_context()
     # Port 0: the kernel picks a free port and this store keeps it bound for the whole launch.
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
@@ -226,10 +280,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             for conn in multiprocessing.connection.wait(list(conns), timeout=remaining):
                 rank = conns.pop(conn)
                 try:
-                    outcomes[rank] = conn.recv()
-                except (EOFError, OSError):
+                    outcomes[rank] = pickle.loads(conn.recv_bytes())
+                except EOFError:
                     processes[rank].join(_EXIT_WAIT_S)
                     outcomes[rank] = ("died", f"exited with code {processes[rank].exitcode} without reporting")
+                except Exception:
+                    outcomes[rank] = ("sent a result the launcher could not read", traceback.format_exc())
                 conn.close()
                 if outcomes[rank][0] != "ok" and failed_at is None:
                     failed_at = time.monotonic()
@@ -285,7 +341,7 @@ DIM = 13  # model width: 13 -> 7/6, 5/5/3, 4/4/4/1
 HIDDEN = 5  # block hidden: 5 -> 3/2, 2/2/1, 2/2/1/0 (an empty shard at world size 4)
 FFN = 18  # tensor-parallel hidden: must be even (TP splits it in two); FSDP then splits each half 5/4
 OUT = 3  # output features: 3 -> 2/1, 1/1/1, 1/1/1/0 (an empty shard at world size 4)
-BATCH, SEQ = 4, 6
+TOKENS = 24  # one flat batch: 2-D activations, so the root's output is not a view (FSDP2 warns on views)
 
 
 class Block(nn.Module):
@@ -345,10 +401,10 @@ make_tp_model = make_model
 
 
 def make_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic ``(tokens, target)``; tokens ``(BATCH, SEQ)`` int64, target ``(BATCH, SEQ, OUT)``."""
+    """Deterministic ``(tokens, target)``: tokens ``(TOKENS,)`` int64, target ``(TOKENS, OUT)`` float32."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    target = torch.randn(BATCH, SEQ, OUT, generator=g)
+    tokens = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    target = torch.randn(TOKENS, OUT, generator=g)
     return tokens, target
 
 
@@ -459,13 +515,25 @@ def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, writer, plan
 
 
 def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, reader, planner=None) -> None:
-    """Load a ``save_checkpoint`` checkpoint through ``reader`` into ``model``/``optim`` (any layout)."""
+    """Load a ``save_checkpoint`` checkpoint through ``reader`` into ``model``/``optim`` (any layout).
+
+    ``set_state_dict`` runs with ``strict=False`` because, strict, torch 2.13 refuses optimizer state
+    that lacks a requires_grad parameter ("Missing optimizer state for parameter 'spare.weight'"), and
+    ``spare`` never trains. The model keys cannot mismatch: they come from this same model, and
+    ``dcp.load`` has already failed on any key the checkpoint lacks.
+    """
     if not optim.state:
         prime_optimizer(model, optim)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=reader, planner=planner)
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model,
+        optim,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=False),
+    )
 
 
 def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any] | None:
@@ -473,6 +541,7 @@ def full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]
 
     Collective: every rank must call it. Other ranks get None (DCP gathers full tensors to rank 0 only
     when offloading to CPU). Optimizer state is keyed by parameter FQN, so it compares across layouts.
+    Call it after training or loading: on a stateless optimizer ``get_state_dict`` first fakes a step.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     msd, osd = get_state_dict(model, optim, options=options)
@@ -517,10 +586,9 @@ def load_fresh(rank: int, world_size: int, layout: str, reader, seed: int = 1):
 # --------------------------------------------------------------------------------------------------
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+def _element_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a (numel, itemsize) uint8 matrix: compares -0.0/0.0 and NaN payloads by their bits."""
+    return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
 
 
 def _first_difference(a: Any, b: Any, path: str) -> str | None:
@@ -531,17 +599,17 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
             return f"{path}: DTensor found; compare full states (full_state)"
         if a.dtype != b.dtype or a.shape != b.shape:
             return f"{path}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        if not _same_bits(a, b):
-            flat_a, flat_b = a.reshape(-1), b.reshape(-1)
-            ne = (flat_a.view(torch.uint8).reshape(flat_a.numel(), -1) != flat_b.view(torch.uint8).reshape(flat_b.numel(), -1))
-            index = int(ne.any(dim=1).nonzero()[0])
+        differs = (_element_bytes(a) != _element_bytes(b)).any(dim=1)
+        if differs.any():
+            index = int(differs.nonzero()[0])
             where = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), a.shape)) if a.dim() else ()
-            return f"{path}: tensors differ first at index {where}: {flat_a[index].item()!r} vs {flat_b[index].item()!r}"
+            x, y = a.reshape(-1)[index].item(), b.reshape(-1)[index].item()
+            return f"{path}: tensors differ first at index {where}: {x!r} vs {y!r}"
         return None
     if isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):
-            only_a = sorted(map(repr, set(a) - set(b)))
-            only_b = sorted(map(repr, set(b) - set(a)))
+            only_a = sorted(set(a) - set(b), key=repr)
+            only_b = sorted(set(b) - set(a), key=repr)
             return f"{path}: keys only in first {only_a}, only in second {only_b}"
         for key in a:
             found = _first_difference(a[key], b[key], f"{path}[{key!r}]")
@@ -568,7 +636,8 @@ def _first_difference(a: Any, b: Any, path: str) -> str | None:
 def assert_state_equal(a: Any, b: Any) -> None:
     """Bit-exact comparison of nested dicts/lists/tuples of tensors and Python values.
 
-    Raises AssertionError naming the first differing key path, e.g. ``state['optim']['state']['head.weight']['exp_avg']``.
+    Raises AssertionError naming the first differing key path,
+    e.g. ``state['optim']['state']['head.weight']['exp_avg']``.
     """
     found = _first_difference(a, b, "state")
     if found:
