@@ -31,3 +31,15 @@ class CorruptChunkError(ZarrCheckpointError):
 
 class MalformedMetadataError(ZarrCheckpointError, ValueError):
     """The store's metadata (zarr.json or the dcp_zarr manifest) is not what this version writes."""
+
+
+class MissingKeysError(ZarrCheckpointError, RuntimeError):
+    """Requested state-dict keys have no counterpart in the checkpoint; the message lists them and the fix."""
+
+
+class ParamTableMismatchError(ZarrCheckpointError, ValueError):
+    """The loading optimizer's parameters do not match the checkpoint's param table (count, groups or shapes)."""
+
+
+class OptimizerStepError(ZarrCheckpointError, AssertionError):
+    """``assert_step_present`` found a parameter whose optimizer ``step`` is missing or disagrees."""
