@@ -19,7 +19,7 @@ from dcp_zarr.errors import InvalidKeyError
 
 # Inner chunks of a sharded array are aimed at this size: small enough that a resharded load reads little more
 # than it needs, large enough that per-chunk overhead (one checksum, one index entry, one read) stays negligible.
-INNER_CHUNK_TARGET_BYTES = 4 << 20
+INNER_CHUNK_TARGET_BYTES = 1 << 20
 
 _FORBIDDEN_CHARACTERS = re.compile(r"[/\\\x00-\x1f\x7f]")
 
