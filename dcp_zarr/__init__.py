@@ -2,8 +2,10 @@
 
     dcp.save(state_dict, storage_writer=ZarrWriter("ckpt.zarr"))
     dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"))
+    dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"), planner=ZarrLoadPlanner())  # any optimizer key form
 """
 
+from dcp_zarr.checks import assert_step_present
 from dcp_zarr.errors import (
     CheckpointExistsError,
     CorruptChunkError,
@@ -11,9 +13,13 @@ from dcp_zarr.errors import (
     InvalidEntryError,
     InvalidKeyError,
     MalformedMetadataError,
+    MissingKeysError,
     NotACheckpointError,
+    OptimizerStepError,
+    ParamTableMismatchError,
     ZarrCheckpointError,
 )
+from dcp_zarr.load_planner import ZarrLoadPlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.version import __version__
 from dcp_zarr.writer import ZarrWriter
@@ -21,6 +27,8 @@ from dcp_zarr.writer import ZarrWriter
 __all__ = [
     "ZarrWriter",
     "ZarrReader",
+    "ZarrLoadPlanner",
+    "assert_step_present",
     "ZarrCheckpointError",
     "NotACheckpointError",
     "IncompleteCheckpointError",
@@ -29,5 +37,8 @@ __all__ = [
     "InvalidEntryError",
     "CorruptChunkError",
     "MalformedMetadataError",
+    "MissingKeysError",
+    "ParamTableMismatchError",
+    "OptimizerStepError",
     "__version__",
 ]

@@ -104,11 +104,12 @@ class OptimizerTable:
 
     @classmethod
     def from_json(cls, document: dict) -> OptimizerTable:
+        """The table ``to_json`` wrote; anything else (a hand-edited or hostile manifest) is refused by name."""
         try:
             if document["key_form"] not in KEY_FORMS:
                 raise ValueError(f"unknown key_form {document['key_form']!r}")
             sizes = document["group_sizes"]
-            return cls(
+            table = cls(
                 path=tuple(document["path"]),
                 key_form=document["key_form"],
                 params=tuple(ParamEntry(p["id"], p["fqn"], p["group"], tuple(p["state_keys"]))
@@ -116,8 +117,26 @@ class OptimizerTable:
                 group_sizes=tuple(sizes) if sizes is not None else None,
                 group_keys=tuple(document.get("group_keys", ())),
             )
+            _check_types(table)
+            return table
         except (KeyError, TypeError, ValueError) as exc:
             raise MalformedMetadataError(f"malformed optimizer table in the manifest: {exc!r}") from exc
+
+
+def _check_types(table: OptimizerTable) -> None:
+    def of(value, *types) -> bool:
+        return type(value) in types
+
+    if not all(of(part, str, int) for part in table.path):
+        raise ValueError(f"path {list(table.path)!r}")
+    if table.group_sizes is not None and not all(of(n, int) for n in table.group_sizes):
+        raise ValueError(f"group_sizes {list(table.group_sizes)!r}")
+    if not all(of(k, str) for k in table.group_keys):
+        raise ValueError(f"group_keys {list(table.group_keys)!r}")
+    for p in table.params:
+        if not (of(p.id, int, type(None)) and of(p.fqn, str, type(None)) and of(p.group, int, type(None))
+                and all(of(k, str) for k in p.state_keys)):
+            raise ValueError(f"param {p!r}")
 
 
 # -- discovery ------------------------------------------------------------------------------------------------------
@@ -254,6 +273,9 @@ class Translation:
     dropped: dict[str, str] = field(default_factory=dict)  # requested key -> why (the param had no state at save)
     missing: dict[str, str] = field(default_factory=dict)  # requested key -> why nothing in the checkpoint feeds it
     owners: dict[str, tuple[str, str]] = field(default_factory=dict)  # requested key -> (requested, saved) param
+    # Saved state of params the request holds but asks no state for: a fresh optimizer's state_dict() has none,
+    # and DCP would load only the hyperparameters, silently.
+    unrequested: list[str] = field(default_factory=list)
 
 
 def translate(request: OptimizerTable, saved: OptimizerTable) -> Translation:
@@ -262,6 +284,8 @@ def translate(request: OptimizerTable, saved: OptimizerTable) -> Translation:
     out = Translation()
     for r in request.params:
         s = match.get(r)
+        if s is not None and s.state_keys and not r.state_keys:
+            out.unrequested += [saved.state_key(s, name) for name in s.state_keys]
         for name in r.state_keys:
             key = request.state_key(r, name)
             if s is None:
