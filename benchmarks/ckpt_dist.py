@@ -6,6 +6,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,3 +66,19 @@ def synchronize(device: torch.device) -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def gather(value: Any) -> list[Any]:
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def all_ranks_true(flag: bool) -> bool:
+    return all(gather(bool(flag)))
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import threading
 import time
 from collections.abc import Callable

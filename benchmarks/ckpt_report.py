@@ -18,12 +18,13 @@ GB = 1e9
 # Keys whose numbers may be zero (everything else numeric must be finite and > 0).
 NON_NEGATIVE_KEYS = {"small_tensors", "rank_peak_extra_bytes", "rank_fraction_of_state_bytes", "max_fraction"}
 
-MEASUREMENT_KEYS = ("bytes", "rank_bytes", "times_s", "rank_times_s", "median_s", "gbps", "rank_gbps")
+MEASUREMENT_KEYS = ("bytes", "rank_bytes", "times_s", "rank_times_s", "median_s", "min_s", "gbps", "rank_gbps")
 ASYNC_KEYS = (
     "bytes", "rank_bytes", "blocking_times_s", "total_times_s", "median_blocking_s", "median_total_s",
-    "gbps", "blocking_gbps", "rank_gbps",
+    "min_blocking_s", "min_total_s", "gbps", "blocking_gbps", "rank_gbps",
 )  # fmt: skip
 RESHARD_EXTRA_KEYS = ("saved_world_size", "rank_read_bytes", "rank_needed_bytes", "rank_read_amplification")
+FOOTPRINT_KEYS = ("files", "directories", "bytes")
 MEMORY_KEYS = ("rank_peak_extra_bytes", "rank_fraction_of_state_bytes", "max_fraction")
 CONFIG_KEYS = (
     "layers", "hidden", "vocab", "dtype", "world_size", "backend", "threads", "repeats", "target", "kinds",
@@ -43,6 +44,7 @@ def timing_entry(total_bytes: int, rank_bytes: list[int], runs: list[RankTimes])
         "times_s": times,
         "rank_times_s": [run.per_rank_s for run in runs],
         "median_s": median_s,
+        "min_s": min(times),
         "gbps": total_bytes / median_s / GB,
         # Each rank's bytes over its own time: shows a rank that is slow because it writes more (e.g. deduped items).
         "rank_gbps": [b / t / GB for b, t in zip(rank_bytes, per_rank_median)],
@@ -61,6 +63,8 @@ def async_entry(
         "total_times_s": entry["times_s"],
         "median_blocking_s": statistics.median(blocking_s),
         "median_total_s": entry["median_s"],
+        "min_blocking_s": min(blocking_s),
+        "min_total_s": entry["min_s"],
         "gbps": entry["gbps"],
         # State-dict bytes over the time training is stopped: what the caller experiences.
         "blocking_gbps": total_bytes / statistics.median(blocking_s) / GB,
@@ -154,7 +158,7 @@ def validate_result(d: dict[str, Any]) -> dict[str, Any]:
     Which measurements are expected follows from the config (``kinds``, ``small_tensors``, ``reshard_from``).
     Memory deltas may be 0. Raises ValueError listing every problem; returns ``d`` when it is valid.
     """
-    problems = _missing(d, ("schema_version", "config", "state_dict", "measurements", "ratios", "memory", "checks"), "result")
+    problems = _missing(d, ("schema_version", "config", "state_dict", "measurements", "ratios", "memory", "footprint", "checks"), "result")
     if problems:
         raise ValueError("; ".join(problems))
     config = d["config"]
@@ -182,11 +186,14 @@ def validate_result(d: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"ratios.{name} is missing")
     for kind in config["kinds"]:
         problems += _missing(d["memory"].get(f"save/{kind}"), MEMORY_KEYS, f"memory['save/{kind}']")
+    for name in expected_measurements(config):
+        if name.startswith(("save/", "small/")):
+            problems += _missing(d["footprint"].get(name), FOOTPRINT_KEYS, f"footprint[{name!r}]")
     for name, passed in d["checks"].items():
         if not isinstance(passed, bool):
             problems.append(f"checks[{name!r}] is not a boolean")
 
-    for path, value in _numbers({k: d[k] for k in ("config", "state_dict", "measurements", "ratios", "memory")}):
+    for path, value in _numbers({k: d[k] for k in ("config", "state_dict", "measurements", "ratios", "memory", "footprint")}):
         key = path.rsplit(".", 1)[-1].split("[", 1)[0]
         if not math.isfinite(value):
             problems.append(f"{path} = {value} is not finite")
@@ -220,6 +227,9 @@ def summary_lines(d: dict[str, Any]) -> list[str]:
     for name, entry in d["memory"].items():
         lines.append(f"peak extra RSS {name}: max {entry['max_fraction']:.3f} x rank state bytes "
                      f"({', '.join(f'{b / 2**20:.1f} MiB' for b in entry['rank_peak_extra_bytes'])})")  # fmt: skip
+    for name, entry in d["footprint"].items():
+        lines.append(f"footprint {name}: {entry['files']} files, {entry['directories']} directories, "
+                     f"{entry['bytes'] / 2**20:.1f} MiB")  # fmt: skip
     for name, entry in d["measurements"].items():
         if name.startswith("reshard/"):
             amp = ", ".join(f"{a:.2f}" for a in entry["rank_read_amplification"])
@@ -263,7 +273,8 @@ def plot_result(d: dict[str, Any], path: str) -> None:
         f"{c['threads']} threads",
         fontsize=10,
     )
-    ratio_lines = ["ratios (>1: zarr faster)"] + [f"{k}: {v:.2f}" for k, v in d["ratios"].items()]
+    ratio_lines = ["ratios (speedup > 1: zarr faster;", "fraction_of_raw: raw time / writer time)"]
+    ratio_lines += [f"{k}: {v:.2f}" for k, v in d["ratios"].items()]
     ratio_lines += ["", "peak extra RSS during save"]
     ratio_lines += [f"{k}: {v['max_fraction']:.2f} x state bytes" for k, v in d["memory"].items()]
     text_ax.axis("off")
