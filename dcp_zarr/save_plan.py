@@ -34,6 +34,7 @@ class RankAssignment:
     staging_location: str
     arrays: dict[str, ArraySpec]  # fqn -> spec, for this rank's tensor items
     nodes: dict[str, str]  # fqn -> node, for this rank's non-tensor items
+    describes: frozenset[str] = frozenset()  # fqns whose zarr.json this rank writes (one rank per array)
 
 
 def node_paths(plans: list[SavePlan]) -> dict[str, str]:
@@ -91,11 +92,17 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
 def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],
                 staging_location: str) -> list[RankAssignment]:
     result = []
+    described: set[str] = set()
     for plan in plans:
         fqns = {item.index.fqn for item in plan.items}
+        # Each array's zarr.json is written by the first rank holding part of it, so thousands of small arrays
+        # spread their metadata writes over the ranks instead of queueing them all on the coordinator.
+        describes = frozenset(f for f in fqns if f in specs and f not in described)
+        described |= describes
         result.append(RankAssignment(
             staging_location=staging_location,
             arrays={f: specs[f] for f in fqns if f in specs},
             nodes={f: nodes[f] for f in fqns if f not in specs},
+            describes=describes,
         ))
     return result

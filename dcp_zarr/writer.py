@@ -110,8 +110,12 @@ class ZarrWriter(StorageWriter):
                 result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
                 if write:
                     jobs.append((write[0], len(write[1][0]), partial(storage.write, *write)))
+                    jobs.append(_metadata_job(storage, assignment.nodes[item.index.fqn], _object_array_metadata(
+                        item.index.fqn, result.storage_data["object_nbytes"])))
             else:
                 spec = assignment.arrays[item.index.fqn]
+                if item.index.fqn in assignment.describes:
+                    jobs.append(_metadata_job(storage, spec.node, _array_metadata(spec, item.tensor_data.properties.dtype)))
                 tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
                 local = tensor_as_numpy(tensor)
                 for chunk, data in chunks_of_box(spec.layout, item.tensor_data.chunk.offsets, local):
@@ -120,7 +124,7 @@ class ZarrWriter(StorageWriter):
                 source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
                 result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
             results.append(result)
-        self.written_keys = [key for key, _, _ in jobs]
+        self.written_keys = [key for key, _, _ in jobs if not key.endswith("zarr.json")]
         run_jobs([(nbytes, job) for _, nbytes, job in jobs], self.thread_count, name="dcp-zarr-write")
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
@@ -133,15 +137,12 @@ class ZarrWriter(StorageWriter):
         for rank_results in results:
             for result in rank_results:
                 by_fqn.setdefault(result.index.fqn, []).append(result.storage_data)
-        entries, documents = {}, {}
+        entries, documents = {}, {}  # array zarr.json files were written by the ranks (RankAssignment.describes)
         paths = metadata.planner_data or {}
         for fqn, md in metadata.state_dict_metadata.items():
             entry: dict = {"path": list(paths.get(fqn, (fqn,)))}
             if isinstance(md, TensorStorageMetadata):
-                spec = self._specs[fqn]
-                entry.update(_tensor_entry(spec, md, by_fqn.get(fqn, [])))
-                documents[f"{spec.node}/zarr.json"] = array_metadata(
-                    spec.layout, spec.data_type, spec.itemsize, {"dcp_zarr": {"fqn": fqn, "dtype": entry["dtype"]}})
+                entry.update(_tensor_entry(self._specs[fqn], md, by_fqn.get(fqn, [])))
             else:
                 node = self._bytes_node(fqn, metadata)
                 stored = by_fqn[fqn][0]
@@ -150,9 +151,6 @@ class ZarrWriter(StorageWriter):
                     entry.update(kind=VALUE, value=stored["value"])
                 else:
                     entry.update(kind=OBJECT, nbytes=stored["object_nbytes"])
-                    documents[f"{node}/zarr.json"] = array_metadata(
-                        ChunkLayout((stored["object_nbytes"],), (max(stored["object_nbytes"], 1),)), "uint8", 1,
-                        {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}})
             entries[fqn] = entry
         for entry in entries.values():
             for group in parent_groups(entry["node"]):
@@ -195,6 +193,21 @@ def _cpu_tensor(value, fqn: str) -> torch.Tensor:
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise InvalidEntryError(f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
     return tensor
+
+
+def _array_metadata(spec: ArraySpec, dtype: torch.dtype) -> dict:
+    return array_metadata(spec.layout, spec.data_type, spec.itemsize,
+                          {"dcp_zarr": {"fqn": spec.fqn, "dtype": torch_dtype_name(dtype)}})
+
+
+def _object_array_metadata(fqn: str, nbytes: int) -> dict:
+    return array_metadata(ChunkLayout((nbytes,), (max(nbytes, 1),)), "uint8", 1,
+                          {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}})
+
+
+def _metadata_job(storage, node: str, document: dict):
+    key = f"{node}/zarr.json"
+    return key, 0, partial(storage.write_json, key, document)
 
 
 def _value_write(item, planner: SavePlanner, node: str):
