@@ -1,0 +1,155 @@
+"""torch's own DCP checkpoint directories (``.metadata`` + ``__{rank}_{n}.distcp``), read offline.
+
+``DcpCheckpoint`` offers the reading half of ``offline.Checkpoint`` (entries, ``read_tensor``, ``read_value``,
+``load_full_state_dict``), so conversion and ``dcp-zarr diff`` treat both formats alike. Unlike a zarr store, a DCP
+directory can only be read whole: the first read loads every entry (``FileSystemReader`` through
+``_EmptyStateDictLoadPlanner``, as torch's own ``dcp_to_torch_save`` does), which needs memory for all of it.
+
+DCP directories are pickles: ``.metadata`` and every non-tensor value are unpickled on load, exactly as
+``dcp.load`` would. Open only directories you trust.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.manifest import TENSOR, VALUE
+from dcp_zarr.offline import Checkpoint, Entry, region_box, open_checkpoint, set_by_path
+from dcp_zarr.storage import is_local, local_path
+
+METADATA_FILE = ".metadata"
+
+
+def is_dcp_directory(path: str | os.PathLike) -> bool:
+    location = os.fspath(path)
+    return is_local(location) and os.path.isfile(os.path.join(local_path(location), METADATA_FILE))
+
+
+class DcpCheckpoint:
+    """A DCP directory, checked for completeness on open and loaded whole on first read."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = local_path(os.fspath(path))
+        self.url = self.path
+        if not is_dcp_directory(self.path):
+            raise NotACheckpointError(f"{self.path} is not a torch.distributed.checkpoint directory (no {METADATA_FILE})")
+        try:
+            self.metadata: Metadata = FileSystemReader(self.path).read_metadata()
+        except Exception as exc:
+            raise NotACheckpointError(f"{self.path}/{METADATA_FILE} cannot be read as DCP metadata ({exc})") from exc
+        _check_data_files(self.path, self.metadata)
+        planner_data = self.metadata.planner_data or {}
+        self.entries: dict[str, Entry] = {}
+        for fqn, md in self.metadata.state_dict_metadata.items():
+            path = tuple(planner_data.get(fqn, (fqn,)))
+            node = "/".join(map(str, path))
+            if isinstance(md, TensorStorageMetadata):
+                shape = tuple(md.size)
+                itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+                self.entries[fqn] = Entry(
+                    fqn=fqn, path=path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
+                    dtype=md.properties.dtype, shape=shape,
+                    saved_chunks=tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+            else:
+                self.entries[fqn] = Entry(fqn=fqn, path=path, kind=VALUE, node=node, nbytes=0)
+        self._state: dict | None = None
+        self._flat: dict | None = None
+
+    def __iter__(self):
+        return iter(self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def entry(self, name: str | Entry) -> Entry:
+        if isinstance(name, Entry):
+            return name
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise KeyError(f"{self.path} has no entry {name!r}") from None
+
+    def read_tensor(self, name: str | Entry, region=None) -> torch.Tensor:
+        entry = self.entry(name)
+        tensor = self._values()[entry.fqn]
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{self.path}: entry {entry.fqn!r} is not a tensor")
+        if region is None:
+            return tensor
+        offsets, sizes, squeeze = region_box(tuple(tensor.shape), region, entry.fqn)
+        part = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        return part.reshape([n for n, drop in zip(sizes, squeeze) if not drop])
+
+    def read_value(self, name: str | Entry):
+        return self._values()[self.entry(name).fqn]
+
+    def read(self, name: str | Entry):
+        return self._values()[self.entry(name).fqn]
+
+    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool = False) -> dict:
+        state: dict = {}
+        for entry in self.entries.values():
+            if prefix is None or tuple(entry.path[: len(prefix)]) == tuple(prefix):
+                set_by_path(state, entry.path, self._values()[entry.fqn])
+        return state
+
+    def _values(self) -> dict:
+        """fqn -> loaded value, loading the whole directory the first time."""
+        if self._flat is None:
+            planner = _EmptyStateDictLoadPlanner()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+                dcp.load({}, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
+            # dcp.load hands the planner a copy of the dict passed in; the planner's copy is the one it filled.
+            state = planner.original_state_dict
+            self._flat = {fqn: _get_by_path(state, entry.path) for fqn, entry in self.entries.items()}
+        return self._flat
+
+
+def _check_data_files(root: str, metadata: Metadata) -> None:
+    """Every ``.distcp`` file the metadata points into exists and is long enough; else name the missing ones."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not os.path.isfile(os.path.join(root, name)))
+    short = sorted(name for name in needed if name not in missing
+                   and os.path.getsize(os.path.join(root, name)) < needed[name])
+    if missing or short:
+        parts = []
+        if missing:
+            parts.append(f"missing data files {missing}")
+        if short:
+            parts.append(f"truncated data files {short}")
+        raise IncompleteCheckpointError(
+            f"{root} is an incomplete DCP checkpoint: {' and '.join(parts)} (its .metadata refers to "
+            f"{len(needed)} .distcp files); copy them from where the checkpoint was saved")
+
+
+def open_any_checkpoint(path: str | os.PathLike, storage_options: dict | None = None) -> Checkpoint | DcpCheckpoint:
+    """A dcp_zarr store (any URL) or a DCP directory (local), whichever ``path`` is."""
+    if is_dcp_directory(path):
+        return DcpCheckpoint(path)
+    return open_checkpoint(path, storage_options)
+
+
+def _get_by_path(state, path):
+    node = state
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

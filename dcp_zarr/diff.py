@@ -1,0 +1,155 @@
+"""``dcp-zarr diff``: entry by entry, are two checkpoints (zarr stores or DCP directories) the same?
+
+Tensors are compared in row blocks, so two checkpoints larger than memory can be compared. "equal" means
+bit-identical; "close" means not bit-identical but numerically within ``atol`` (``-0.0`` vs ``0.0``, or a
+reduced-precision round trip with a tolerance); NaNs in the same places count as equal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dcp_zarr.errors import CorruptChunkError
+from dcp_zarr.manifest import TENSOR
+from dcp_zarr.offline import Entry
+from dcp_zarr.progress import progress_bar
+
+EQUAL, CLOSE, DIFFERENT, ONLY_A, ONLY_B, MISMATCH = "equal", "close", "different", "only in A", "only in B", "mismatch"
+UNREADABLE = "unreadable"  # a chunk is missing or corrupt on either side: run `dcp-zarr verify` on it
+_BLOCK_BYTES = 64 << 20
+
+
+@dataclass
+class EntryDiff:
+    fqn: str
+    status: str
+    detail: str = ""
+    max_abs_diff: float | None = None
+    differing: int = 0  # elements whose bits differ
+    numel: int = 0
+
+
+@dataclass
+class DiffReport:
+    a: str
+    b: str
+    entries: list[EntryDiff] = field(default_factory=list)
+
+    @property
+    def same(self) -> bool:
+        return all(e.status in (EQUAL, CLOSE) for e in self.entries)
+
+    def counts(self) -> dict[str, int]:
+        counts = {s: 0 for s in (EQUAL, CLOSE, DIFFERENT, MISMATCH, ONLY_A, ONLY_B, UNREADABLE)}
+        for e in self.entries:
+            counts[e.status] += 1
+        return counts
+
+
+def diff_checkpoints(a, b, *, atol: float = 0.0, progress: bool | None = False) -> DiffReport:
+    """Compare every entry of ``a`` and ``b`` (each an ``offline.Checkpoint`` or ``dcp_dir.DcpCheckpoint``)."""
+    report = DiffReport(a.url, b.url)
+    names = list(a.entries) + [n for n in b.entries if n not in a.entries]
+    total = sum(a.entries[n].nbytes for n in names if n in a.entries and n in b.entries)
+    with progress_bar(total, "comparing", enabled=progress) as bar:
+        for name in names:
+            if name not in b.entries:
+                report.entries.append(EntryDiff(name, ONLY_A))
+            elif name not in a.entries:
+                report.entries.append(EntryDiff(name, ONLY_B))
+            else:
+                try:
+                    report.entries.append(_diff_entry(a, b, a.entries[name], b.entries[name], atol))
+                except CorruptChunkError as exc:
+                    report.entries.append(EntryDiff(name, UNREADABLE, str(exc)))
+                bar.update(a.entries[name].nbytes)
+    return report
+
+
+def _diff_entry(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
+    if (ea.kind == TENSOR) != (eb.kind == TENSOR):
+        return EntryDiff(ea.fqn, MISMATCH, f"{_kind(ea)} vs {_kind(eb)}")
+    if ea.kind != TENSOR:
+        va, vb = a.read_value(ea), b.read_value(eb)
+        if _same_value(va, vb):
+            return EntryDiff(ea.fqn, EQUAL)
+        return EntryDiff(ea.fqn, DIFFERENT, f"{_short(va)} vs {_short(vb)}")
+    if ea.dtype != eb.dtype or ea.shape != eb.shape:
+        return EntryDiff(ea.fqn, MISMATCH, f"{_kind(ea)} vs {_kind(eb)}")
+    return _diff_tensor(a, b, ea, eb, atol)
+
+
+def _diff_tensor(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
+    numel = math.prod(ea.shape)
+    result = EntryDiff(ea.fqn, EQUAL, numel=numel)
+    if numel == 0:
+        return result
+    if not ea.shape:
+        blocks = [None]
+    else:
+        rows = max(1, _BLOCK_BYTES // max(1, ea.nbytes // ea.shape[0]))
+        blocks = [(slice(r, min(r + rows, ea.shape[0])),) for r in range(0, ea.shape[0], rows)]
+    worst = 0.0
+    for region in blocks:
+        ta, tb = a.read_tensor(ea, region), b.read_tensor(eb, region)
+        bits_a, bits_b = _bits(ta), _bits(tb)
+        if torch.equal(bits_a, bits_b):
+            continue
+        result.differing += int((bits_a != bits_b).any(dim=1).sum())
+        block_worst = _max_abs_diff(ta, tb)
+        worst = float("nan") if math.isnan(worst) or math.isnan(block_worst) else max(worst, block_worst)
+    if result.differing:
+        result.max_abs_diff = worst
+        result.status = CLOSE if worst <= atol else DIFFERENT  # False for NaN: a NaN on one side only differs
+        result.detail = f"max abs diff {worst:.6g}, {result.differing} of {numel} elements differ"
+    return result
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """One row of raw bytes per element."""
+    flat = t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(flat.numel(), -1)
+
+
+def _max_abs_diff(ta: torch.Tensor, tb: torch.Tensor) -> float:
+    wide = torch.complex128 if ta.is_complex() else torch.float64
+    da, db = ta.to(wide), tb.to(wide)
+    diff = (da - db).abs()
+    same = (da == db) | (torch.isnan(da) & torch.isnan(db))  # equal infinities give inf - inf = nan
+    diff = torch.where(same, torch.zeros_like(diff), diff)
+    worst = float(diff.max())  # NaN when a NaN faces a number
+    if not (ta.is_floating_point() or ta.is_complex()):
+        worst = max(worst, 1.0)  # integers that differ differ by >= 1, even where float64 rounds (beyond 2**53)
+    return worst
+
+
+def _same_value(x, y) -> bool:
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                and x.shape == y.shape and torch.equal(_bits(x), _bits(y)))
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same_value(p, q) for p, q in zip(x, y))
+    if isinstance(x, float) and math.isnan(x) and math.isnan(y):
+        return True
+    try:
+        return bool(x == y)
+    except Exception:  # a type whose == is not a truth value: compare by representation
+        return repr(x) == repr(y)
+
+
+def _kind(entry: Entry) -> str:
+    if entry.kind != TENSOR:
+        return "a non-tensor value"
+    return f"{str(entry.dtype).removeprefix('torch.')}[{', '.join(map(str, entry.shape))}]"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,327 @@
+"""Reading a checkpoint without a process group: list its entries, read one tensor (or part of one), load it all.
+
+    ckpt = open_checkpoint("ckpt.zarr")
+    ckpt.entries["model.embed.weight"].shape          # metadata only
+    ckpt.read_tensor("model.embed.weight", region=(slice(0, 8),))   # reads only the chunks under rows 0..7
+    state = ckpt.load_full_state_dict()               # {"model": {...}, "optim": {...}}, unsharded
+
+Everything goes through the same checked paths as ``ZarrReader`` (``chunk_io.RegionReader``): every chunk read is
+verified against its crc32c, and non-tensor values are only ever ``torch.load``-ed with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import io
+import math
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from dcp_zarr.chunk_io import RegionReader
+from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name
+from dcp_zarr.encoding import layout_from_array_metadata, verify_plain
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, read_manifest
+from dcp_zarr.prefixes import explain_missing_name
+from dcp_zarr.progress import progress_bar
+from dcp_zarr.storage import Storage, is_local, local_path, open_storage
+from dcp_zarr.values import decode_value
+
+# A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
+# object store busy, few enough that a local read is not dominated by scheduling.
+_READ_BLOCK_BYTES = 16 << 20
+
+# A region is basic indexing with step 1: a tuple of slices, ints and at most one Ellipsis (``(slice(0, 8), 3)``).
+Region = tuple
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state-dict entry as the checkpoint stores it (metadata only; nothing is read to build it)."""
+
+    fqn: str  # DCP's flattened key, e.g. "optim.state.layers.0.w.exp_avg"
+    path: tuple  # the nested state-dict path, e.g. ("optim", "state", "layers.0.w", "exp_avg"); ints index lists
+    kind: str  # "tensor", "value" (JSON held in the manifest) or "object" (torch.save bytes)
+    node: str  # the zarr node, e.g. "optim/state/layers.0.w/exp_avg"
+    nbytes: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    chunk_shape: tuple[int, ...] | None = None
+    inner_chunk_rows: int = 0
+    saved_chunks: tuple = ()  # ((offsets, sizes), ...) as the saving ranks held them
+    source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...}
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind == TENSOR
+
+    @classmethod
+    def from_manifest(cls, fqn: str, raw: dict) -> Entry:
+        path = tuple(raw.get("path", (fqn,)))
+        if raw["kind"] != TENSOR:
+            nbytes = int(raw.get("nbytes", 0)) if raw["kind"] == OBJECT else 0
+            return cls(fqn=fqn, path=path, kind=raw["kind"], node=raw["node"], nbytes=nbytes)
+        dtype = torch_dtype_from_name(raw["dtype"])
+        shape = tuple(int(n) for n in raw["shape"])
+        return cls(
+            fqn=fqn, path=path, kind=TENSOR, node=raw["node"],
+            nbytes=math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
+            dtype=dtype, shape=shape,
+            chunk_shape=tuple(raw.get("chunk_shape", shape)),
+            inner_chunk_rows=int(raw.get("inner_chunk_rows", 0)),
+            saved_chunks=tuple((tuple(c["offsets"]), tuple(c["sizes"])) for c in raw["saved_chunks"]),
+            source=dict(raw.get("source", {})),
+        )
+
+
+class Checkpoint:
+    """A complete dcp_zarr checkpoint opened for reading. Cheap to create: only the root zarr.json is read."""
+
+    def __init__(self, storage: Storage, manifest: dict, *, thread_count: int = 8, safe_globals: list | None = None):
+        self.storage = storage
+        self.manifest = manifest
+        self.thread_count = max(1, int(thread_count))
+        self.safe_globals = list(safe_globals or [])
+        self.entries: dict[str, Entry] = {
+            fqn: Entry.from_manifest(fqn, raw) for fqn, raw in manifest["entries"].items()}
+        self._by_node = {entry.node: entry for entry in self.entries.values()}
+        self._readers: dict[str, RegionReader] = {}
+
+    # -- what the manifest says -------------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @property
+    def saved_world_size(self) -> int:
+        return int(self.manifest.get("saved_world_size", 1))
+
+    @property
+    def state_dict_type(self) -> str:
+        return self.manifest.get("state_dict_type", "unknown")
+
+    @property
+    def meshes(self) -> list[dict]:
+        return list(self.manifest.get("meshes", []))
+
+    @property
+    def versions(self) -> dict:
+        return dict(self.manifest.get("versions", {}))
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries.values())
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries or name in self._by_node
+
+    def entry(self, name: str | Entry) -> Entry:
+        """The entry named by its flattened key (``model.w``) or its zarr node (``model/w``)."""
+        if isinstance(name, Entry):
+            return name
+        found = self.entries.get(name) or self._by_node.get(name)
+        if found is not None:
+            return found
+        hint = explain_missing_name(name, self.entries)
+        if hint is None:
+            close = difflib.get_close_matches(name, list(self.entries), n=3)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"it has {len(self.entries)} entries"
+        raise KeyError(f"{self.url} has no entry {name!r}: {hint}")
+
+    # -- reading ------------------------------------------------------------------------------------------------------
+
+    def read_tensor(self, name: str | Entry, region: Region | None = None) -> torch.Tensor:
+        """The tensor (or ``tensor[region]``, basic slicing with step 1) as a new CPU tensor.
+
+        Only the chunks (inner chunks, for large arrays) that intersect the region are fetched.
+        """
+        entry = self.entry(name)
+        if entry.kind != TENSOR:
+            raise TypeError(f"{self.url}: entry {entry.fqn!r} is a {entry.kind}, not a tensor; use read_value")
+        offsets, sizes, squeeze = region_box(entry.shape, region, entry.fqn)
+        out = torch.empty(sizes, dtype=entry.dtype)
+        if out.numel() or out.dim() == 0:
+            self._read_box(entry, offsets, out)
+        return out.reshape([n for n, drop in zip(sizes, squeeze) if not drop]) if any(squeeze) else out
+
+    def read_value(self, name: str | Entry):
+        """A non-tensor entry (hyperparameters, param_groups, scheduler state) as the Python value saved."""
+        entry = self.entry(name)
+        if entry.kind == VALUE:
+            return decode_value(self.manifest["entries"][entry.fqn]["value"])
+        if entry.kind == OBJECT:
+            return self._read_object(entry)
+        raise TypeError(f"{self.url}: entry {entry.fqn!r} is a tensor; use read_tensor")
+
+    def read(self, name: str | Entry):
+        entry = self.entry(name)
+        return self.read_tensor(entry) if entry.kind == TENSOR else self.read_value(entry)
+
+    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool = False) -> dict:
+        """Every entry (or those whose path starts with ``prefix``), unsharded, as the nested state dict saved.
+
+        ``prefix=("model",)`` loads only the model weights. Needs memory for all of it, like ``torch.load``.
+        """
+        chosen = [e for e in self.entries.values() if prefix is None or tuple(e.path[: len(prefix)]) == tuple(prefix)]
+        # Large tensors one after another (each is read in concurrent row blocks); everything else - the many
+        # small tensors and values, one round trip each on an object store - concurrently.
+        large = [e for e in chosen if e.kind == TENSOR and e.nbytes >= _READ_BLOCK_BYTES]
+        small = [e for e in chosen if not (e.kind == TENSOR and e.nbytes >= _READ_BLOCK_BYTES)]
+        values = {}
+        with progress_bar(sum(e.nbytes for e in chosen), "loading", enabled=progress) as bar:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-offline") as pool:
+                for entry, value in zip(small, pool.map(self.read, small)):
+                    values[entry.fqn] = value
+                    bar.update(entry.nbytes)
+            for entry in large:
+                values[entry.fqn] = self.read_tensor(entry)
+                bar.update(entry.nbytes)
+        state: dict = {}
+        for entry in chosen:
+            set_by_path(state, entry.path, values[entry.fqn])
+        return state
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+
+    def region_reader(self, entry: Entry) -> RegionReader:
+        reader = self._readers.get(entry.fqn)
+        if reader is None:
+            try:
+                document = self.storage.read_json(f"{entry.node}/zarr.json")
+            except FileNotFoundError:
+                raise CorruptChunkError(f"{self.url}: array {entry.node!r} of entry {entry.fqn!r} has no zarr.json") from None
+            layout = layout_from_array_metadata(document, f"{self.url}: array {entry.node!r}")
+            if tuple(layout.shape) != entry.shape:
+                raise MalformedMetadataError(
+                    f"{self.url}: array {entry.node!r} has shape {list(layout.shape)}, the manifest says {list(entry.shape)}")
+            reader = self._readers[entry.fqn] = RegionReader(self.storage, entry.node, layout, numpy_dtype(entry.dtype))
+        return reader
+
+    def _read_box(self, entry: Entry, offsets: list[int], out: torch.Tensor) -> None:
+        reader = self.region_reader(entry)
+        target = tensor_as_numpy(out)
+        if out.dim() == 0:
+            reader.read_into(offsets, target)
+            return
+        # Row blocks aligned to the stored (inner) chunks, so no chunk is fetched by two blocks.
+        step = reader.layout.inner_chunk_shape[0]
+        row_bytes = max(1, out[0].numel() * out.element_size())
+        step *= max(1, _READ_BLOCK_BYTES // (step * row_bytes))
+        start, stop = offsets[0], offsets[0] + out.shape[0]
+        cuts = [start, *range((start // step + 1) * step, stop, step), stop]
+        blocks = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+        def read_block(block):
+            a, b = block
+            reader.read_into([a, *offsets[1:]], target[a - start : b - start])
+
+        if len(blocks) == 1:
+            read_block(blocks[0])
+            return
+        with ThreadPoolExecutor(min(self.thread_count, len(blocks)), thread_name_prefix="dcp-zarr-offline") as pool:
+            list(pool.map(read_block, blocks))
+
+    def _read_object(self, entry: Entry):
+        where = f"{self.url}: array {entry.node!r} chunk c/0"
+        try:
+            raw = self.storage.read(f"{entry.node}/c/0")
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{where}: chunk is missing from the store") from None
+        payload = bytes(verify_plain(raw, where))
+        try:
+            with torch.serialization.safe_globals(self.safe_globals):
+                return torch.load(io.BytesIO(payload), weights_only=True)
+        except Exception as exc:
+            raise MalformedMetadataError(
+                f"{self.url}: entry {entry.fqn!r} does not load with torch.load(weights_only=True) "
+                f"({_unpickling_reason(exc)}); if you "
+                "trust the types it holds, pass them as open_checkpoint(..., safe_globals=[...])") from None
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    """The line of torch.load's long weights_only message that names the refused type."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line or "GLOBAL" in line]
+    return (named or lines or [repr(exc)])[0]
+
+
+def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None, *, thread_count: int = 8,
+                    safe_globals: list | None = None) -> Checkpoint:
+    """Open a dcp_zarr checkpoint (a local directory or an fsspec URL) for reading; no process group needed."""
+    location = os.fspath(path)
+    if is_local(location):
+        local = local_path(location)
+        if not os.path.exists(local):
+            raise NotACheckpointError(f"{local} does not exist")
+        if os.path.isfile(os.path.join(local, ".metadata")):
+            raise NotACheckpointError(
+                f"{local} is a torch.distributed.checkpoint directory (.metadata + .distcp files), not a zarr store; "
+                f"convert it with: dcp-zarr convert {location} OUT.zarr --to zarr")
+    storage = open_storage(location, storage_options, read_only=True)
+    return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
+
+
+def set_by_path(root: dict, path: Sequence, value) -> None:
+    """Place ``value`` at ``path`` in a nested state dict; int components index lists (as DCP's set_element)."""
+    node = root
+    for key, next_key in zip(path[:-1], path[1:]):
+        child = node[key] if _has(node, key) else None
+        if child is None:
+            child = [] if isinstance(next_key, int) else {}
+            _put(node, key, child)
+        node = child
+    _put(node, path[-1], value)
+
+
+def _has(container, key) -> bool:
+    if isinstance(container, list):
+        return isinstance(key, int) and key < len(container)
+    return key in container
+
+
+def _put(container, key, value) -> None:
+    if isinstance(container, list):
+        container.extend([None] * (key + 1 - len(container)))
+    container[key] = value
+
+
+def region_box(shape: tuple[int, ...], region: Region | None, fqn: str):
+    """(offsets, sizes, dims to drop) of a basic-slicing region; refuses steps and out-of-range indices."""
+    if region is None:
+        return [0] * len(shape), list(shape), [False] * len(shape)
+    if not isinstance(region, (tuple, list)):
+        region = (region,)
+    if sum(r is Ellipsis for r in region) > 1:
+        raise IndexError(f"{fqn}: at most one ... in a region")
+    if Ellipsis in region:
+        at = list(region).index(Ellipsis)
+        region = (*region[:at], *[slice(None)] * (len(shape) - len(region) + 1), *region[at + 1:])
+    if len(region) > len(shape):
+        raise IndexError(f"{fqn}: region {region!r} has {len(region)} indices for a {len(shape)}-d tensor")
+    region = (*region, *[slice(None)] * (len(shape) - len(region)))
+    offsets, sizes, squeeze = [], [], []
+    for index, n in zip(region, shape):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                raise IndexError(f"{fqn}: region slices must have step 1, got {index!r}")
+            offsets.append(start)
+            sizes.append(max(0, stop - start))
+            squeeze.append(False)
+        elif isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0):
+            i = int(index)
+            if not -n <= i < n:
+                raise IndexError(f"{fqn}: index {i} is out of range for a dimension of size {n}")
+            offsets.append(i % n)
+            sizes.append(1)
+            squeeze.append(True)
+        else:
+            raise IndexError(f"{fqn}: region entries must be slices or ints, got {index!r}")
+    return offsets, sizes, squeeze

@@ -1,0 +1,156 @@
+"""What ``dcp-zarr inspect`` shows: every entry with its shape, dtype, size and chunk layout, and the save's context
+(world size, meshes, state_dict_type, optimizer steps). Built from the manifest; only step scalars are read."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from dcp_zarr.layout import ChunkLayout
+from dcp_zarr.manifest import TENSOR
+from dcp_zarr.offline import Checkpoint, Entry
+from dcp_zarr.values import decode_value
+
+
+def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
+    """``{fqn: value}`` of every entry named ``step`` that holds one number (optimizer steps, a trainer's step)."""
+    chosen = [e for e in ckpt if e.path and e.path[-1] == "step"
+              and (e.kind != TENSOR or (e.shape is not None and _numel(e.shape) == 1))]
+
+    def read(entry: Entry):
+        value = ckpt.read(entry)
+        if hasattr(value, "item"):
+            value = value.item()
+        return entry.fqn, value
+
+    with ThreadPoolExecutor(ckpt.thread_count) as pool:
+        found = dict(pool.map(read, chosen))
+    return {fqn: value for fqn, value in found.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def chunk_count(entry: Entry) -> int:
+    """Stored chunks (shards, for large arrays) of a tensor entry."""
+    if not entry.shape:
+        return 1
+    layout = ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows)
+    return len({c for offsets, sizes in entry.saved_chunks for c in layout.chunks_in_box(offsets, sizes)})
+
+
+def summarize(ckpt: Checkpoint) -> dict:
+    """A JSON-serialisable description of the checkpoint (what ``inspect --json`` prints)."""
+    entries = []
+    for entry in ckpt:
+        row = {"fqn": entry.fqn, "path": list(entry.path), "node": entry.node, "kind": entry.kind, "nbytes": entry.nbytes}
+        if entry.kind == TENSOR:
+            row.update(
+                dtype=str(entry.dtype).removeprefix("torch."), shape=list(entry.shape),
+                chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
+                inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
+                saved_shards=len(entry.saved_chunks), source=entry.source)
+        elif entry.kind == "value":
+            row["value"] = ckpt.manifest["entries"][entry.fqn]["value"]
+        entries.append(row)
+    tensors = [e for e in ckpt if e.kind == TENSOR]
+    return {
+        "path": ckpt.url,
+        "format_version": ckpt.manifest.get("format_version"),
+        "save_id": ckpt.manifest.get("save_id"),
+        "versions": ckpt.versions,
+        "saved_world_size": ckpt.saved_world_size,
+        "state_dict_type": ckpt.state_dict_type,
+        "meshes": ckpt.meshes,
+        "tensor_count": len(tensors),
+        "tensor_bytes": sum(e.nbytes for e in tensors),
+        "entry_count": len(ckpt),
+        "steps": step_values(ckpt),
+        "entries": entries,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """The human-readable tree of ``summarize``'s result."""
+    lines = [summary["path"]]
+    versions = ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
+    lines.append(f"  format: dcp_zarr v{summary['format_version']}, saved by {versions}, save id {summary['save_id']}")
+    meshes = "; ".join(
+        "x".join(map(str, m["shape"])) + (f" ({', '.join(m['dim_names'])})" if m.get("dim_names") else "")
+        for m in summary["meshes"]) or "none"
+    lines.append(f"  saved world size: {summary['saved_world_size']}, state_dict_type: {summary['state_dict_type']}, "
+                 f"meshes: {meshes}")
+    others = summary["entry_count"] - summary["tensor_count"]
+    lines.append(f"  entries: {summary['entry_count']} ({_plural(summary['tensor_count'], 'tensor')}, "
+                 f"{human_bytes(summary['tensor_bytes'])}; {_plural(others, 'other value')})")
+    lines.append(f"  steps: {_format_steps(summary['steps'])}")
+    lines.append("")
+    lines.extend(_tree_lines(summary["entries"]))
+    return "\n".join(lines)
+
+
+def _format_steps(steps: dict) -> str:
+    if not steps:
+        return "none saved"
+    distinct: dict = {}
+    for fqn, value in steps.items():
+        distinct.setdefault(value, []).append(fqn)
+    if len(distinct) == 1:
+        (value, fqns), = distinct.items()
+        return f"{_number(value)} ({len(fqns)} {'entry' if len(fqns) == 1 else 'entries'})"
+    return ", ".join(f"{_number(v)} x{len(f)}" for v, f in sorted(distinct.items()))
+
+
+def _tree_lines(entries: list[dict]) -> list[str]:
+    rows = []
+    opened: list[str] = []
+    for row in sorted(entries, key=lambda r: r["node"].split("/")):
+        *groups, leaf = row["node"].split("/")
+        common = 0
+        while common < min(len(groups), len(opened)) and groups[common] == opened[common]:
+            common += 1
+        for depth in range(common, len(groups)):
+            rows.append(("  " * depth + groups[depth] + "/", None))
+        opened = groups
+        rows.append(("  " * len(groups) + leaf, row))
+    width = max((len(name) for name, row in rows if row is not None), default=0)
+    lines = []
+    for name, row in rows:
+        lines.append(name if row is None else f"{name.ljust(width)}  {_describe(row)}")
+    return lines
+
+
+def _describe(row: dict) -> str:
+    if row["kind"] == "value":
+        text = repr(decode_value(row["value"]))
+        return f"value  {text if len(text) <= 60 else text[:57] + '...'}"
+    if row["kind"] == "object":
+        return f"object  {human_bytes(row['nbytes'])} (torch.save bytes)"
+    shape = "[" + ", ".join(map(str, row["shape"])) + "]"
+    layout = "x".join(map(str, row["chunk_shape"])) or "scalar"
+    text = f"{row['dtype']:<13} {shape:<14} {human_bytes(row['nbytes']):>10}  chunks {layout} x{row['chunks']}"
+    if row["inner_chunk_shape"]:
+        text += " (inner " + "x".join(map(str, row["inner_chunk_shape"])) + ")"
+    source = row.get("source") or {}
+    if source.get("type") == "dtensor":
+        text += "  DTensor(" + ", ".join(source.get("placements", [])) + ")"
+    return text
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _number(value) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"

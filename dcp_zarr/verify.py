@@ -1,0 +1,188 @@
+"""``dcp-zarr verify``: is the checkpoint complete, is every chunk present, and does every chunk match its crc32c?
+
+Each chunk (each inner chunk of a sharded array) is read once and checked on its own, so a report names every bad
+chunk, not just the first. Reads are concurrent (many small GETs on an object store) and bounded in memory: a
+shard is read one inner chunk at a time, never whole.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from dcp_zarr.dtypes import zarr_dtype_name
+from dcp_zarr.encoding import (
+    CHECKSUM_BYTES,
+    MISSING,
+    decode_shard_index,
+    layout_from_array_metadata,
+    shard_index_bytes,
+    verify_plain,
+)
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
+from dcp_zarr.layout import ChunkLayout, chunk_key, parent_groups
+from dcp_zarr.manifest import OBJECT, TENSOR
+from dcp_zarr.offline import Checkpoint, Entry
+from dcp_zarr.progress import progress_bar
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the store: which entry, which array and chunk, and what."""
+
+    fqn: str
+    node: str
+    chunk: str | None  # "c/0/0", "c/1/0 inner chunk 3", or None for the node's metadata
+    message: str
+    node_type: str = "array"
+
+    def __str__(self) -> str:
+        where = f"{self.node_type} {self.node!r}" + (f" chunk {self.chunk}" if self.chunk else "")
+        return f"{where} (entry {self.fqn!r}): {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    entries: int = 0
+    chunks: int = 0
+    bytes_read: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _ChunkJob:
+    entry: Entry
+    layout: ChunkLayout
+    coords: tuple[int, ...]
+    itemsize: int
+
+
+def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool | None = False) -> VerifyReport:
+    """Check every stored byte of ``ckpt``; problems are collected, not raised."""
+    report = VerifyReport(url=ckpt.url, entries=len(ckpt))
+    jobs: list[_ChunkJob] = []
+    groups: dict[str, str] = {}
+    for entry in ckpt:
+        for group in parent_groups(entry.node):
+            groups.setdefault(group, entry.fqn)
+        if entry.kind == TENSOR:
+            jobs.extend(_tensor_jobs(ckpt, entry, report))
+        elif entry.kind == OBJECT:
+            _check_object(ckpt, entry, report)
+    for group, fqn in groups.items():
+        if not ckpt.storage.exists(f"{group}/zarr.json"):
+            report.problems.append(Problem(fqn, group, None, "zarr.json is missing (zarr tools cannot open it)", "group"))
+
+    total = sum(_stored_bytes(job) for job in jobs)
+    with progress_bar(total, "verifying", enabled=progress) as bar, ThreadPoolExecutor(thread_count) as pool:
+        for found, nbytes in pool.map(lambda job: _check_chunk(ckpt, job), jobs):
+            report.problems.extend(found)
+            report.bytes_read += nbytes
+            report.chunks += 1
+            bar.update(nbytes)
+    return report
+
+
+def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_ChunkJob]:
+    try:
+        document = ckpt.storage.read_json(f"{entry.node}/zarr.json")
+    except FileNotFoundError:
+        report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json is missing"))
+        return []
+    except ValueError as exc:
+        report.problems.append(Problem(entry.fqn, entry.node, None, f"zarr.json is not valid JSON ({exc})"))
+        return []
+    try:
+        layout = layout_from_array_metadata(document, f"array {entry.node!r}")
+    except MalformedMetadataError as exc:
+        report.problems.append(Problem(entry.fqn, entry.node, None, str(exc)))
+        return []
+    expected = (entry.shape, entry.chunk_shape, entry.inner_chunk_rows, zarr_dtype_name(entry.dtype))
+    found = (layout.shape, layout.chunk_shape, layout.inner_rows, document.get("data_type"))
+    if expected != found:
+        report.problems.append(Problem(entry.fqn, entry.node, None,
+                                       f"zarr.json says (shape, chunks, inner rows, dtype) {found}, the manifest {expected}"))
+        return []
+    itemsize = _itemsize(entry)
+    coords = sorted({c for offsets, sizes in entry.saved_chunks for c in layout.chunks_in_box(offsets, sizes)})
+    if not entry.shape:
+        coords = [()]
+    return [_ChunkJob(entry, layout, c, itemsize) for c in coords]
+
+
+def _check_chunk(ckpt: Checkpoint, job: _ChunkJob) -> tuple[list[Problem], int]:
+    entry, layout = job.entry, job.layout
+    key = chunk_key(job.coords)
+    path = f"{entry.node}/{key}"
+    plain_bytes = math.prod(layout.inner_chunk_shape) * job.itemsize + CHECKSUM_BYTES
+    try:
+        if not layout.sharded:
+            raw = ckpt.storage.read(path)
+            _check_plain(raw, plain_bytes)
+            return [], len(raw)
+        return _check_shard(ckpt, job, path, plain_bytes)
+    except FileNotFoundError:
+        return [Problem(entry.fqn, entry.node, key, "chunk is missing from the store")], 0
+    except CorruptChunkError as exc:
+        return [Problem(entry.fqn, entry.node, key, _reason(exc))], 0
+
+
+def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) -> tuple[list[Problem], int]:
+    entry, layout = job.entry, job.layout
+    key = chunk_key(job.coords)
+    index = decode_shard_index(ckpt.storage.read_tail(path, shard_index_bytes(layout)), layout, "shard")
+    _, extent = layout.chunk_box(job.coords)
+    problems, nbytes = [], shard_index_bytes(layout)
+    for i, (offset, length) in enumerate(index):
+        where = f"{key} inner chunk {i}"
+        if offset == MISSING:
+            if i * layout.inner_rows < extent[0]:  # only inner chunks wholly in the edge padding may be absent
+                problems.append(Problem(entry.fqn, entry.node, where, "the shard index marks it missing"))
+            continue
+        raw = ckpt.storage.read_range(path, int(offset), int(length))
+        nbytes += len(raw)
+        try:
+            if len(raw) != int(length):
+                raise CorruptChunkError(f"shard is truncated ({len(raw)} of {int(length)} bytes at offset {int(offset)})")
+            _check_plain(raw, inner_bytes)
+        except CorruptChunkError as exc:
+            problems.append(Problem(entry.fqn, entry.node, where, _reason(exc)))
+    return problems, nbytes
+
+
+def _check_plain(raw, expected_bytes: int) -> None:
+    verify_plain(raw, "")
+    if len(raw) != expected_bytes:
+        raise CorruptChunkError(f"chunk holds {len(raw)} bytes, expected {expected_bytes}")
+
+
+def _check_object(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> None:
+    try:
+        raw = ckpt.storage.read(f"{entry.node}/c/0")
+        _check_plain(raw, entry.nbytes + CHECKSUM_BYTES)
+        report.bytes_read += len(raw)
+    except FileNotFoundError:
+        report.problems.append(Problem(entry.fqn, entry.node, "c/0", "chunk is missing from the store"))
+    except CorruptChunkError as exc:
+        report.problems.append(Problem(entry.fqn, entry.node, "c/0", _reason(exc)))
+    report.chunks += 1
+
+
+def _reason(exc: CorruptChunkError) -> str:
+    return str(exc).removeprefix(": ")  # verify_plain's messages start with the (empty) location we passed
+
+
+def _itemsize(entry: Entry) -> int:
+    return torch.empty((), dtype=entry.dtype).element_size()
+
+
+def _stored_bytes(job: _ChunkJob) -> int:
+    return math.prod(job.layout.chunk_shape) * job.itemsize

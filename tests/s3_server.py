@@ -1,0 +1,76 @@
+"""A real S3-compatible server for tests: moto's ThreadedMotoServer on 127.0.0.1, on a port the kernel picks.
+
+It also counts requests in flight, so a test can see whether a writer's uploads overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+from moto.server import ThreadedMotoServer
+
+CREDENTIALS = {"key": "testing", "secret": "testing"}
+
+
+class _InFlight:
+    """WSGI middleware: counts concurrent PUTs and can hold each one for a while, to make overlap observable."""
+
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+        self.put_delay = 0.0
+
+    def __call__(self, environ, start_response):
+        if environ.get("REQUEST_METHOD") != "PUT":
+            return self.app(environ, start_response)
+        with self.lock:
+            self.current += 1
+            self.peak = max(self.peak, self.current)
+        try:
+            if self.put_delay:
+                time.sleep(self.put_delay)
+            return self.app(environ, start_response)
+        finally:
+            with self.lock:
+                self.current -= 1
+
+
+class S3Server:
+    def __init__(self):
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self._counter = _InFlight(self._server._server.app)
+        self._server._server.app = self._counter  # werkzeug looks the app up per request
+
+    def storage_options(self, **extra) -> dict:
+        return {"endpoint_url": self.endpoint, **CREDENTIALS, **extra}
+
+    def filesystem(self):
+        import s3fs
+
+        # No instance cache or listings cache: the test must see what the ranks wrote, not a stale listing.
+        return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **self.storage_options())
+
+    def make_bucket(self, name: str) -> str:
+        self.filesystem().mkdir(name)
+        return name
+
+    @contextlib.contextmanager
+    def slow_puts(self, seconds: float):
+        """Hold every PUT for ``seconds``; yields a function returning the most PUTs seen in flight at once."""
+        self._counter.peak, self._counter.put_delay = 0, seconds
+        try:
+            yield lambda: self._counter.peak
+        finally:
+            self._counter.put_delay = 0.0
+
+    def stop(self) -> None:
+        self._server.stop()

@@ -1,0 +1,244 @@
+"""The ``dcp-zarr`` command: inspect, verify, convert, diff; exit statuses; errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zarr
+from torch.distributed.checkpoint import FileSystemWriter
+
+from dcp_zarr import ZarrWriter
+from dcp_zarr.cli import main
+from tests import distributed
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+BIN = os.path.dirname(sys.executable)
+
+
+def _train_and_save_both(rank, world_size, zarr_path, dcp_path):
+    model, optim = distributed.build("fsdp2", world_size)
+    distributed.train_steps(model, optim, 2)
+    distributed.save_checkpoint(model, optim, ZarrWriter(zarr_path))
+    distributed.save_checkpoint(model, optim, FileSystemWriter(dcp_path))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The same 2-rank FSDP2 state saved as a zarr store and as a DCP directory."""
+    root = tmp_path_factory.mktemp("cli")
+    run_ranks(_train_and_save_both, 2, str(root / "ckpt.zarr"), str(root / "dcp"))
+    return root / "ckpt.zarr", root / "dcp"
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    target = tmp_path / "copy.zarr"
+    shutil.copytree(saved[0], target)
+    return target
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+# -- the installed entry points -------------------------------------------------------------------------------------
+
+
+def test_the_console_script_and_python_m_both_run_the_command(saved):
+    # Both at once: each pays for importing torch.
+    script = subprocess.Popen([os.path.join(BIN, "dcp-zarr"), "verify", str(saved[0])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    module = subprocess.Popen([sys.executable, "-m", "dcp_zarr", "inspect", str(saved[0] / "missing")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    script_out, _ = script.communicate(timeout=60)
+    _, module_err = module.communicate(timeout=60)
+
+    assert (script.returncode, script_out.split(":")[0]) == (0, "OK")
+    assert module.returncode == 2 and "does not exist" in module_err and "Traceback" not in module_err
+
+
+# -- inspect ----------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context(saved, capsys):
+    code, out, _ = run(capsys, "inspect", saved[0])
+
+    assert code == 0
+    assert "saved world size: 2, state_dict_type: sharded, meshes: 2" in out
+    assert "steps: 2 (16 entries)" in out  # every trained parameter's Adam step
+    lines = out.splitlines()
+    assert "model/" in lines and "optim/" in lines
+    embed = next(line for line in lines if line.strip().startswith("embed.weight"))
+    assert "float32" in embed and "[17, 13]" in embed and "chunks 9x13 x2" in embed and "DTensor(S(0))" in embed
+
+
+def test_inspect_json_is_machine_readable(saved, capsys):
+    code, out, _ = run(capsys, "inspect", saved[0], "--json")
+
+    summary = json.loads(out)
+    assert code == 0 and summary["saved_world_size"] == 2 and summary["state_dict_type"] == "sharded"
+    assert summary["steps"]["optim.state.head.weight.step"] == 2.0
+    embed = next(e for e in summary["entries"] if e["fqn"] == "model.embed.weight")
+    assert (embed["shape"], embed["dtype"], embed["chunk_shape"], embed["chunks"]) == ([17, 13], "float32", [9, 13], 2)
+
+
+# -- verify -----------------------------------------------------------------------------------------------------------
+
+
+def test_verify_passes_an_intact_checkpoint(saved, capsys):
+    code, out, _ = run(capsys, "verify", saved[0])
+
+    assert code == 0 and out.startswith("OK:")
+
+
+def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
+    os.remove(copy / "model" / "head.weight" / "c" / "1" / "0")
+    chunk = copy / "optim" / "state" / "norm.bias" / "exp_avg" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x40
+    chunk.write_bytes(bytes(data))
+
+    code, out, _ = run(capsys, "verify", copy)
+
+    assert code == 1 and out.startswith("CORRUPT:")
+    assert "array 'model/head.weight' chunk c/1/0 (entry 'model.head.weight'): chunk is missing" in out
+    assert "array 'optim/state/norm.bias/exp_avg' chunk c/0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
+    code, out, _ = run(capsys, "verify", copy, "--json")
+    assert code == 1 and len(json.loads(out)["problems"]) == 2
+
+
+def test_verify_and_diff_name_the_bad_inner_chunk_of_a_large_array(tmp_path, capsys):
+    good, bad = tmp_path / "good.zarr", tmp_path / "bad.zarr"
+    dcp.save({"w": torch.randn(64, 32)}, storage_writer=ZarrWriter(good, inner_chunk_bytes=1024))  # 8 rows a chunk
+    shutil.copytree(good, bad)
+    shard = bad / "w" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[2 * (8 * 32 * 4 + 4) + 7] ^= 1  # inner chunks are stored in order, each followed by its crc32c
+    shard.write_bytes(bytes(data))
+
+    code, out, _ = run(capsys, "verify", bad)
+    assert code == 1 and "array 'w' chunk c/0/0 inner chunk 2 (entry 'w'): crc32c mismatch" in out
+    code, out, _ = run(capsys, "diff", good, bad)
+    assert code == 1 and "unreadable  w" in out and "inner chunk 2" in out
+
+
+def test_verify_reports_an_interrupted_save_as_incomplete(copy, capsys):
+    os.remove(copy / "zarr.json")
+
+    code, out, _ = run(capsys, "verify", copy)
+
+    assert code == 1 and out.startswith("INCOMPLETE:")
+
+
+def test_paths_that_are_not_checkpoints_exit_2_with_a_message(saved, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    zarr.open_group(tmp_path / "plain.zarr", mode="w").create_array("x", shape=(2,), dtype="f4")
+    for path in (tmp_path / "nowhere", tmp_path / "empty", tmp_path / "plain.zarr", saved[1]):
+        for command in ("inspect", "verify"):
+            code, _, err = run(capsys, command, path)
+            assert code == 2 and err.startswith(f"dcp-zarr {command}: error: ")
+    _, _, err = run(capsys, "inspect", saved[1])
+    assert "torch.distributed.checkpoint directory" in err and "dcp-zarr convert" in err
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["convert", "a", "b"])  # --to is required
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["inspect", "x", "-o", "no-equals-sign"])
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+# -- convert ----------------------------------------------------------------------------------------------------------
+
+
+def test_convert_a_dcp_directory_then_refuse_to_overwrite_it_without_the_flag(saved, tmp_path, capsys):
+    out = tmp_path / "converted.zarr"
+
+    assert run(capsys, "convert", saved[1], out, "--to", "zarr")[0] == 0
+    assert run(capsys, "diff", saved[1], out)[0] == 0
+    code, _, err = run(capsys, "convert", saved[1], out, "--to", "zarr")
+    assert code == 2 and "already holds a checkpoint" in err
+    assert run(capsys, "convert", saved[1], out, "--to", "zarr", "--overwrite")[0] == 0
+
+
+def test_convert_names_the_missing_distcp_file(saved, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(saved[1], broken)
+    os.remove(broken / "__0_0.distcp")
+
+    code, _, err = run(capsys, "convert", broken, tmp_path / "out.zarr", "--to", "zarr")
+
+    assert code == 2 and "__0_0.distcp" in err and not (tmp_path / "out.zarr").exists()
+
+
+def test_convert_to_torch_and_safetensors(saved, tmp_path, capsys):
+    code, out, _ = run(capsys, "convert", saved[0], tmp_path / "full.pt", "--to", "torch")
+    assert code == 0 and out.strip() == str(tmp_path / "full.pt")
+    assert sorted(torch.load(tmp_path / "full.pt", weights_only=True)) == ["model", "optim"]
+
+    code, out, _ = run(capsys, "convert", saved[0], tmp_path / "hf", "--to", "safetensors", "--max-shard-size", "1KiB")
+    assert code == 0 and any(line.endswith("model.safetensors.index.json") for line in out.splitlines())
+    code, _, err = run(capsys, "convert", saved[0], tmp_path / "x.pt", "--to", "torch", "--max-shard-size", "1KB")
+    assert code == 2 and "safetensors only" in err
+
+
+# -- diff -------------------------------------------------------------------------------------------------------------
+
+
+def _save(path, state):
+    dcp.save(state, storage_writer=ZarrWriter(path))
+
+
+def test_diff_reports_each_differing_entry_with_its_max_abs_difference(tmp_path, capsys):
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    _save(tmp_path / "a.zarr", {"w": w, "b": torch.zeros(2), "lr": 0.1, "gone": torch.ones(1)})
+    _save(tmp_path / "b.zarr", {"w": w + torch.tensor([0.0, 0.0, 0.5, 0.0]), "b": -torch.zeros(2), "lr": 0.2,
+                                "new": torch.ones(1)})
+
+    code, out, _ = run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr")
+
+    assert code == 1
+    assert "different  w  (max abs diff 0.5, 3 of 12 elements differ)" in out
+    assert "close      b" in out  # -0.0 vs 0.0: different bits, no numeric difference
+    assert "different  lr  (0.1 vs 0.2)" in out
+    assert "only in A  gone" in out and "only in B  new" in out
+    assert out.splitlines()[-1] == "5 entries: 1 close, 2 different, 1 only in A, 1 only in B"
+    code, out, _ = run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr", "--json")
+    entries = {e["fqn"]: e for e in json.loads(out)["entries"]}
+    assert entries["w"]["max_abs_diff"] == 0.5 and entries["w"]["differing"] == 3
+
+
+def test_diff_within_atol_exits_0(tmp_path, capsys):
+    _save(tmp_path / "a.zarr", {"w": torch.ones(4)})
+    _save(tmp_path / "b.zarr", {"w": torch.ones(4) + 1e-3})
+
+    assert run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr")[0] == 1
+    assert run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr", "--atol", "1e-2")[0] == 0
+
+
+def test_diff_of_a_checkpoint_with_itself_lists_equal_entries_only_on_request(saved, capsys):
+    code, out, _ = run(capsys, "diff", saved[0], saved[0])
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 3  # the two paths, then straight to the summary
+    assert lines[2].endswith(" equal") and lines[2].split()[0] == lines[2].split()[2]  # "79 entries: 79 equal"
+    code, out, _ = run(capsys, "diff", saved[0], saved[0], "--all")
+    assert code == 0 and "  equal  model.embed.weight" in out
+
+
+def test_progress_bars_go_to_stderr_when_asked_for(saved, capsys):
+    code, out, err = run(capsys, "verify", saved[0], "--progress")
+
+    assert code == 0 and "verifying" in err and "verifying" not in out

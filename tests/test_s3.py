@@ -1,0 +1,157 @@
+"""Object stores through fsspec: a real S3-compatible server (moto) on 127.0.0.1, and ``memory://``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr.cli import main as cli_main
+from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.verify import verify_checkpoint
+from tests import distributed
+from tests.distributed import assert_state_equal, run_ranks
+from tests.s3_server import S3Server
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server()
+    server.make_bucket("ckpts")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def aws_environment(monkeypatch):
+    # Credentials also in the environment, as users usually have them; no real AWS account is ever reachable.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def fresh_url(name: str) -> str:
+    return f"s3://ckpts/{name}-{uuid.uuid4().hex[:8]}.zarr"
+
+
+def _train_and_save(rank, world_size, url, options):
+    return distributed.train_and_save(rank, world_size, "fsdp2", ZarrWriter(url, storage_options=options))[0]
+
+
+def _load_fresh(rank, world_size, url, options):
+    return distributed.load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
+
+
+def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
+    url, options = fresh_url("fsdp2"), s3.storage_options()
+
+    saved = run_ranks(_train_and_save, 2, url, options)[0]
+    loaded = run_ranks(_load_fresh, 3, url, options)[0]
+
+    assert_state_equal(loaded, saved)
+    ckpt = open_checkpoint(url, options)
+    assert ckpt.saved_world_size == 2
+    assert_state_equal(ckpt.load_full_state_dict(), saved)
+    assert verify_checkpoint(ckpt).ok
+
+
+# Small chunks are the common case (biases, norms, optimizer steps: thousands of them in an LLM checkpoint).
+SMALL_CHUNKS_SERIAL = pytest.mark.xfail(strict=True, reason=(
+    "scheduler.run_jobs batches writes under 1 MiB into ~1 MiB batches run one write after another, and "
+    "finish() writes every zarr.json in one batch: on an object store each write is a round trip, so small "
+    "chunks upload one at a time (200 x 1 KiB tensors at 20 ms/PUT: 13.7 s vs 4.0 s unbatched). "
+    "Fix: no byte batching for object-store backends (see report)."))
+
+
+@pytest.mark.parametrize("numel", [pytest.param(256, marks=SMALL_CHUNKS_SERIAL, id="1KiB-chunks"),
+                                   pytest.param(1 << 18, id="1MiB-chunks")])
+def test_uploads_within_one_rank_overlap(s3, numel):
+    state = {f"w{i}": torch.full((numel,), float(i)) for i in range(12)}
+    with s3.slow_puts(0.05) as peak_in_flight:
+        dcp.save(state, storage_writer=ZarrWriter(fresh_url("concurrent"), storage_options=s3.storage_options(),
+                                                  thread_count=4))
+        assert peak_in_flight() >= 3
+
+
+def test_verify_finds_a_corrupted_object(s3):
+    url = fresh_url("corrupt")
+    dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+    fs = s3.filesystem()
+    key = url.removeprefix("s3://") + "/w/c/0"
+    data = bytearray(fs.cat_file(key))
+    data[10] ^= 1
+    fs.pipe_file(key, bytes(data))
+
+    problems = verify_checkpoint(open_checkpoint(url, s3.storage_options())).problems
+
+    assert [(p.node, p.chunk) for p in problems] == [("w", "c/0")]
+    assert "crc32c mismatch" in problems[0].message
+
+
+def test_the_cli_takes_storage_options(s3, capsys):
+    url = fresh_url("cli")
+    dcp.save({"model": {"w": torch.ones(3, 2)}}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+    options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
+
+    assert cli_main(["inspect", url, *options]) == 0
+    assert "float32" in capsys.readouterr().out
+    assert cli_main(["verify", url, *options]) == 0
+    assert cli_main(["inspect", url + "-missing", *options]) == 2
+    assert "not a dcp_zarr checkpoint" in capsys.readouterr().err
+
+
+def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
+    state = {"model": {"w": torch.randn(4, 3)}, "epoch": 2}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    url = fresh_url("converted")
+    options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
+
+    assert cli_main(["convert", str(tmp_path / "dcp"), url, "--to", "zarr", *options]) == 0
+    assert cli_main(["diff", str(tmp_path / "dcp"), url, *options]) == 0
+    assert_state_equal(open_checkpoint(url, s3.storage_options()).load_full_state_dict(), state)
+    assert cli_main(["convert", str(tmp_path / "dcp"), url, "--to", "zarr", *options]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_an_existing_checkpoint_on_s3_is_not_replaced_without_overwrite(s3):
+    url, options = fresh_url("exists"), s3.storage_options()
+    dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter(url, storage_options=options))
+
+    with pytest.raises(BaseException, match="already holds a checkpoint"):
+        dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrWriter(url, storage_options=options))
+    assert torch.equal(open_checkpoint(url, options).read_tensor("w"), torch.ones(2))
+    dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrWriter(url, storage_options=options, overwrite=True))
+    assert torch.equal(open_checkpoint(url, options).read_tensor("w"), torch.zeros(2))
+
+
+def test_memory_urls_work_in_one_process():
+    url = f"memory://ckpt-{uuid.uuid4().hex[:8]}.zarr"
+    state = {"model": {"w": torch.randn(5, 3), "b": torch.randn(3).to(torch.bfloat16)}, "step": 7}
+
+    dcp.save(state, storage_writer=ZarrWriter(url))
+    loaded = {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0}
+    dcp.load(loaded, storage_reader=ZarrReader(url))
+
+    assert_state_equal(loaded, state)
+    assert_state_equal(open_checkpoint(url).load_full_state_dict(), state)
+    with pytest.raises(NotACheckpointError):
+        open_checkpoint("memory://nothing-here.zarr")
+
+
+def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
+    # Port 9 (discard) on localhost: connections are refused at once. The options make botocore try once per call.
+    options = {"endpoint_url": "http://127.0.0.1:9", "key": "x", "secret": "x",
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
+    start = time.monotonic()
+
+    with pytest.raises(ZarrCheckpointError, match=r"s3://ckpts/any\.zarr.*'zarr\.json'.*Could not connect to the endpoint"):
+        open_checkpoint("s3://ckpts/any.zarr", options)
+
+    assert time.monotonic() - start < 40  # dcp_zarr's own retry layer backs off ~10-20 s before giving up

@@ -1,0 +1,151 @@
+"""A checkpoint written by 2 ranks opens in zarr-python (with and without consolidated metadata) and in TensorStore's
+zarr3 driver: every dtype (bf16 and fp8 included), sharded arrays, 0-d step arrays, with bit-identical values."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+import torch.distributed.checkpoint as dcp
+import zarr
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr.dtypes import tensor_as_numpy
+from dcp_zarr.offline import open_checkpoint
+from tests.distributed import run_ranks
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")]
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+    torch.bool, torch.complex64, torch.complex128,
+]
+# With 1 KiB inner chunks the two 64-row arrays become shards (32 rows each) of several inner chunks.
+INNER_BYTES = 1024
+SHARDED = {"big_f32": (torch.float32, (64, 40)), "big_bf16": (torch.bfloat16, (64, 40))}
+
+
+def random_bits(shape, dtype, seed) -> torch.Tensor:
+    """Arbitrary bit patterns of ``dtype``: NaN payloads, infinities, subnormals, -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
+
+
+def expected_model() -> dict[str, torch.Tensor]:
+    """The full tensors every rank shards (13 rows: 7 on rank 0, 6 on rank 1)."""
+    tensors = {str(dtype).removeprefix("torch."): random_bits((13, 3), dtype, seed=i) for i, dtype in enumerate(DTYPES)}
+    for i, (name, (dtype, shape)) in enumerate(SHARDED.items()):
+        tensors[name] = random_bits(shape, dtype, seed=100 + i)
+    return tensors
+
+
+def expected_steps() -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor(3.0), "v": torch.tensor(5, dtype=torch.int64)}
+
+
+def _save_on_ranks(rank, world_size, path):
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = {}
+    for name, full in expected_model().items():
+        local = full.chunk(world_size)[rank].clone()  # torch.chunk's split is Shard(0)'s
+        model[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                         stride=full.stride())
+    optim = {"state": {k: {"step": v} for k, v in expected_steps().items()}}
+    dcp.save({"model": model, "optim": optim}, storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("interop") / "ckpt.zarr"
+    run_ranks(_save_on_ranks, 2, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def consolidated(store, tmp_path_factory):
+    copy = tmp_path_factory.mktemp("consolidated") / "ckpt.zarr"
+    shutil.copytree(store, copy)
+    zarr.consolidate_metadata(str(copy))
+    return copy
+
+
+def expected_arrays() -> dict[str, torch.Tensor]:
+    """zarr node -> the tensor it must hold."""
+    arrays = {f"model/{name}": t for name, t in expected_model().items()}
+    arrays.update({f"optim/state/{k}/step": v for k, v in expected_steps().items()})
+    return arrays
+
+
+def assert_same_bits(array: np.ndarray, tensor: torch.Tensor, node: str) -> None:
+    expected = tensor_as_numpy(tensor)
+    array = np.asarray(array)
+    assert array.dtype == expected.dtype, f"{node}: {array.dtype} vs {expected.dtype}"
+    assert array.shape == expected.shape, f"{node}: {array.shape} vs {expected.shape}"
+    assert array.tobytes() == expected.tobytes(), f"{node}: values differ"
+
+
+def test_the_store_really_has_sharded_and_scalar_arrays(store):
+    ckpt = open_checkpoint(store)
+
+    assert ckpt.saved_world_size == 2
+    assert all(ckpt.entries[f"model.{name}"].inner_chunk_rows > 0 for name in SHARDED)
+    assert ckpt.entries["optim.state.w.step"].shape == ()
+    assert len(ckpt.entries["model.bfloat16"].saved_chunks) == 2  # written by two ranks
+
+
+@pytest.mark.parametrize("which", ["plain", "consolidated"])
+def test_zarr_python_reads_every_array_bit_exact(which, store, consolidated):
+    path = store if which == "plain" else consolidated
+    group = zarr.open_group(str(path), mode="r", use_consolidated=(which == "consolidated"))
+
+    if which == "consolidated":
+        assert group.metadata.consolidated_metadata is not None
+    for node, tensor in expected_arrays().items():
+        array = group[node]
+        assert_same_bits(array[...], tensor, node)
+    assert group["model/big_f32"].shards == (32, 40)  # the zarr view of our sharding
+    assert_same_bits(group["model/big_bf16"][5:37, 3:9], expected_model()["big_bf16"][5:37, 3:9], "big_bf16 slice")
+
+
+def test_dcp_zarr_still_loads_a_store_after_zarr_consolidates_it(consolidated):
+    state = {"model": {n: torch.empty_like(t) for n, t in expected_model().items()},
+             "optim": {"state": {k: {"step": torch.zeros_like(v)} for k, v in expected_steps().items()}}}
+
+    dcp.load(state, storage_reader=ZarrReader(consolidated), no_dist=True)
+
+    for name, tensor in expected_model().items():
+        assert_same_bits(tensor_as_numpy(state["model"][name]), tensor, name)
+
+
+def _tensorstore(path, node, **extra):
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{path}/{node}"}, **extra}
+    return ts.open(spec, read=True).result()
+
+
+def test_tensorstore_reads_every_array_bit_exact(store):
+    for node, tensor in expected_arrays().items():
+        array = _tensorstore(store, node)
+        assert array.dtype.name == str(tensor.dtype).removeprefix("torch."), node
+        assert_same_bits(array.read().result(), tensor, node)
+
+
+def test_tensorstore_reads_regions_of_sharded_arrays(store):
+    full = expected_model()["big_f32"]
+    array = _tensorstore(store, "model/big_f32")
+
+    assert_same_bits(array[29:35, 1:7].read().result(), full[29:35, 1:7], "big_f32 across the two ranks' shards")
+
+
+def test_tensorstore_reads_the_consolidated_copy_too(consolidated):
+    assert_same_bits(_tensorstore(consolidated, "model/float8_e4m3fn").read().result(),
+                     expected_model()["float8_e4m3fn"], "fp8")
