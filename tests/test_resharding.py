@@ -105,3 +105,69 @@ def test_2d_meshes_load_at_one_and_three_ranks(tmp_path, layout):
     assert manifest["saved_world_size"] == 4
     assert manifest["state_dict_type"] == "sharded"
     assert any(m["shape"] == [2, 2] for m in manifest["meshes"])
+
+
+def replicated_save(rank, world_size, path):
+    """Every rank holds the same plain tensors (DDP-style): DCP's deduplication must leave one writer each."""
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(9, 4), "b": torch.randn(4)}, "optim": {"state": {"w": {"step": torch.tensor(0.0)}}}}
+    writer = ZarrWriter(path)
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=writer)
+    return writer.written_keys, state
+
+
+def test_replicated_tensors_are_written_once_by_one_rank(tmp_path):
+    path = str(tmp_path / "ddp.zarr")
+    results = d.run_ranks(replicated_save, 2, path)
+    keys = [k for written, _ in results for k in written]
+    assert sorted(keys) == sorted(chunk_files(path)) and len(keys) == len(set(keys))
+    group = zarr.open_group(path, mode="r")
+    assert torch.equal(torch.from_numpy(group["model/w"][...]), results[0][1]["model"]["w"])
+    assert group["optim/state/w/step"][()] == 0.0, "a step of 0 is stored, not skipped"
+
+
+def plain_model_state(seed=0):
+    return {"model": d.make_model(seed).state_dict()}
+
+
+def load_plain_into_fsdp2(rank, world_size, path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    model = d.shard(d.make_model(seed=5), "fsdp2", world_size)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=ZarrReader(path))
+    set_model_state_dict(model, state["model"])
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_fsdp2_model(rank, world_size, path):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    model = d.shard(d.make_model(seed=0), "fsdp2", world_size)
+    dcp.save({"model": get_model_state_dict(model)}, storage_writer=ZarrWriter(path))
+
+
+def test_plain_single_process_save_loads_sharded_and_back(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    expected = plain_model_state()
+    plain_path = str(tmp_path / "plain.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(expected, storage_writer=ZarrWriter(plain_path))  # no process group at all
+    loaded = d.run_ranks(load_plain_into_fsdp2, 2, plain_path)[0]
+    d.assert_state_equal(loaded, expected["model"])
+
+    sharded_path = str(tmp_path / "sharded.zarr")
+    d.run_ranks(save_fsdp2_model, 3, sharded_path)
+    target = plain_model_state(seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=ZarrReader(sharded_path))  # no process group, a plain model's tensors
+    d.assert_state_equal(target, expected)
