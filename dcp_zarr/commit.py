@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 
@@ -57,25 +58,48 @@ def check_target(target: str, storage_options: dict | None, overwrite: bool) -> 
 
 
 def prepare_staging(staging: Storage) -> None:
-    """Start from an empty staging area (an object-store prefix may hold an interrupted save's chunks)."""
+    """Start from an empty staging area (an object-store prefix may hold an interrupted save's chunks, or the
+    checkpoint ``overwrite=True`` replaces). The commit marker goes first: a crash while the rest is deleted then
+    leaves a store refused as incomplete, never one that claims to be complete with chunks missing."""
+    staging.remove(ROOT_KEY)
     staging.remove_all()
 
 
-def commit(staging: Storage, target: str) -> None:
-    """Make the fully written staging area the checkpoint at ``target``."""
+def commit(staging: Storage, target: str, replace: bool = False) -> None:
+    """Make the fully written staging area the checkpoint at ``target``.
+
+    Without ``replace``, a checkpoint that appeared at ``target`` while this save ran is never replaced: the plain
+    rename fails on a non-empty directory, atomically, and this save is refused instead.
+    """
     staging.flush()
     if not is_local(target):
         return
     final = local_path(target)
     source = staging.url
-    if os.path.isdir(final) and os.listdir(final):
+    if replace and os.path.isdir(final) and os.listdir(final):
         _exchange(source, final)
-        shutil.rmtree(source)  # now holds the replaced checkpoint
-    else:
-        if os.path.isdir(final):
-            os.rmdir(final)
-        os.rename(source, final)
+        _fsync_directory(os.path.dirname(final))  # the new checkpoint is durable in place before the old one goes
+        _discard(source)  # now holds the replaced checkpoint
+        return
+    try:
+        os.rename(source, final)  # replaces an empty directory, fails on anything else
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise
+        shutil.rmtree(source, ignore_errors=True)
+        raise CheckpointExistsError(
+            f"{final} was written by someone else while this save ran; refusing to replace it (overwrite=False)"
+        ) from None
     _fsync_directory(os.path.dirname(final))
+
+
+def _discard(path: str) -> None:
+    """Delete a checkpoint directory, its commit marker first, so that no crash leaves it looking complete."""
+    try:
+        os.remove(os.path.join(path, ROOT_KEY))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path)
 
 
 def _exchange(a: str, b: str) -> None:

@@ -22,6 +22,7 @@ from dcp_zarr.errors import InvalidKeyError
 INNER_CHUNK_TARGET_BYTES = 1 << 20
 
 _FORBIDDEN_CHARACTERS = re.compile(r"[/\\\x00-\x1f\x7f]")
+_MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, NTFS; a chunk directory is one name per component
 
 
 def check_node_name(name: str, key: object) -> str:
@@ -39,6 +40,10 @@ def check_node_name(name: str, key: object) -> str:
         )
     if name.lower() == "zarr.json":
         raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} collides with zarr's own keys")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > _MAX_NAME_BYTES:  # refused now, or the save would fail halfway with ENAMETOOLONG
+        raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} is {size} bytes; file systems allow "
+                              f"{_MAX_NAME_BYTES} per name")
     return name
 
 

@@ -6,6 +6,9 @@ attribute is what makes a store a complete checkpoint. The schema is documented 
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -16,7 +19,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_zarr.dtypes import torch_dtype_from_name
-from dcp_zarr.errors import IncompleteCheckpointError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.layout import check_node_name
 from dcp_zarr.storage import Storage
 
 FORMAT_NAME = "dcp_zarr"
@@ -41,8 +45,8 @@ def read_manifest(storage: Storage) -> dict:
                 "last; the save was interrupted or is still running"
             ) from None
         raise NotACheckpointError(f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
-    except ValueError as exc:
-        raise MalformedMetadataError(f"{storage.url}: root zarr.json is not valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise MalformedMetadataError(f"{storage.url}: root zarr.json is not valid JSON ({exc})") from None
     if not isinstance(root, dict) or root.get("zarr_format") != 3:
         raise NotACheckpointError(f"{storage.url} is not a zarr v3 store (root zarr.json has no zarr_format 3)")
     manifest = root.get("attributes", {}).get(MANIFEST_ATTRIBUTE) if isinstance(root.get("attributes"), dict) else None
@@ -70,24 +74,65 @@ def _check(manifest, url: str) -> None:
     for fqn, entry in entries.items():
         if not isinstance(entry, dict) or entry.get("kind") not in (TENSOR, VALUE, OBJECT):
             raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has no valid 'kind'")
+        _check_location(fqn, entry, url)
         if entry["kind"] == TENSOR:
             _check_tensor_entry(fqn, entry, url)
 
 
+def _check_location(fqn: str, entry: dict, url: str) -> None:
+    """The entry's state-dict path, and the node it is read from, which must be a place inside this store: a
+    hostile manifest must not send the reader to ``../other.zarr`` or ``/etc``."""
+    path = entry.get("path", [fqn])
+    if not isinstance(path, list) or not path or any(type(part) not in (str, int) for part in path):
+        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has a malformed path {path!r}")
+    if entry["kind"] == VALUE:
+        return  # held in the manifest itself: its node is never read
+    node = entry.get("node")
+    if not isinstance(node, str):
+        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has no valid node ({node!r})")
+    try:
+        for name in node.split("/"):
+            check_node_name(name, fqn)
+    except InvalidKeyError as exc:
+        raise InvalidKeyError(f"{url}: manifest entry {fqn!r} is stored at node {node!r}, which is refused: {exc}") \
+            from None
+
+
 def _check_tensor_entry(fqn: str, entry: dict, url: str) -> None:
     try:
-        shape = [int(n) for n in entry["shape"]]
+        shape = entry["shape"]
+        if not _is_index_list(shape):
+            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
         torch_dtype_from_name(entry["dtype"])
+        boxes = []
         for chunk in entry["saved_chunks"]:
             offsets, sizes = chunk["offsets"], chunk["sizes"]
-            if len(offsets) != len(shape) or len(sizes) != len(shape):
-                raise ValueError("saved chunk rank differs from the tensor's")
-            if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            if not (_is_index_list(offsets) and _is_index_list(sizes)) or not len(offsets) == len(sizes) == len(shape):
+                raise ValueError(f"saved chunk {offsets}+{sizes} is not a box of a rank-{len(shape)} tensor")
+            if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
                 raise ValueError(f"saved chunk {offsets}+{sizes} lies outside shape {shape}")
-        if not isinstance(entry["node"], str):
-            raise ValueError("node is not a string")
+            boxes.append((offsets, sizes))
+        if not _tiles(shape, boxes):
+            raise ValueError(f"its saved chunks do not cover shape {shape} exactly once")
     except Exception as exc:  # any malformation of this entry, reported as one error naming it
         raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} is malformed: {exc}") from exc
+
+
+def _is_index_list(value) -> bool:
+    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _tiles(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether the boxes cover every element of ``shape`` exactly once. DCP checks this when saving; a manifest that
+    breaks it would make a load silently leave part of a tensor as it was."""
+    boxes = [box for box in boxes if all(box[1])]  # empty boxes (a rank with no rows) hold nothing
+    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
+        return False
+    if len(boxes) < 2:
+        return True
+    lo = np.array([offsets for offsets, _ in boxes], dtype=np.int64)
+    hi = lo + np.array([sizes for _, sizes in boxes], dtype=np.int64)
+    return not any(np.all((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i]), axis=1).any() for i in range(len(boxes) - 1))
 
 
 def dcp_metadata(manifest: dict) -> Metadata:

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.encoding import layout_from_array_metadata, verify_plain
+from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name, zarr_dtype_name
+from dcp_zarr.encoding import array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.manifest import OBJECT, TENSOR, dcp_metadata, read_manifest
 from dcp_zarr.scheduler import run_jobs
@@ -105,7 +105,7 @@ class ZarrReader(StorageReader):
             return _read_into_tensor(reader, stored_dtype, offsets, item.lengths, dest)
 
         jobs = [(dest.numel() * dest.element_size(), partial(read, job)) for job in tensor_items for dest in [job[1]]]
-        self.bytes_read += sum(run_jobs(jobs, self.thread_count, name="dcp-zarr-read"))
+        self.bytes_read += sum(run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-read"))
         for item, dest, _, _ in tensor_items:
             planner.commit_tensor(item, dest)
         future: Future[None] = Future()
@@ -133,11 +133,28 @@ def _region_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:
         array_doc = storage.read_json(f"{node}/zarr.json")
     except FileNotFoundError:
         raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
+    except (ValueError, RecursionError) as exc:
+        raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
     layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
     if list(layout.shape) != list(entry["shape"]):
         raise MalformedMetadataError(
             f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {entry['shape']}")
-    return RegionReader(storage, node, layout, numpy_dtype(torch_dtype_from_name(entry["dtype"])))
+    if "chunk_shape" in entry and [list(layout.chunk_shape), layout.inner_rows] != [entry["chunk_shape"],
+                                                                                  entry.get("inner_chunk_rows", 0)]:
+        raise MalformedMetadataError(
+            f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
+            f"{layout.inner_rows} rows, but the manifest says {entry['chunk_shape']} and "
+            f"{entry.get('inner_chunk_rows', 0)}")
+    dtype = torch_dtype_from_name(entry["dtype"])
+    # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
+    # compression, no checksums) would be misread, so it is refused by name instead.
+    expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
+    for field in ("data_type", "codecs", "chunk_key_encoding"):
+        if array_doc.get(field) != expected[field]:
+            raise MalformedMetadataError(
+                f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
+                f"but a {entry['dtype']} entry is stored with {expected[field]!r}")
+    return RegionReader(storage, node, layout, numpy_dtype(dtype))
 
 
 def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> int:
@@ -153,7 +170,11 @@ def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, 
 def _value_bytes(storage: Storage, entry: dict, fqn: str, safe_globals: list) -> bytes:
     """A ``torch.save`` stream of the stored value, built only from data that ran no code when read."""
     if entry["kind"] == OBJECT:
-        raw = storage.read(f"{entry['node']}/c/0")
+        try:
+            raw = storage.read(f"{entry['node']}/c/0")
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{storage.url}: array {entry['node']!r} chunk c/0 of entry {fqn!r} is missing "
+                                    "from the store") from None
         payload = bytes(verify_plain(raw, f"array {entry['node']!r} chunk c/0"))
         try:
             with torch.serialization.safe_globals(safe_globals):
@@ -167,7 +188,10 @@ def _value_bytes(storage: Storage, entry: dict, fqn: str, safe_globals: list) ->
     elif entry["kind"] == TENSOR:
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
     else:
-        value = decode_value(entry["value"])
+        try:
+            value = decode_value(entry["value"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} holds a malformed value ({exc!r})") from None
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()

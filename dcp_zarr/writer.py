@@ -125,7 +125,8 @@ class ZarrWriter(StorageWriter):
                 result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
             results.append(result)
         self.written_keys = [key for key, _, _ in jobs if not key.endswith("zarr.json")]
-        run_jobs([(nbytes, job) for _, nbytes, job in jobs], self.thread_count, name="dcp-zarr-write")
+        run_jobs([(nbytes, job) for _, nbytes, job in jobs], self.thread_count, storage.batch_bytes,
+                 name="dcp-zarr-write")
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -155,7 +156,8 @@ class ZarrWriter(StorageWriter):
         for entry in entries.values():
             for group in parent_groups(entry["node"]):
                 documents.setdefault(f"{group}/zarr.json", group_metadata())
-        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()], self.thread_count)
+        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()], self.thread_count,
+                 storage.batch_bytes)
         manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
         commit.commit(storage, self.path, replace=self.overwrite)

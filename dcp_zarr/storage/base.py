@@ -11,6 +11,10 @@ class Storage(abc.ABC):
     """A flat key space (zarr's: ``model/w/c/0``, ``model/w/zarr.json``) under one checkpoint root."""
 
     url: str
+    # Jobs smaller than this share one thread-pool task (scheduler.run_jobs). Local files: batching saves the
+    # per-task overhead of thousands of tiny writes. Object stores: 0, since each write is a round trip that
+    # must overlap with the others.
+    batch_bytes: int = 1 << 20
 
     @abc.abstractmethod
     def write(self, key: str, buffers: Sequence) -> None:

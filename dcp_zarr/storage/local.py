@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 from collections.abc import Sequence
 
+from dcp_zarr.errors import InvalidKeyError
 from dcp_zarr.storage.base import Storage
 
 # writev accepts at most IOV_MAX buffers per call (1024 on Linux).
@@ -20,7 +22,10 @@ class LocalStorage(Storage):
         self.sync_files = sync_files
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/"))
+        parts = key.split("/")
+        if any(part in ("", ".", "..") for part in parts):  # keys may come from a hostile manifest
+            raise InvalidKeyError(f"{self.root}: key {key!r} would leave the checkpoint directory")
+        return os.path.join(self.root, *parts)
 
     def write(self, key: str, buffers: Sequence) -> None:
         path = self._path(key)
@@ -37,6 +42,9 @@ class LocalStorage(Storage):
                     pending.pop(0)
                 if written:
                     pending[0] = pending[0][written:]
+        except OSError as exc:
+            exc.filename = exc.filename or path  # writev's ENOSPC / EFBIG / EIO do not say which file
+            raise
         finally:
             os.close(fd)
 
@@ -106,7 +114,12 @@ def _syncfs(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
-        if syncfs is None or syncfs(fd) != 0:
-            os.sync()  # no syncfs (not Linux) or it failed: flush every filesystem instead
+        if syncfs is not None and syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            if err != errno.ENOSYS:  # a write-back error (EIO, ENOSPC): the data may not be on disk, so no commit
+                raise OSError(err, f"syncfs failed: {os.strerror(err)}", path)
+            syncfs = None
+        if syncfs is None:
+            os.sync()  # no syncfs (not Linux, or a kernel without it): flush every filesystem instead
     finally:
         os.close(fd)

@@ -9,10 +9,13 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from dcp_zarr.storage.base import Storage
+from dcp_zarr.storage.retry import call_with_retry
 
 
 class ZarrStoreStorage(Storage):
     """Calls are synchronous; zarr runs them on its event loop, so calls from several threads overlap."""
+
+    batch_bytes = 0
 
     def __init__(self, store: Store, url: str):
         self.store = store
@@ -21,10 +24,12 @@ class ZarrStoreStorage(Storage):
 
     def write(self, key: str, buffers: Sequence) -> None:
         data = b"".join(memoryview(b).cast("B") for b in buffers)
-        sync(self.store.set(key, self._prototype.buffer.from_bytes(data)))
+        buffer = self._prototype.buffer.from_bytes(data)
+        call_with_retry(lambda: sync(self.store.set(key, buffer)), what="write", key=key, url=self.url)
 
     def _get(self, key: str, byte_range=None) -> bytes:
-        buffer = sync(self.store.get(key, self._prototype, byte_range))
+        buffer = call_with_retry(lambda: sync(self.store.get(key, self._prototype, byte_range)),
+                                 what="read", key=key, url=self.url)
         if buffer is None:
             raise FileNotFoundError(f"{self.url}: no key {key!r}")
         return buffer.to_bytes()
@@ -39,7 +44,10 @@ class ZarrStoreStorage(Storage):
         return self._get(key, SuffixByteRequest(length))
 
     def exists(self, key: str) -> bool:
-        return sync(self.store.exists(key))
+        return call_with_retry(lambda: sync(self.store.exists(key)), what="look up", key=key, url=self.url)
+
+    def remove(self, key: str) -> None:
+        call_with_retry(lambda: sync(self.store.delete(key)), what="delete", key=key, url=self.url)
 
     def remove_all(self) -> None:
-        sync(self.store.delete_dir(""))
+        call_with_retry(lambda: sync(self.store.delete_dir("")), what="delete everything under", key="", url=self.url)
