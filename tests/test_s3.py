@@ -62,16 +62,9 @@ def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
     assert verify_checkpoint(ckpt).ok
 
 
-# Small chunks are the common case (biases, norms, optimizer steps: thousands of them in an LLM checkpoint).
-SMALL_CHUNKS_SERIAL = pytest.mark.xfail(strict=True, reason=(
-    "scheduler.run_jobs batches writes under 1 MiB into ~1 MiB batches run one write after another, and "
-    "finish() writes every zarr.json in one batch: on an object store each write is a round trip, so small "
-    "chunks upload one at a time (200 x 1 KiB tensors at 20 ms/PUT: 13.7 s vs 4.0 s unbatched). "
-    "Fix: no byte batching for object-store backends (see report)."))
-
-
-@pytest.mark.parametrize("numel", [pytest.param(256, marks=SMALL_CHUNKS_SERIAL, id="1KiB-chunks"),
-                                   pytest.param(1 << 18, id="1MiB-chunks")])
+# Small chunks are the common case (biases, norms, optimizer steps: thousands of them in an LLM checkpoint); on an
+# object store each is a round trip, so they must be in flight together, not batched one after another.
+@pytest.mark.parametrize("numel", [pytest.param(256, id="1KiB-chunks"), pytest.param(1 << 18, id="1MiB-chunks")])
 def test_uploads_within_one_rank_overlap(s3, numel):
     state = {f"w{i}": torch.full((numel,), float(i)) for i in range(12)}
     with s3.slow_puts(0.05) as peak_in_flight:

@@ -1,0 +1,403 @@
+"""A save killed at any moment never leaves a checkpoint that loads as complete when it is not, never damages an
+earlier checkpoint, and never mixes two checkpoints; and what is committed was fsynced first.
+
+The kill trials save two-rank DTensor state dicts (tests/fault_tools.py) and SIGKILL ranks
+
+* at every filesystem mutation of a save, one at a time (chunk and zarr.json writes, some torn halfway, the
+  directory fsyncs, the commit rename or exchange, and a sample of the unlinks that remove a replaced checkpoint),
+  of the coordinator and of the other rank, into a fresh path and over an existing checkpoint;
+* at random moments from outside, one rank or all of them;
+* while a second save into another store in the same directory runs, which must not notice.
+
+After every trial the target must be absent (fresh path) or load bit-exact as the previous or the new checkpoint (and
+pass ``dcp-zarr verify``);
+an earlier checkpoint at another path must be byte-identical; every hidden staging directory left behind must either
+refuse to load as a checkpoint or load bit-exact as one of the two. The counts are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+import warnings
+from collections import Counter
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_zarr import CheckpointExistsError, MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr import commit as commit_module
+from dcp_zarr.commit import STAGING_MARK
+from dcp_zarr.manifest import read_manifest
+from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.storage import LocalStorage
+from dcp_zarr.verify import verify_checkpoint
+from tests.distributed import assert_state_equal
+from tests.fault_tools import (
+    Zygote,
+    blank_like,
+    causes,
+    crash_state,
+    load_full,
+    save_plain,
+    save_program,
+    tree_digest,
+)
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+
+WORLD_SIZE = 2
+TRIAL_SEED = 20260601
+TEMPLATE = crash_state(0)
+_STATES: dict[int, dict] = {}
+
+
+def state_of(seed: int) -> dict:
+    if seed not in _STATES:
+        _STATES[seed] = crash_state(seed)
+    return _STATES[seed]
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+class Workspace:
+    """One directory with a target that trials save into, and an earlier checkpoint beside it that nothing may touch."""
+
+    def __init__(self, root: str, name: str = "ckpt.zarr"):
+        self.root = root
+        self.target = os.path.join(root, name)
+        self.staging_prefix = f".{name}{STAGING_MARK}"
+        self.sentinel = os.path.join(root, "earlier.zarr")
+        save_plain(state_of(1), self.sentinel)
+        self.sentinel_digest = tree_digest(self.sentinel)
+        self.committed: int | None = None
+        self.leftovers: set[str] = set()
+        self.others: set[str] = set()  # other stores in the directory, not this workspace's business
+        self.outcomes: Counter = Counter()
+        self.leftover_outcomes: Counter = Counter()
+
+    def prepare(self, fresh: bool) -> int | None:
+        if fresh and os.path.exists(self.target):
+            shutil.rmtree(self.target)
+            self.committed = None
+        return self.committed
+
+    def check(self, new_seed: int, label: str, count: bool = True) -> str:
+        """Assert every invariant after a trial that saved ``new_seed``; returns "old", "new" or "absent"."""
+        old = self.committed
+        candidates = [s for s in (old, new_seed) if s is not None]
+        if not os.path.exists(self.target):
+            assert old is None, f"{label}: the previous checkpoint (seed {old}) at the target is gone"
+            outcome = "absent"
+        else:
+            seed = _matching_seed(self.target, candidates, label)
+            outcome = "new" if seed == new_seed and seed != old else "old"
+            self.committed = seed
+            report = verify_checkpoint(open_checkpoint(self.target))
+            assert report.ok, f"{label}: dcp-zarr verify finds problems: {[str(p) for p in report.problems]}"
+        assert tree_digest(self.sentinel) == self.sentinel_digest, f"{label}: the earlier checkpoint was modified"
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if path in (self.target, self.sentinel) or name in self.leftovers or name in self.others:
+                continue
+            assert name.startswith(self.staging_prefix), f"{label}: unexpected {name!r} beside the target"
+            self.leftovers.add(name)
+            self.leftover_outcomes[_leftover_state(path, candidates, label)] += 1
+        if count:
+            self.outcomes[outcome] += 1
+        return outcome
+
+
+def _matching_seed(path: str, candidates: list[int], label: str) -> int:
+    """The seed whose state ``path`` loads as, bit-exact; fails unless it is one of ``candidates``."""
+    try:
+        loaded = load_full(path, TEMPLATE)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        raise AssertionError(f"{label}: {path} does not load: {[repr(c) for c in causes(exc)]}") from None
+    differences = []
+    for seed in candidates:
+        try:
+            assert_state_equal(loaded, state_of(seed))
+            return seed
+        except AssertionError as exc:
+            differences.append(f"seed {seed}: {exc}")
+    raise AssertionError(f"{label}: {path} loads, but as none of seeds {candidates}: {differences}")
+
+
+def _leftover_state(path: str, candidates: list[int], label: str) -> str:
+    """A staging directory left by a killed save: either not a checkpoint at all, or a complete one."""
+    try:
+        read_manifest(LocalStorage(path))
+    except (NotACheckpointError, MalformedMetadataError):
+        with pytest.raises((NotACheckpointError, MalformedMetadataError)):
+            open_checkpoint(path)  # what dcp-zarr verify opens
+        return "refused"
+    _matching_seed(path, candidates, f"{label}: leftover {os.path.basename(path)}")
+    return "complete"
+
+
+def _run_trial(zygote, ws: Workspace, seed: int, kill: dict | None = None, timer: tuple | None = None):
+    """One save of ``seed``; ``kill`` for a self-kill at an event, ``timer=(delay, ranks)`` for a kill from outside."""
+    launch = zygote.launch(save_program, WORLD_SIZE, ws.target, seed, kill)
+    if timer is not None:
+        delay, ranks = timer
+        assert launch.wait_reported("saving", 60, ranks=[0]), "rank 0 never started saving"
+        time.sleep(delay)
+        launch.kill(ranks)
+    return launch.wait(60)
+
+
+def _save_completely(zygote, ws: Workspace, seed: int) -> list[list[str]]:
+    outcomes = _run_trial(zygote, ws, seed)
+    assert all(o[0] == "ok" for o in outcomes.values()), outcomes
+    ws.check(seed, f"clean save of seed {seed}", count=False)
+    assert ws.committed == seed
+    return [outcomes[r][1] for r in range(WORLD_SIZE)]
+
+
+def _kill_points(sequences: list[list[str]]) -> list[dict]:
+    """Every event of every rank; every write twice: killed before it, and halfway through it (a torn file)."""
+    points = []
+    for rank, sequence in enumerate(sequences):
+        for i, kind in enumerate(sequence, 1):
+            points.append({"rank": rank, "event": i, "kind": kind, "torn": False})
+            if kind == "write":
+                points.append({"rank": rank, "event": i, "kind": kind, "torn": True})
+    return points
+
+
+def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(zygote, tmp_path):
+    ws = Workspace(str(tmp_path))
+    seeds = iter(range(100, 10_000))
+    started = time.monotonic()
+    outcome_by_kind: dict[str, Counter] = {}
+    trials = 0
+    for fresh in (True, False):
+        ws.prepare(fresh=True)
+        if not fresh:
+            _save_completely(zygote, ws, next(seeds))  # so that the measured save below replaces a checkpoint
+        sequences = _save_completely(zygote, ws, next(seeds))  # each rank's events, in order
+        for point in _kill_points(sequences):
+            ws.prepare(fresh=fresh)
+            seed = next(seeds)
+            outcomes = _run_trial(zygote, ws, seed, kill=point)
+            label = f"{'fresh' if fresh else 'overwrite'} trial, rank {point['rank']} killed at event {point['event']}" \
+                    f" ({point['kind']}{', torn' if point['torn'] else ''})"
+            assert outcomes[point["rank"]][0] == "died", f"{label}: the kill point was never reached: {outcomes}"
+            outcome = ws.check(seed, label)
+            kind = point["kind"] + (" (torn)" if point["torn"] else "")
+            outcome_by_kind.setdefault(kind, Counter())[outcome] += 1
+            trials += 1
+    elapsed = time.monotonic() - started
+    print(f"\nkill at an IO step: {trials} trials in {elapsed:.1f} s; target after the kill: {dict(ws.outcomes)}; "
+          f"leftover staging dirs: {dict(ws.leftover_outcomes)}")
+    for kind, counts in sorted(outcome_by_kind.items()):
+        print(f"  {kind:16s} {dict(counts)}")
+    # Kills before the commit keep the old checkpoint (or none); kills after it (removing the replaced one, the
+    # final directory fsync) find the new one. Both must have happened, or the trials did not straddle the commit.
+    assert ws.outcomes["new"] > 0 and (ws.outcomes["old"] + ws.outcomes["absent"]) > 0
+    assert outcome_by_kind["write"].keys() <= {"old", "absent"}, "a kill during the writes committed something"
+
+
+def test_sigkill_at_random_moments_of_one_rank_or_all(zygote, tmp_path):
+    rng = random.Random(TRIAL_SEED + 1)
+    ws = Workspace(str(tmp_path))
+    save_started = time.monotonic()
+    _save_completely(zygote, ws, 1000)
+    clean = time.monotonic() - save_started  # launch + save + exit: kill delays are spread over all of it
+    trials, victims = 100, Counter()
+    started = time.monotonic()
+    for trial in range(trials):
+        fresh = rng.random() < 0.25
+        ws.prepare(fresh=fresh)
+        ranks = None if rng.random() < 0.5 else [rng.randrange(WORLD_SIZE)]
+        victims["all" if ranks is None else f"rank {ranks[0]}"] += 1
+        seed = 1001 + trial
+        _run_trial(zygote, ws, seed, timer=(rng.uniform(0, clean), ranks))
+        ws.check(seed, f"trial {trial}: {'all ranks' if ranks is None else f'rank {ranks[0]}'} killed")
+    print(f"\nkill at a random moment: {trials} trials in {time.monotonic() - started:.1f} s, victims {dict(victims)}; "
+          f"target after the kill: {dict(ws.outcomes)}; leftover staging dirs: {dict(ws.leftover_outcomes)}")
+
+
+def test_concurrent_saves_into_different_stores_are_independent(zygote, tmp_path):
+    """Two saves into sibling stores at once; one is killed (at an IO step, or at a random moment), the other must
+    not notice."""
+    rng = random.Random(TRIAL_SEED + 2)
+    killed_ws = Workspace(str(tmp_path), "a.zarr")
+    survivor = os.path.join(str(tmp_path), "b.zarr")
+    killed_ws.others.add("b.zarr")
+    sequences = _save_completely(zygote, killed_ws, 1999)
+    trials = 12
+    for trial in range(trials):
+        seed = 2000 + trial
+        rank = rng.randrange(WORLD_SIZE)
+        kill = {"rank": rank, "event": rng.randint(1, len(sequences[rank])), "torn": rng.random() < 0.5}
+        kept = zygote.launch(save_program, WORLD_SIZE, survivor, seed, None)
+        victim = zygote.launch(save_program, WORLD_SIZE, killed_ws.target, seed + 100, kill if trial % 2 else None)
+        if trial % 2 == 0:  # from outside, at a random moment of the save
+            assert victim.wait_reported("saving", 60, ranks=[0])
+            time.sleep(rng.uniform(0, 0.3))
+            victim.kill(None if trial % 4 else [rank])
+        outcomes = kept.wait(60)
+        assert all(o[0] == "ok" for o in outcomes.values()), f"trial {trial}: the other save failed: {outcomes}"
+        victim.wait(30)
+        assert_state_equal(load_full(survivor, TEMPLATE), state_of(seed))
+        killed_ws.check(seed + 100, f"concurrent trial {trial}")
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".b.zarr")], "the finished save left staging behind"
+    print(f"\nconcurrent saves: {trials} trials; killed store after the kill: {dict(killed_ws.outcomes)}; "
+          f"the other store loaded bit-exact {trials}/{trials}")
+
+
+# -- durability: what is fsynced, and in which order ------------------------------------------------------------------
+
+
+def _record_durability(monkeypatch) -> list[tuple]:
+    """Log, in call order, of ("write", path), ("fsync", path), ("syncfs", path), ("rename", src, dst) and
+    ("exchange", a, b) during a save in this process."""
+    from dcp_zarr.storage import local
+
+    log: list[tuple] = []
+    lock = threading.Lock()
+
+    def record(*entry):
+        with lock:
+            log.append(entry)
+
+    real_write, real_fsync, real_rename, real_exchange = local.LocalStorage.write, os.fsync, os.rename, \
+        commit_module._exchange
+
+    def write(self, key, buffers):
+        real_write(self, key, buffers)
+        record("write", self._path(key))
+
+    def fsync(fd):
+        record("fsync", os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def rename(src, dst, *args, **kwargs):
+        record("rename", os.fspath(src), os.fspath(dst))
+        return real_rename(src, dst, *args, **kwargs)
+
+    def exchange(a, b):
+        record("exchange", a, b)
+        return real_exchange(a, b)
+
+    monkeypatch.setattr(local.LocalStorage, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(commit_module, "_exchange", exchange)
+    if hasattr(local, "_syncfs"):  # one syncfs per rank flushes every file and directory on that filesystem
+        real_syncfs = local._syncfs
+
+        def syncfs(path):
+            real_syncfs(path)
+            record("syncfs", path)
+
+        monkeypatch.setattr(local, "_syncfs", syncfs)
+    return log
+
+
+def _tree(root: str) -> tuple[set[str], set[str]]:
+    files, dirs = set(), {root}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirs.update(os.path.join(dirpath, d) for d in dirnames)
+        files.update(os.path.join(dirpath, f) for f in filenames)
+    return files, dirs
+
+
+def _durable_before(log: list[tuple], end: int, files: set[str], dirs: set[str], staging: str) -> list[str]:
+    """Paths (staging names) not made durable by ``log[:end]``: each needs an fsync of its own after its last
+    write (directories: after the last write of all), or a syncfs of the staging tree after that."""
+    last_write: dict[str, int] = {}
+    for i, entry in enumerate(log[:end]):
+        if entry[0] == "write":
+            last_write[entry[1]] = i
+    final_write = max(last_write.values())
+    syncs = [i for i, entry in enumerate(log[:end]) if entry[0] == "syncfs" and entry[1].startswith(staging)]
+    fsyncs: dict[str, int] = {}
+    for i, entry in enumerate(log[:end]):
+        if entry[0] == "fsync":
+            fsyncs[entry[1]] = i
+    missing = []
+    for path in files | dirs:
+        written = last_write.get(path, final_write) if path in files else final_write
+        if not (fsyncs.get(path, -1) > written or any(i > written for i in syncs)):
+            missing.append(path)
+    return sorted(missing)
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["fresh", "replacing"])
+def test_every_file_and_directory_is_fsynced_before_the_commit_and_the_parent_after(tmp_path, monkeypatch, replacing):
+    target = str(tmp_path / "ckpt.zarr")
+    if replacing:
+        save_plain(state_of(5), target)
+    log = _record_durability(monkeypatch)
+    save_plain(state_of(6), target, overwrite=True, inner_chunk_bytes=2048)
+    commits = [i for i, entry in enumerate(log) if entry[0] in ("rename", "exchange") and entry[2] == target]
+    assert len(commits) == 1, log
+    at = commits[0]
+    staging = log[at][1]
+    assert os.path.basename(staging).startswith(f".ckpt.zarr{STAGING_MARK}")
+    files, dirs = _tree(target)
+    as_staged = lambda paths: {p.replace(target, staging, 1) for p in paths}  # noqa: E731
+    missing = _durable_before(log, at, as_staged(files), as_staged(dirs), staging)
+    assert not missing, f"not durable before the commit: {missing}"
+    after = [entry for entry in log[at + 1:] if entry[0] == "fsync"]
+    assert after and after[0][1] == str(tmp_path), "the parent directory must be fsynced right after the commit"
+    assert_state_equal(load_full(target, TEMPLATE), state_of(6))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"]
+
+
+def test_sync_files_false_commits_the_same_way_without_fsync(tmp_path, monkeypatch):
+    target = str(tmp_path / "ckpt.zarr")
+    log = _record_durability(monkeypatch)
+    save_plain(state_of(7), target, sync_files=False)
+    assert [e for e in log if e[0] == "rename" and e[2] == target], "still committed by a rename"
+    staged = [e for e in log if e[0] in ("fsync", "syncfs") and STAGING_MARK in e[1]]
+    assert staged == [], f"sync_files=False still synced {staged}"
+    assert_state_equal(load_full(target, TEMPLATE), state_of(7))
+
+
+# -- the overwrite policy --------------------------------------------------------------------------------------------
+
+
+class _SaveElsewhereFirst(dcp.DefaultSavePlanner):
+    """While this save writes, another one commits a checkpoint at the same path (it was free when we started)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def finish_plan(self, plan):
+        save_plain(state_of(9), self.path)
+        return super().finish_plan(plan)
+
+
+def test_a_checkpoint_that_appears_during_a_save_is_not_replaced_without_overwrite(tmp_path):
+    target = str(tmp_path / "ckpt.zarr")
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(state_of(8), storage_writer=ZarrWriter(target), planner=_SaveElsewhereFirst(target))
+    assert any(isinstance(c, CheckpointExistsError) for c in causes(info.value)), causes(info.value)
+    assert_state_equal(load_full(target, TEMPLATE), state_of(9))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"], "the refused save's staging directory is removed"
+
+
+def test_an_incomplete_store_at_the_target_is_refused_on_load_and_never_replaced(tmp_path):
+    target = str(tmp_path / "ckpt.zarr")
+    save_plain(state_of(3), target)
+    os.remove(os.path.join(target, "zarr.json"))  # a store whose commit marker never arrived
+    with pytest.raises(CheckpointException, match="incomplete"):
+        dcp.load(blank_like(TEMPLATE), storage_reader=ZarrReader(target))
+    with pytest.raises(CheckpointException) as info:
+        save_plain(state_of(4), target)
+    assert isinstance(causes(info.value)[0], CheckpointExistsError), "nothing is replaced silently"
+    assert not os.path.exists(os.path.join(target, "zarr.json"))

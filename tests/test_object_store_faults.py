@@ -1,0 +1,446 @@
+"""Object stores that misbehave: transient faults (5xx, timeouts, dropped connections) are retried with capped
+exponential backoff and the save or load succeeds; permanent ones (403, a missing bucket) fail the save at once, with
+the key named and nothing committed.
+
+The store is a moto S3 server on 127.0.0.1 behind a small HTTP proxy in this file that injects the faults. The
+clients' own retries are turned off (botocore ``total_max_attempts=1``, ``S3FileSystem.retries = 1``) so that every fault reaches
+dcp_zarr's retry layer (dcp_zarr/storage/retry.py); one test keeps them on, as users will.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import logging
+import random
+import re
+import socket
+import threading
+import time
+import uuid
+import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_zarr import ZarrReader
+from dcp_zarr.storage import open_storage, retry
+from dcp_zarr.storage import zarr_store
+from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, call_with_retry, is_transient
+from tests.distributed import assert_state_equal
+from tests.fault_tools import causes, crash_state, load_full, save_plain
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+
+BUCKET = "dcp-zarr-fault-injection"  # moto's backend is shared by every server in the process: a bucket of our own
+STATE = crash_state(11)
+WRITER = {"inner_chunk_bytes": 2048}
+FAST = RetryPolicy(attempts=6, initial_delay=0.01, max_delay=0.05)
+_ERROR = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code><Message>%s</Message></Error>'
+ACTIONS = {
+    "503": (503, b"ServiceUnavailable", b"Service is unavailable, try again"),
+    "500": (500, b"InternalError", b"We encountered an internal error"),
+    "429": (429, b"TooManyRequests", b"Too many requests"),
+    "403": (403, b"AccessDenied", b"Access Denied"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FaultProxy:
+    """Forwards HTTP to the moto server, except the requests a rule claims: those get an error, a stall or a reset."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream_port = upstream_port
+        self.rules: list[dict] = []
+        self.log: list[tuple[str, str, str]] = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    body = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return body
+                        body += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _handle(self):
+                body = self._body()
+                action = proxy._claim(self.command, self.path)
+                with proxy.lock:
+                    proxy.log.append((self.command, self.path, action or "forwarded"))
+                if action in ACTIONS:
+                    status, code, message = ACTIONS[action]
+                    payload = _ERROR % (code, message) if self.command != "HEAD" else b""
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_ERROR % (code, message))))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                if action == "stall":  # longer than the client's read timeout; the request never reaches the store
+                    time.sleep(2.5)
+                    self.close_connection = True
+                    return
+                if action == "reset":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self._forward(body)
+
+            def _forward(self, body: bytes):
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = str(len(body))
+                upstream.request(self.command, self.path, body=body, headers=headers)
+                response = upstream.getresponse()
+                data = response.read()
+                self.send_response(response.status)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _claim(self, method: str, path: str) -> str | None:
+        with self.lock:
+            for rule in self.rules:
+                if rule["remaining"] and method in rule["methods"] and re.search(rule["path"], path):
+                    if rule["skip"]:
+                        rule["skip"] -= 1
+                        continue
+                    if rule["hits"].get(path, 0) >= rule["per_key"]:
+                        continue
+                    rule["hits"][path] = rule["hits"].get(path, 0) + 1
+                    rule["remaining"] -= 1
+                    rule["served"] += 1
+                    return rule["action"]
+        return None
+
+    def inject(self, action: str, methods=("PUT",), path: str = r"/c(/|$|\?)", times: float = 1, skip: int = 0,
+               per_key: float = float("inf")) -> dict:
+        """``action`` for ``times`` requests (``float("inf")``: all) whose path matches ``path``, after letting ``skip``
+        through, at most ``per_key`` times for any one key."""
+        rule = {"action": action, "methods": set(methods), "path": path, "remaining": times, "served": 0, "skip": skip,
+                "per_key": per_key, "hits": {}}
+        with self.lock:
+            self.rules.append(rule)
+        return rule
+
+    def reset(self) -> None:
+        with self.lock:
+            self.rules.clear()
+            self.log.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = FaultProxy(port)
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-east-1")
+    try:  # moto keeps one in-process backend for every server: the bucket may exist from an earlier module
+        client.create_bucket(Bucket=BUCKET)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    yield proxy
+    proxy.close()
+    server.stop()
+
+
+def options(proxy: FaultProxy, client_retries: bool = False) -> dict:
+    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
+            "config_kwargs": {"read_timeout": 1.0, "connect_timeout": 1.0}}
+    if not client_retries:
+        opts["config_kwargs"]["retries"] = {"total_max_attempts": 1, "mode": "standard"}
+    return opts
+
+
+@pytest.fixture
+def proxy(s3, monkeypatch, caplog):
+    import s3fs
+
+    s3.reset()
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries of timeouts and dropped connections
+    monkeypatch.setattr(retry, "DEFAULT_POLICY", FAST)
+    caplog.set_level(logging.WARNING, logger="dcp_zarr.storage")
+    yield s3
+    s3.reset()
+
+
+_prefixes = iter(range(10**6))
+
+
+def fresh_url() -> str:
+    return f"s3://{BUCKET}/run{next(_prefixes)}-{uuid.uuid4().hex[:8]}/ckpt.zarr"
+
+
+def _retries_logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "dcp_zarr.storage" and "attempt" in r.getMessage()]
+
+
+def _assert_not_committed(url: str, opts: dict) -> None:
+    storage = open_storage(url, opts)
+    assert not storage.exists("zarr.json"), f"{url} was committed"
+    with pytest.raises(CheckpointException, match="not a dcp_zarr checkpoint|incomplete"):
+        dcp.load({"optim": {"lr": None}}, storage_reader=ZarrReader(url, storage_options=opts))
+
+
+# -- transient faults: retried, the operation succeeds -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("action", ["503", "500", "429", "reset", "stall"])
+def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(proxy, caplog, action):
+    times = 2 if action == "stall" else 8
+    rule = proxy.inject(action, times=times, per_key=2)
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    assert rule["served"] == times, "the faults were injected"
+    # An HTTP error reaches dcp_zarr every time; aiohttp itself retries some dropped keep-alive connections.
+    assert len(_retries_logged(caplog)) >= (times if action.isdigit() else 1), "dcp_zarr retried"
+    assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
+
+
+@pytest.mark.parametrize("action", ["503", "reset"])
+def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy, caplog, action):
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    rule = proxy.inject(action, methods=("GET",), times=10, per_key=3)
+    assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
+    assert rule["served"] == 10 and len(_retries_logged(caplog)) >= (10 if action.isdigit() else 1)
+
+
+def test_a_fault_on_the_commit_write_is_retried(proxy, caplog):
+    rule = proxy.inject("503", path=r"/ckpt\.zarr/zarr\.json$", times=3)
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    assert rule["served"] == 3
+    assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
+
+
+def test_with_the_clients_own_retries_on_too_the_save_succeeds(proxy, monkeypatch):
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 5)
+    rule = proxy.inject("503", times=12, per_key=4)
+    url, opts = fresh_url(), options(proxy, client_retries=True)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    assert rule["served"] == 12
+    assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
+
+
+def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
+    proxy.inject("503", path=r"/ckpt\.zarr/optim/step/c$", times=5)
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    delays = [float(re.search(r"in ([0-9.]+) s", m).group(1)) for m in _retries_logged(caplog) if "optim/step/c" in m]
+    assert len(delays) == 5
+    for n, delay in enumerate(delays, 1):
+        ceiling = min(FAST.max_delay, FAST.initial_delay * FAST.multiplier ** (n - 1))
+        assert ceiling * (1 - FAST.jitter) - 1e-3 <= delay <= ceiling + 1e-3, (n, delays)
+
+
+# -- permanent faults and exhausted retries: the save fails at once, nothing is committed --------------------------
+
+
+def test_a_transient_fault_that_never_ends_fails_the_save_after_the_last_attempt(proxy):
+    sentinel, opts = fresh_url(), options(proxy)
+    save_plain(crash_state(12), sentinel, storage_options=opts, **WRITER)
+    rule = proxy.inject("503", path=r"/layers\.0\.w/c/", times=float("inf"))
+    url = fresh_url()
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as info:
+        save_plain(STATE, url, storage_options=opts, **WRITER)
+    cause = causes(info.value)[0]
+    assert isinstance(cause, ObjectStoreError) and f"gave up after {FAST.attempts} attempts" in str(cause), cause
+    assert re.search(r"'model/layers\.0\.w/c/\d+/\d+'", str(cause)), "the key is named"
+    assert rule["served"] % FAST.attempts == 0 and time.monotonic() - started < 20
+    proxy.reset()
+    _assert_not_committed(url, opts)
+    assert_state_equal(load_full(sentinel, crash_state(12), storage_options=opts), crash_state(12))
+
+
+@pytest.mark.parametrize("where", ["chunk", "commit"])
+def test_access_denied_fails_the_save_at_once_with_the_key_named(proxy, where):
+    path = r"/c(/|$)" if where == "chunk" else r"/ckpt\.zarr/zarr\.json$"
+    rule = proxy.inject("403", path=path, times=float("inf"))
+    url, opts = fresh_url(), options(proxy)
+    with pytest.raises(CheckpointException) as info:
+        save_plain(STATE, url, storage_options=opts, **WRITER)
+    cause = causes(info.value)[0]
+    assert isinstance(cause, ObjectStoreError) and isinstance(cause.__cause__, PermissionError), repr(cause)
+    assert "not retried" in str(cause) and url in str(cause) and "'" in str(cause)
+    failed_keys = [p for m, p, a in proxy.log if a == "403"]
+    assert len(failed_keys) == len(set(failed_keys)) == rule["served"], "a permanent error is never retried"
+    proxy.reset()
+    _assert_not_committed(url, opts)
+
+
+def test_a_missing_bucket_fails_the_save_at_once(proxy, caplog):
+    opts = options(proxy)
+    with pytest.raises(CheckpointException) as info:
+        save_plain(STATE, "s3://no-such-bucket/ckpt.zarr", storage_options=opts, **WRITER)
+    cause = causes(info.value)[0]
+    assert isinstance(cause, ObjectStoreError) and isinstance(cause.__cause__, FileNotFoundError), repr(cause)
+    assert "no-such-bucket" in str(cause) and "not retried" in str(cause)
+    assert _retries_logged(caplog) == []
+
+
+# -- overwriting in place: the old commit marker goes first -----------------------------------------------------------
+
+
+class _Killed(BaseException):
+    """Stands for the process dying: nothing after it runs."""
+
+
+async def _keys(store) -> list[str]:
+    return sorted([key async for key in store.list()])
+
+
+def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_that_looks_complete(proxy, monkeypatch):
+    opts, url = options(proxy), fresh_url()
+    sibling = url.replace("ckpt.zarr", "ckpt.zarr2")  # shares the prefix: must survive the overwrite's deletes
+    save_plain(crash_state(13), sibling, storage_options=opts, **WRITER)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    real_remove_all = zarr_store.ZarrStoreStorage.remove_all
+
+    def remove_half_then_die(self):  # sorted keys: "model/..." first, the root "zarr.json" last
+        from zarr.core.sync import sync
+
+        keys = sync(_keys(self.store))
+        for key in keys[: len(keys) // 2]:
+            self.remove(key)
+        raise _Killed()
+
+    monkeypatch.setattr(zarr_store.ZarrStoreStorage, "remove_all", remove_half_then_die)
+    with pytest.raises(BaseException) as info:
+        save_plain(crash_state(14), url, storage_options=opts, overwrite=True, **WRITER)
+    assert any(isinstance(c, _Killed) for c in causes(info.value)), info.value
+    monkeypatch.setattr(zarr_store.ZarrStoreStorage, "remove_all", real_remove_all)
+    _assert_not_committed(url, opts)
+    assert_state_equal(load_full(sibling, crash_state(13), storage_options=opts), crash_state(13))
+    save_plain(STATE, url, storage_options=opts, overwrite=True, **WRITER)  # a new save over the remains
+    assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
+
+
+@pytest.mark.parametrize("after", [0, 4, 9])  # of the 10 chunk writes
+def test_an_overwrite_that_fails_while_writing_commits_nothing(proxy, after):
+    opts, url = options(proxy), fresh_url()
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    proxy.inject("403", times=float("inf"), skip=after)
+    with pytest.raises(CheckpointException):
+        save_plain(crash_state(14), url, storage_options=opts, overwrite=True, **WRITER)
+    proxy.reset()
+    _assert_not_committed(url, opts)  # object stores replace in place: the old checkpoint is gone, never half-mixed
+
+
+# -- the retry policy itself -------------------------------------------------------------------------------------------
+
+
+def _client_error(status: int, code: str) -> Exception:
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    return translate_boto_error(ClientError({"Error": {"Code": code, "Message": code},
+                                             "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"))
+
+
+def test_errors_are_classified_as_transient_or_permanent():
+    from aiohttp import ServerDisconnectedError
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
+
+    transient = [_client_error(503, "SlowDown"), _client_error(500, "InternalError"), _client_error(502, "BadGateway"),
+                 _client_error(429, "TooManyRequests"), _client_error(408, "RequestTimeout"),
+                 ReadTimeoutError(endpoint_url="http://x"), ConnectTimeoutError(endpoint_url="http://x"),
+                 EndpointConnectionError(endpoint_url="http://x"), ServerDisconnectedError(), ConnectionResetError(),
+                 TimeoutError(), OSError(errno.EBUSY, "busy")]
+    permanent = [_client_error(403, "AccessDenied"), _client_error(404, "NoSuchBucket"),
+                 _client_error(400, "InvalidArgument"), PermissionError(), FileNotFoundError(), ValueError("bad"),
+                 OSError(errno.ENOSPC, "full"), OSError(errno.EINVAL, "bad")]
+    assert [e for e in transient if not is_transient(e)] == []
+    assert [e for e in permanent if is_transient(e)] == []
+
+
+def test_the_default_policy_backs_off_exponentially_to_a_cap():
+    policy = retry.RetryPolicy()
+    rng = random.Random(0)
+    ceilings = [min(policy.max_delay, policy.initial_delay * policy.multiplier ** n) for n in range(policy.attempts - 1)]
+    delays = [policy.delay(n + 1, rng) for n in range(policy.attempts - 1)]
+    assert ceilings == sorted(ceilings) and ceilings[-1] == policy.max_delay
+    assert all(c * (1 - policy.jitter) <= d <= c for c, d in zip(ceilings, delays))
+    assert 10 < sum(ceilings) < 60, "a throttled store gets tens of seconds, not hours, before the save fails"
+
+
+def test_call_with_retry_sleeps_between_attempts_and_names_the_key():
+    slept, calls = [], []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise _client_error(503, "SlowDown")
+        return "done"
+
+    assert call_with_retry(flaky, what="write", key="m/w/c/0", url="s3://b/x", policy=FAST, sleep=slept.append) == "done"
+    assert len(calls) == 3 and len(slept) == 2 and slept[0] <= FAST.initial_delay < slept[1] * 2 + 1e-9
+
+    def denied():
+        raise _client_error(403, "AccessDenied")
+
+    with pytest.raises(ObjectStoreError, match=r"s3://b/x: write 'm/w/c/0' failed \(not retried") as info:
+        call_with_retry(denied, what="write", key="m/w/c/0", url="s3://b/x", policy=FAST, sleep=slept.append)
+    assert isinstance(info.value, OSError) and isinstance(info.value.__cause__, PermissionError)
+    assert len(slept) == 2, "no sleep before a permanent failure"
+
+
+def test_the_zarr_store_backend_routes_every_call_through_the_retry_layer(monkeypatch):
+    """write, read, ranged reads, exists, remove and remove_all: none bypasses call_with_retry."""
+    seen = []
+    real = zarr_store.call_with_retry
+
+    def spy(operation, *, what, key, url, **kwargs):
+        seen.append(what)
+        return real(operation, what=what, key=key, url=url, **kwargs)
+
+    monkeypatch.setattr(zarr_store, "call_with_retry", spy)
+    storage = open_storage("memory://dcp-zarr-retry-spy/ckpt.zarr")
+    storage.write("a/c/0", [b"abcdef"])
+    storage.read("a/c/0"), storage.read_range("a/c/0", 1, 2), storage.read_tail("a/c/0", 2), storage.exists("a/c/0")
+    storage.remove("a/c/0")
+    storage.remove_all()
+    assert seen == ["write", "read", "read", "read", "look up", "delete", "delete everything under"]
