@@ -12,7 +12,6 @@ verified against its crc32c, and non-tensor values are only ever ``torch.load``-
 from __future__ import annotations
 
 import difflib
-import io
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -22,14 +21,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.encoding import layout_from_array_metadata, verify_plain
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
+from dcp_zarr.errors import NotACheckpointError
 from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, read_manifest
 from dcp_zarr.prefixes import explain_missing_name
+from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage
-from dcp_zarr.values import decode_value
 
 # A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
 # object store busy, few enough that a local read is not dominated by scheduling.
@@ -154,10 +152,8 @@ class Checkpoint:
     def read_value(self, name: str | Entry):
         """A non-tensor entry (hyperparameters, param_groups, scheduler state) as the Python value saved."""
         entry = self.entry(name)
-        if entry.kind == VALUE:
-            return decode_value(self.manifest["entries"][entry.fqn]["value"])
-        if entry.kind == OBJECT:
-            return self._read_object(entry)
+        if entry.kind in (VALUE, OBJECT):
+            return self._stored_value(entry)
         raise TypeError(f"{self.url}: entry {entry.fqn!r} is a tensor; use read_tensor")
 
     def read(self, name: str | Entry):
@@ -193,15 +189,8 @@ class Checkpoint:
     def region_reader(self, entry: Entry) -> RegionReader:
         reader = self._readers.get(entry.fqn)
         if reader is None:
-            try:
-                document = self.storage.read_json(f"{entry.node}/zarr.json")
-            except FileNotFoundError:
-                raise CorruptChunkError(f"{self.url}: array {entry.node!r} of entry {entry.fqn!r} has no zarr.json") from None
-            layout = layout_from_array_metadata(document, f"{self.url}: array {entry.node!r}")
-            if tuple(layout.shape) != entry.shape:
-                raise MalformedMetadataError(
-                    f"{self.url}: array {entry.node!r} has shape {list(layout.shape)}, the manifest says {list(entry.shape)}")
-            reader = self._readers[entry.fqn] = RegionReader(self.storage, entry.node, layout, numpy_dtype(entry.dtype))
+            reader = self._readers[entry.fqn] = tensor_reader(self.storage, self.manifest["entries"][entry.fqn],
+                                                              entry.fqn)
         return reader
 
     def _read_box(self, entry: Entry, offsets: list[int], out: torch.Tensor) -> None:
@@ -228,28 +217,9 @@ class Checkpoint:
         with ThreadPoolExecutor(min(self.thread_count, len(blocks)), thread_name_prefix="dcp-zarr-offline") as pool:
             list(pool.map(read_block, blocks))
 
-    def _read_object(self, entry: Entry):
-        where = f"{self.url}: array {entry.node!r} chunk c/0"
-        try:
-            raw = self.storage.read(f"{entry.node}/c/0")
-        except FileNotFoundError:
-            raise CorruptChunkError(f"{where}: chunk is missing from the store") from None
-        payload = bytes(verify_plain(raw, where))
-        try:
-            with torch.serialization.safe_globals(self.safe_globals):
-                return torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception as exc:
-            raise MalformedMetadataError(
-                f"{self.url}: entry {entry.fqn!r} does not load with torch.load(weights_only=True) "
-                f"({_unpickling_reason(exc)}); if you "
-                "trust the types it holds, pass them as open_checkpoint(..., safe_globals=[...])") from None
-
-
-def _unpickling_reason(exc: Exception) -> str:
-    """The line of torch.load's long weights_only message that names the refused type."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "Unsupported global" in line or "GLOBAL" in line]
-    return (named or lines or [repr(exc)])[0]
+    def _stored_value(self, entry: Entry):
+        return stored_value(self.storage, self.manifest["entries"][entry.fqn], entry.fqn, self.safe_globals,
+                            "open_checkpoint(..., safe_globals=[...])")
 
 
 def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None, *, thread_count: int = 8,

@@ -18,13 +18,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_from_name, zarr_dtype_name
-from dcp_zarr.encoding import array_metadata, layout_from_array_metadata, verify_plain
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.manifest import OBJECT, TENSOR, dcp_metadata, read_manifest
+from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
+from dcp_zarr.manifest import TENSOR, dcp_metadata, read_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage
-from dcp_zarr.values import decode_value
+from dcp_zarr.stored import stored_value, tensor_reader
 
 # Key of the manifest in ``Metadata.storage_data``: ZarrLoadPlanner reads the optimizer param tables from it.
 MANIFEST_IN_STORAGE_DATA = "dcp_zarr_manifest"
@@ -95,7 +93,7 @@ class ZarrReader(StorageReader):
                 continue
             reader = readers.get(item.storage_index.fqn)
             if reader is None:
-                reader = readers[item.storage_index.fqn] = _region_reader(storage, entry, item.storage_index.fqn)
+                reader = readers[item.storage_index.fqn] = tensor_reader(storage, entry, item.storage_index.fqn)
             stored_dtype = torch_dtype_from_name(entry["dtype"])
             tensor_items.append((item, planner.resolve_tensor(item).detach(), reader, stored_dtype))
 
@@ -121,40 +119,8 @@ class ZarrReader(StorageReader):
         if entry["kind"] != TENSOR:
             return torch.load(io.BytesIO(_value_bytes(storage, entry, fqn, self.safe_globals)), weights_only=True)
         tensor = torch.empty(entry["shape"], dtype=torch_dtype_from_name(entry["dtype"]))
-        self.bytes_read += _region_reader(storage, entry, fqn).read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
+        self.bytes_read += tensor_reader(storage, entry, fqn).read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
         return tensor
-
-
-def _region_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:
-    if entry["kind"] != TENSOR:
-        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry['kind']}, not a tensor")
-    node = entry["node"]
-    try:
-        array_doc = storage.read_json(f"{node}/zarr.json")
-    except FileNotFoundError:
-        raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
-    except (ValueError, RecursionError) as exc:
-        raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
-    layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
-    if list(layout.shape) != list(entry["shape"]):
-        raise MalformedMetadataError(
-            f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {entry['shape']}")
-    if "chunk_shape" in entry and [list(layout.chunk_shape), layout.inner_rows] != [entry["chunk_shape"],
-                                                                                  entry.get("inner_chunk_rows", 0)]:
-        raise MalformedMetadataError(
-            f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
-            f"{layout.inner_rows} rows, but the manifest says {entry['chunk_shape']} and "
-            f"{entry.get('inner_chunk_rows', 0)}")
-    dtype = torch_dtype_from_name(entry["dtype"])
-    # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
-    # compression, no checksums) would be misread, so it is refused by name instead.
-    expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
-    for field in ("data_type", "codecs", "chunk_key_encoding"):
-        if array_doc.get(field) != expected[field]:
-            raise MalformedMetadataError(
-                f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
-                f"but a {entry['dtype']} entry is stored with {expected[field]!r}")
-    return RegionReader(storage, node, layout, numpy_dtype(dtype))
 
 
 def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> int:
@@ -169,29 +135,7 @@ def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, 
 
 def _value_bytes(storage: Storage, entry: dict, fqn: str, safe_globals: list) -> bytes:
     """A ``torch.save`` stream of the stored value, built only from data that ran no code when read."""
-    if entry["kind"] == OBJECT:
-        try:
-            raw = storage.read(f"{entry['node']}/c/0")
-        except FileNotFoundError:
-            raise CorruptChunkError(f"{storage.url}: array {entry['node']!r} chunk c/0 of entry {fqn!r} is missing "
-                                    "from the store") from None
-        payload = bytes(verify_plain(raw, f"array {entry['node']!r} chunk c/0"))
-        try:
-            with torch.serialization.safe_globals(safe_globals):
-                value = torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception as exc:
-            first_line = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-            raise MalformedMetadataError(
-                f"{storage.url}: entry {fqn!r} is stored as torch.save bytes that do not load with "
-                f"torch.load(weights_only=True) ({first_line}). If you trust the types it holds, pass them as "
-                "ZarrReader(..., safe_globals=[...])") from None
-    elif entry["kind"] == TENSOR:
-        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
-    else:
-        try:
-            value = decode_value(entry["value"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} holds a malformed value ({exc!r})") from None
+    value = stored_value(storage, entry, fqn, safe_globals, "ZarrReader(..., safe_globals=[...])")
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()

@@ -10,7 +10,6 @@ optimizer's step against the saved store, trains on, and rank 0 prints the store
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist

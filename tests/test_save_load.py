@@ -14,9 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import (
     CheckpointExistsError,
-    IncompleteCheckpointError,
     InvalidKeyError,
-    NotACheckpointError,
     ZarrReader,
     ZarrWriter,
 )

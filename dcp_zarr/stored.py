@@ -1,0 +1,85 @@
+"""Reading one manifest entry's stored data, checked: shared by ``ZarrReader`` and the offline API.
+
+Tensor entries get a ``RegionReader`` only after their array's ``zarr.json`` agrees with the manifest; value
+entries decode their tagged JSON; object entries (``torch.save`` bytes) load with ``weights_only=True`` only.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from dcp_zarr.chunk_io import RegionReader
+from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
+from dcp_zarr.encoding import array_metadata, layout_from_array_metadata, verify_plain
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
+from dcp_zarr.layout import chunk_key
+from dcp_zarr.manifest import OBJECT, TENSOR
+from dcp_zarr.storage import Storage
+from dcp_zarr.values import decode_value
+
+
+def tensor_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:
+    """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest."""
+    if entry["kind"] != TENSOR:
+        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry['kind']}, not a tensor")
+    node = entry["node"]
+    try:
+        array_doc = storage.read_json(f"{node}/zarr.json")
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
+    except (ValueError, RecursionError) as exc:
+        raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
+    layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
+    if list(layout.shape) != list(entry["shape"]):
+        raise MalformedMetadataError(
+            f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {entry['shape']}")
+    if "chunk_shape" in entry and [list(layout.chunk_shape), layout.inner_rows] != [entry["chunk_shape"],
+                                                                                  entry.get("inner_chunk_rows", 0)]:
+        raise MalformedMetadataError(
+            f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
+            f"{layout.inner_rows} rows, but the manifest says {entry['chunk_shape']} and "
+            f"{entry.get('inner_chunk_rows', 0)}")
+    dtype = torch_dtype_from_name(entry["dtype"])
+    # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
+    # compression, no checksums) would be misread, so it is refused by name instead.
+    expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
+    for field in ("data_type", "codecs", "chunk_key_encoding"):
+        if array_doc.get(field) != expected[field]:
+            raise MalformedMetadataError(
+                f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
+                f"but a {entry['dtype']} entry is stored with {expected[field]!r}")
+    return RegionReader(storage, node, layout, numpy_dtype(dtype))
+
+
+def stored_value(storage: Storage, entry: dict, fqn: str, safe_globals: list, how_to_allow: str):
+    """The Python value of a non-tensor entry; ``how_to_allow`` tells the user where to pass ``safe_globals``."""
+    if entry["kind"] == TENSOR:
+        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
+    if entry["kind"] != OBJECT:
+        try:
+            return decode_value(entry["value"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} holds a malformed value ({exc!r})") from None
+    where = f"array {entry['node']!r} chunk {chunk_key((0,))}"
+    try:
+        raw = storage.read(f"{entry['node']}/{chunk_key((0,))}")
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
+    payload = bytes(verify_plain(raw, where))
+    try:
+        with torch.serialization.safe_globals(safe_globals):
+            return torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as exc:
+        raise MalformedMetadataError(
+            f"{storage.url}: entry {fqn!r} is stored as torch.save bytes that do not load with "
+            f"torch.load(weights_only=True) ({_unpickling_reason(exc)}). If you trust the types it holds, pass them "
+            f"as {how_to_allow}") from None
+
+
+def _unpickling_reason(exc: Exception) -> str:
+    """The line of torch.load's long weights_only message that names the refused type."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line or "GLOBAL" in line]
+    return (named or lines or [repr(exc)])[0]
