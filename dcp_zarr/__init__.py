@@ -29,6 +29,7 @@ from dcp_zarr.prefixes import (
     strip_wrapper_prefixes,
 )
 from dcp_zarr.reader import ZarrReader
+from dcp_zarr.storage.retry import ObjectStoreError
 from dcp_zarr.version import __version__
 from dcp_zarr.writer import ZarrWriter
 
@@ -51,6 +52,7 @@ __all__ = [
     "InvalidEntryError",
     "CorruptChunkError",
     "MalformedMetadataError",
+    "ObjectStoreError",
     "MissingKeysError",
     "ParamTableMismatchError",
     "OptimizerStepError",

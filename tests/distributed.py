@@ -588,7 +588,9 @@ def load_fresh(rank: int, world_size: int, layout: str, reader, seed: int = 1):
 
 def _element_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a (numel, itemsize) uint8 matrix: compares -0.0/0.0 and NaN payloads by their bits."""
-    return t.contiguous().reshape(-1).view(torch.uint8).reshape(t.numel(), t.element_size())
+    # clone: contiguous() keeps the odd strides of an empty tensor, which view(torch.uint8) then refuses
+    flat = t.reshape(-1).clone() if t.numel() == 0 else t.contiguous().reshape(-1)
+    return flat.view(torch.uint8).reshape(t.numel(), t.element_size())
 
 
 def _first_difference(a: Any, b: Any, path: str) -> str | None:

@@ -71,11 +71,13 @@ plain_values = st.recursive(
                             st.tuples(st.dictionaries(st.integers(-3, 3), inner, max_size=3))),
     max_leaves=6,
 )
-# Not JSON: stored as torch.save bytes, loaded with weights_only=True (which refuses b"" and frozensets unless the
-# reader is given safe_globals: see docs/crash-safety.md).
-object_values = st.one_of(st.frozensets(st.integers(0, 9), max_size=3).map(set), st.binary(min_size=1, max_size=16),
+# Tagged JSON beyond plain JSON: bytes and sets. (b"" and frozensets are tagged too, see EDGES, but inside a list
+# that also holds a non-JSON value they go into torch.save bytes, where weights_only=True refuses them.)
+tagged_values = st.one_of(st.frozensets(st.integers(0, 9), max_size=3).map(set), st.binary(min_size=1, max_size=16))
+# Not JSON at all: stored as torch.save bytes, loaded with weights_only=True.
+object_values = st.one_of(st.lists(st.integers(0, 5), max_size=3).map(torch.Size),
                           st.builds(lambda t: (t, "with a tensor inside"), tensors()))
-leaves = st.one_of(tensors(), tensors(), plain_values, object_values)
+leaves = st.one_of(tensors(), tensors(), plain_values, tagged_values, object_values)
 nested = st.recursive(
     leaves,
     lambda inner: st.one_of(st.dictionaries(keys, inner, min_size=1, max_size=3),
@@ -88,6 +90,7 @@ EDGES = {  # always run, whatever hypothesis draws: a scalar, rank 5, a 0-size d
     "model": {"scalar": random_bits((), torch.bfloat16, _g), "rank5": random_bits((2, 1, 3, 1, 2), torch.complex128, _g),
               "empty": random_bits((3, 0, 2), torch.float8_e5m2, _g), "bits": random_bits((5, 7), torch.uint64, _g)},
     "step": 3,
+    "tagged": {"empty_bytes": b"", "frozen": frozenset({1, 2})},
 }
 
 

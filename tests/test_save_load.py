@@ -124,7 +124,8 @@ def test_non_tensor_values_round_trip_exactly(tmp_path):
         # they are ours to keep.
         "sched": {"last_epoch": 7, "_step_count": 8, "milestones": ({3: 1, "__x": 2},)},
         "misc": {"name": "run-1", "inf": float("-inf"), "nested": [[1, (2, 3)], {"x": "four"}]},
-        "obj": {"set": {1, 2, 3}},
+        "tagged": {"set": {1, 2, 3}, "frozen": frozenset({"a"}), "blob": b"\x00\xff", "empty": b""},
+        "obj": {"size": torch.Size([2, 3])},
     }
     path = str(tmp_path / "values.zarr")
     save(sd, path)
@@ -132,7 +133,8 @@ def test_non_tensor_values_round_trip_exactly(tmp_path):
     assert_state_equal(back, sd)
     manifest = zarr.open_group(path, mode="r").attrs["dcp_zarr"]
     assert manifest["entries"]["optim.param_groups.0.betas"]["value"] == {"__tuple__": [0.9, 0.999]}
-    assert manifest["entries"]["obj.set"]["kind"] == "object"
+    assert manifest["entries"]["tagged.blob"]["value"] == {"__bytes__": "AP8="}
+    assert manifest["entries"]["obj.size"]["kind"] == "object"
 
 
 def test_object_values_are_never_unpickled_beyond_weights_only(tmp_path):
