@@ -137,7 +137,7 @@ def crash_state(seed: int) -> dict:
             "exp_avg": torch.randn(33, 4, generator=g),
             "lr": 0.01 * (1 + seed % 7),
             "betas": (0.9, 0.999),
-            "seen": {seed, seed + 1},  # not JSON: stored as torch.save bytes
+            "seen": torch.Size([seed, seed + 1]),  # not JSON: stored as torch.save bytes
         },
     }
 

@@ -111,8 +111,8 @@ def test_paths_from_different_ranks_are_checked_together():
 @pytest.fixture
 def victim_and_store(tmp_path):
     """A checkpoint, and beside it another one whose data a hostile manifest could try to point at."""
-    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "optim": {"seen": {1, 2}}}
-    other = {"model": {"w": torch.full((3, 4), 7.0)}, "optim": {"seen": {9}}}
+    state = {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "optim": {"seen": torch.Size([1, 2])}}
+    other = {"model": {"w": torch.full((3, 4), 7.0)}, "optim": {"seen": torch.Size([9])}}
     save_plain(state, str(tmp_path / "store.zarr"))
     save_plain(other, str(tmp_path / "victim.zarr"))
     return str(tmp_path / "store.zarr"), state
