@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from dcp_zarr.errors import InvalidKeyError
 
@@ -62,8 +62,7 @@ def parent_groups(node: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
-@dataclass(frozen=True)
-class ChunkLayout:
+class ChunkLayout(NamedTuple):
     """How one array is cut: ``chunk_shape`` is zarr's (outer) chunk grid; each outer chunk is written by one rank.
 
     ``inner_rows`` > 0 means the outer chunks are shards of zarr's ``sharding_indexed`` codec, each split into inner

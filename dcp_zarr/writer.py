@@ -24,7 +24,7 @@ from dcp_zarr.chunk_io import chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError
-from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, node_path, parent_groups
+from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
 from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.scheduler import run_jobs
@@ -59,6 +59,7 @@ class ZarrWriter(StorageWriter):
         self.save_id: str | None = None
         self.is_coordinator = False
         self._specs: dict[str, ArraySpec] = {}
+        self._nodes: dict[str, str] = {}
         self._staging = ""
         self._world_size = 1
         self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
@@ -91,7 +92,7 @@ class ZarrWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        nodes = node_paths(plans)
+        self._nodes = nodes = node_paths(plans)
         self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes)
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
@@ -145,9 +146,8 @@ class ZarrWriter(StorageWriter):
             if isinstance(md, TensorStorageMetadata):
                 entry.update(_tensor_entry(self._specs[fqn], md, by_fqn.get(fqn, [])))
             else:
-                node = self._bytes_node(fqn, metadata)
                 stored = by_fqn[fqn][0]
-                entry["node"] = node
+                entry["node"] = self._nodes[fqn]
                 if "value" in stored:
                     entry.update(kind=VALUE, value=stored["value"])
                 else:
@@ -163,9 +163,6 @@ class ZarrWriter(StorageWriter):
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
-
-    def _bytes_node(self, fqn: str, metadata: Metadata) -> str:
-        return node_path((metadata.planner_data or {}).get(fqn, (fqn,)), key=fqn)
 
     def _manifest(self, entries: dict, key_order: tuple | list = ()) -> dict:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a

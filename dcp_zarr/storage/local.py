@@ -20,6 +20,7 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self.url = self.root
         self.sync_files = sync_files
+        self._directories: set[str] = set()  # made already: one mkdir per directory, not one per file written
 
     def _path(self, key: str) -> str:
         parts = key.split("/")
@@ -29,7 +30,10 @@ class LocalStorage(Storage):
 
     def write(self, key: str, buffers: Sequence) -> None:
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        directory = os.path.dirname(path)
+        if directory not in self._directories:
+            os.makedirs(directory, exist_ok=True)
+            self._directories.add(directory)
         # A fresh store is written into a staging directory, so plain create+write is atomic enough there; a
         # temporary name would only add a rename per chunk.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -99,6 +103,7 @@ class LocalStorage(Storage):
 
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        self._directories.clear()
 
     def flush(self) -> None:
         """Make every file and directory written under this root durable, with one ``syncfs`` call.
