@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dcp_zarr.dtypes import zarr_dtype_name
 from dcp_zarr.encoding import (
     CHECKSUM_BYTES,
     MISSING,
     decode_shard_index,
-    layout_from_array_metadata,
     shard_index_bytes,
     verify_plain,
 )
@@ -27,6 +25,7 @@ from dcp_zarr.layout import ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.manifest import OBJECT, TENSOR
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.progress import progress_bar
+from dcp_zarr.stored import tensor_reader
 
 
 @dataclass(frozen=True)
@@ -92,24 +91,10 @@ def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool
 
 
 def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_ChunkJob]:
-    try:
-        document = ckpt.storage.read_json(f"{entry.node}/zarr.json")
-    except FileNotFoundError:
-        report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json is missing"))
-        return []
-    except ValueError as exc:
-        report.problems.append(Problem(entry.fqn, entry.node, None, f"zarr.json is not valid JSON ({exc})"))
-        return []
-    try:
-        layout = layout_from_array_metadata(document, f"array {entry.node!r}")
-    except MalformedMetadataError as exc:
+    try:  # the same checks of zarr.json against the manifest as a load makes
+        layout = tensor_reader(ckpt.storage, ckpt.manifest["entries"][entry.fqn], entry.fqn).layout
+    except (CorruptChunkError, MalformedMetadataError) as exc:
         report.problems.append(Problem(entry.fqn, entry.node, None, str(exc)))
-        return []
-    expected = (entry.shape, entry.chunk_shape, entry.inner_chunk_rows, zarr_dtype_name(entry.dtype))
-    found = (layout.shape, layout.chunk_shape, layout.inner_rows, document.get("data_type"))
-    if expected != found:
-        report.problems.append(Problem(entry.fqn, entry.node, None,
-                                       f"zarr.json says (shape, chunks, inner rows, dtype) {found}, the manifest {expected}"))
         return []
     itemsize = _itemsize(entry)
     coords = sorted({c for offsets, sizes in entry.saved_chunks for c in layout.chunks_in_box(offsets, sizes)})
