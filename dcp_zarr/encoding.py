@@ -14,7 +14,6 @@ zarr and TensorStore read.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import crc32c
 import numpy as np
@@ -180,10 +179,3 @@ def layout_from_array_metadata(meta: dict, where: str) -> ChunkLayout:
     if inner_rows and (chunk_shape[0] % inner_rows):
         raise MalformedMetadataError(f"{where}: inner chunk rows {inner_rows} do not divide {chunk_shape[0]}")
     return ChunkLayout(shape, chunk_shape, inner_rows)
-
-
-def rows_from_payload(payload, dtype: np.dtype, shape: Sequence[int], where: str) -> np.ndarray:
-    expected = math.prod(shape) * dtype.itemsize
-    if len(payload) != expected:
-        raise CorruptChunkError(f"{where}: chunk holds {len(payload)} bytes, expected {expected} for shape {tuple(shape)}")
-    return np.frombuffer(payload, dtype=dtype).reshape(shape)

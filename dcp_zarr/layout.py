@@ -85,9 +85,6 @@ class ChunkLayout(NamedTuple):
     def inner_chunks_per_chunk(self) -> int:
         return self.chunk_shape[0] // self.inner_rows if self.sharded else 1
 
-    def grid_shape(self) -> tuple[int, ...]:
-        return tuple(math.ceil(n / c) if n else 0 for n, c in zip(self.shape, self.chunk_shape))
-
     def chunks_in_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterable[tuple[int, ...]]:
         """Grid coordinates of every chunk that intersects the box."""
         ranges = []

@@ -12,9 +12,6 @@ class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
 
-    def set_postfix_str(self, text: str) -> None:
-        pass
-
     def __enter__(self):
         return self
 
