@@ -30,13 +30,18 @@ from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
+from dcp_zarr.staging import WriterStaging
 from dcp_zarr.storage import open_storage
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
 
 
-class ZarrWriter(StorageWriter):
+class ZarrWriter(StorageWriter, WriterStaging):
     """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
+
+    With ``dcp.async_save`` the writer is also the stager (staging.py): CUDA tensors are copied into pinned host
+    buffers, which a writer reused for later saves (``checkpoint_id=`` per save, after the previous save's future
+    resolved) copies into again; ``close()`` releases them.
 
     Args:
         path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s
@@ -56,6 +61,7 @@ class ZarrWriter(StorageWriter):
         self.sync_files = sync_files
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
+        WriterStaging.__init__(self)
         self.save_id: str | None = None
         self.is_coordinator = False
         self._specs: dict[str, ArraySpec] = {}

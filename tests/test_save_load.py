@@ -19,6 +19,7 @@ from dcp_zarr import (
     ZarrWriter,
 )
 from dcp_zarr.dtypes import numpy_as_tensor
+from dcp_zarr.staging import pinned_staging, tensor_devices
 from tests.distributed import assert_state_equal
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
@@ -226,13 +227,28 @@ def test_unsupported_dtype_is_refused_by_name(tmp_path):
 
 def async_save_and_load(rank, world_size, path, executor):
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    sd = {"model": {"w": torch.randn(33, 7, generator=torch.Generator().manual_seed(0))}, "step": 3}
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.randn(33, 7, generator=torch.Generator().manual_seed(0))
+    sd = {"model": {"w": torch.randn(5, 3, generator=torch.Generator().manual_seed(1)),
+                    "sharded": distribute_tensor(full, mesh, [Shard(0)])}, "step": 3}
     kind = AsyncCheckpointerType.THREAD if executor == "thread" else AsyncCheckpointerType.PROCESS
-    future = dcp.async_save(sd, storage_writer=ZarrWriter(path), async_checkpointer_type=kind)
-    future.result()
-    back = load({"model": {"w": torch.zeros(33, 7)}, "step": 0}, path)
-    assert_state_equal(back, sd)
+    writer = ZarrWriter()  # one writer for both saves: the second reuses its staging buffers
+    expected = []
+    for i in range(2):
+        expected.append({"w": sd["model"]["w"].clone(), "sharded": full.clone()})
+        future = dcp.async_save(sd, storage_writer=writer, checkpoint_id=f"{path}/{i}", async_checkpointer_type=kind)
+        # The call returned: the save works from the staged copy, so training may change the tensors now.
+        sd["model"]["w"].add_(1)
+        sd["model"]["sharded"].to_local().add_(1)
+        full.add_(1)
+        future.result()
+    for i, saved in enumerate(expected):
+        back = load({"model": {"w": torch.zeros(5, 3), "sharded": torch.zeros(33, 7)}, "step": 0}, f"{path}/{i}")
+        assert_state_equal(back, {"model": saved, "step": 3})
+    writer.close()
     return True
 
 
@@ -241,3 +257,24 @@ def test_async_save(tmp_path, executor):
     from tests.distributed import run_ranks
 
     assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
+
+
+def test_staging_copies_into_the_same_buffers_when_the_writer_is_reused(tmp_path):
+    sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
+    writer = ZarrWriter(tmp_path / "x.zarr")
+    first = writer.stage(sd)
+    assert first["a"].data_ptr() != sd["a"].data_ptr(), "staging must copy"
+    sd["a"].add_(1)
+    second = writer.stage(sd)
+    assert [t.data_ptr() for t in (second["a"], second["nested"]["b"])] == [
+        t.data_ptr() for t in (first["a"], first["nested"]["b"])]
+    assert torch.equal(second["a"], torch.arange(6.0) + 1)
+    writer.close()
+
+
+def test_only_cuda_tensors_are_staged_through_pinned_buffers():
+    assert pinned_staging(["cuda", "cpu"], cuda_available=True)
+    assert not pinned_staging(["cpu"], cuda_available=True), "pinning CPU-to-CPU copies gains nothing"
+    assert not pinned_staging(["cuda"], cuda_available=False)
+    assert list(tensor_devices({"a": [torch.zeros(1), {"b": torch.zeros(1, device="meta")}], "c": 3})) == [
+        "cpu", "meta"]
