@@ -149,3 +149,15 @@ def test_zarr_kind_without_dcp_zarr_fails_with_a_clear_message(tmp_path):
     assert proc.returncode != 0
     assert "from dcp_zarr import ZarrWriter, ZarrReader" in proc.stderr and "--kinds fs,raw" in proc.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_file_ops_reports_every_operation_and_leaves_nothing_behind(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "file_ops.py"), "--target", str(tmp_path), "--count", "20",
+                           "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{tmp_path}: 20 operations per run")
+    timings = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in lines[1:]}
+    assert set(timings) == {"mkdir", "create + write 2 KiB", "one zarr array (2 mkdir, 2 files)"}
+    assert all(t > 0 for t in timings.values())
+    assert list(tmp_path.iterdir()) == [], "every timed directory is removed"
