@@ -161,3 +161,15 @@ def test_file_ops_reports_every_operation_and_leaves_nothing_behind(tmp_path):
     assert set(timings) == {"mkdir", "create + write 2 KiB", "one zarr array (2 mkdir, 2 files)"}
     assert all(t > 0 for t in timings.values())
     assert list(tmp_path.iterdir()) == [], "every timed directory is removed"
+
+
+def test_compression_reports_every_codec_on_every_group():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "compression.py"), "--layers", "1", "--hidden", "64",
+                           "--vocab", "128", "--dtype", "bfloat16"], cwd=BENCHMARKS, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert sorted({row[0] for row in rows}) == ["exp_avg", "exp_avg_sq", "weights"]
+    assert len(rows) == 3 * 4
+    ratios = [float(row[row.index("ratio") + 1]) for row in rows]
+    assert all(r > 0.5 for r in ratios), ratios
