@@ -24,7 +24,7 @@ from dcp_zarr.chunk_io import chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError
-from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
+from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.scheduler import run_jobs
@@ -111,29 +111,39 @@ class ZarrWriter(StorageWriter, WriterStaging):
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
         results = []
-        jobs = []
+        jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
+        chunk_keys: list[str] = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
                 if write:
-                    jobs.append((write[0], len(write[1][0]), partial(storage.write, *write)))
+                    chunk_keys.append(write[0])
+                    jobs.append((len(write[1][0]), partial(storage.write, *write)))
                     jobs.append(_metadata_job(storage, assignment.nodes[item.index.fqn], _object_array_metadata(
                         item.index.fqn, result.storage_data["object_nbytes"])))
             else:
                 spec = assignment.arrays[item.index.fqn]
                 if item.index.fqn in assignment.describes:
                     jobs.append(_metadata_job(storage, spec.node, _array_metadata(spec, item.tensor_data.properties.dtype)))
-                tensor = _cpu_tensor(planner.resolve_data(item), item.index.fqn)
-                local = tensor_as_numpy(tensor)
-                for chunk, data in chunks_of_box(spec.layout, item.tensor_data.chunk.offsets, local):
-                    key = f"{spec.node}/{chunk}"
-                    jobs.append((key, data.nbytes, partial(write_chunk, storage, key, data, spec.layout)))
+                tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
+                offsets = item.tensor_data.chunk.offsets
+                nbytes = tensor.numel() * tensor.element_size()
+                if _on_host(tensor):
+                    for chunk, data in chunks_of_box(spec.layout, offsets, tensor_as_numpy(tensor)):
+                        key = f"{spec.node}/{chunk}"
+                        chunk_keys.append(key)
+                        jobs.append((data.nbytes, partial(write_chunk, storage, key, data, spec.layout)))
+                else:
+                    # A device tensor is copied to host memory on an IO thread, just before its chunks are written:
+                    # the copies overlap other tensors' writes, and at most thread_count host copies exist at once
+                    # (copying every tensor first would hold a host copy of the rank's whole state dict).
+                    chunk_keys += [f"{spec.node}/{chunk_key(c)}" for c in spec.layout.chunks_in_box(offsets, tensor.shape)]
+                    jobs.append((nbytes, partial(_write_from_device, storage, spec, offsets, tensor)))
                 source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
-                result = WriteResult(index=item.index, size_in_bytes=local.nbytes, storage_data={"source": source})
+                result = WriteResult(index=item.index, size_in_bytes=nbytes, storage_data={"source": source})
             results.append(result)
-        self.written_keys = [key for key, _, _ in jobs if not key.endswith("zarr.json")]
-        run_jobs([(nbytes, job) for _, nbytes, job in jobs], self.thread_count, storage.batch_bytes,
-                 name="dcp-zarr-write")
+        self.written_keys = chunk_keys
+        run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-write")
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -189,15 +199,23 @@ class ZarrWriter(StorageWriter, WriterStaging):
         }
 
 
-def _cpu_tensor(value, fqn: str) -> torch.Tensor:
+def _checked_tensor(value, fqn: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidEntryError(f"state-dict entry {fqn!r}: expected a tensor, the planner returned {type(value).__name__}")
     tensor = value.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.to("cpu")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise InvalidEntryError(f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
     return tensor
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+def _write_from_device(storage, spec: ArraySpec, offsets, tensor: torch.Tensor) -> None:
+    local = tensor_as_numpy(tensor.to("cpu"))
+    for chunk, data in chunks_of_box(spec.layout, offsets, local):
+        write_chunk(storage, f"{spec.node}/{chunk}", data, spec.layout)
 
 
 def _array_metadata(spec: ArraySpec, dtype: torch.dtype) -> dict:
@@ -210,9 +228,8 @@ def _object_array_metadata(fqn: str, nbytes: int) -> dict:
                           {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}})
 
 
-def _metadata_job(storage, node: str, document: dict):
-    key = f"{node}/zarr.json"
-    return key, 0, partial(storage.write_json, key, document)
+def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:
+    return 0, partial(storage.write_json, f"{node}/zarr.json", document)
 
 
 def _value_write(item, planner: SavePlanner, node: str):

@@ -278,3 +278,38 @@ def test_only_cuda_tensors_are_staged_through_pinned_buffers():
     assert not pinned_staging(["cuda"], cuda_available=False)
     assert list(tensor_devices({"a": [torch.zeros(1), {"b": torch.zeros(1, device="meta")}], "c": 3})) == [
         "cpu", "meta"]
+
+
+def _store_files(path) -> dict[str, bytes]:
+    root = str(path)
+    files = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            full = os.path.join(directory, name)
+            files[os.path.relpath(full, root)] = open(full, "rb").read()
+    return files
+
+
+def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monkeypatch):
+    """Tensors not in host memory (CUDA) are copied on the IO threads, one job per tensor; with that path forced on
+    for CPU tensors, the store must be byte-for-byte the one the direct path writes."""
+    import dcp_zarr.writer as writer_module
+
+    sd = {"big": torch.randn(4096, 300), "t": torch.randn(64, 48).t(), "bf16": torch.randn(37, 5).bfloat16(),
+          "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "obj": torch.Size([2])}
+    direct, deferred = ZarrWriter(tmp_path / "direct.zarr", inner_chunk_bytes=256 << 10), None
+    dcp.save(sd, storage_writer=direct)
+    monkeypatch.setattr(writer_module, "_on_host", lambda tensor: False)
+    copied = []
+    real_write = writer_module._write_from_device
+    monkeypatch.setattr(writer_module, "_write_from_device",
+                        lambda storage, spec, offsets, tensor: (copied.append(spec.fqn),
+                                                                real_write(storage, spec, offsets, tensor)))
+    deferred = ZarrWriter(tmp_path / "deferred.zarr", inner_chunk_bytes=256 << 10)
+    dcp.save(sd, storage_writer=deferred)
+    assert sorted(copied) == ["bf16", "big", "empty", "scalar", "t"], "every tensor went through the deferred copy"
+    assert sorted(deferred.written_keys) == sorted(direct.written_keys) and len(direct.written_keys) == 5
+    a, b = _store_files(tmp_path / "direct.zarr"), _store_files(tmp_path / "deferred.zarr")
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k] != b[k]] == ["zarr.json"], "only the manifest (save id, time) may differ"
+    assert_state_equal(load(blank_like(sd), tmp_path / "deferred.zarr"), sd)
