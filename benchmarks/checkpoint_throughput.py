@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--evict-cache", action="store_true", help="drop the checkpoint's pages from the page cache before each load")
     p.add_argument("--save-only", metavar="DIR", help="save one checkpoint per DCP kind under DIR for --reshard-from, then exit")
     p.add_argument("--reshard-from", metavar="DIR", help="also time loading the checkpoints of a --save-only run")
+    p.add_argument("--no-staging-cache", action="store_true",
+                   help="async: a new ZarrWriter (new staging buffers) for every repeat, instead of one that keeps them")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 repeats, 300 small tensors")
     p.add_argument("--out", help="result JSON (default benchmarks/results/checkpoint_throughput-<time>.json)")
     p.add_argument("--plot", help="result PNG (default: --out with .png)")
@@ -188,6 +190,7 @@ def write_outputs(
             "small_tensors": args.small_tensors,
             "reshard_from": args.reshard_from,
             "evict_cache": args.evict_cache,
+            "async_staging_cache": not args.no_staging_cache,
             "quick": args.quick,
             "launched_by_torchrun": rt.launched_by_torchrun,
             "dcp_zarr_path": dcp_zarr_path,

@@ -159,10 +159,12 @@ class Benchmark:
 
     def run_async(self, repeat: int, target: dict[str, Any]) -> None:
         path = self.ws.fresh(f"async-zarr-r{repeat}")
-        # One writer for every repeat, as a training loop would keep it: it is also the stager, and copies into the
-        # buffers it staged into last time (pinned ones for CUDA tensors) instead of allocating new ones.
-        if self.async_writer is None:
-            self.async_writer = make_writer("zarr", path, self.args.threads)
+        # One writer for every repeat, as a training loop would keep it: it is also the stager, and with
+        # cache_staged_state_dict it copies into the buffers it staged into last time (pinned ones for CUDA tensors)
+        # instead of allocating new ones. --no-staging-cache measures a new writer (new buffers) each time.
+        if self.async_writer is None or self.args.no_staging_cache:
+            cache = not self.args.no_staging_cache
+            self.async_writer = make_writer("zarr", path, self.args.threads, cache_staged_state_dict=cache)
         blocking, total = timed_async_save(
             lambda: dcp.async_save(self.state_dict, storage_writer=self.async_writer, checkpoint_id=path),
             self.rt.device,

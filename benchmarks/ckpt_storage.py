@@ -40,11 +40,11 @@ def require_dcp_zarr() -> str:
     return os.path.dirname(os.path.abspath(dcp_zarr.__file__))
 
 
-def make_writer(kind: str, path: str, threads: int):
+def make_writer(kind: str, path: str, threads: int, **zarr_options):
     if kind == "zarr":
         from dcp_zarr import ZarrWriter
 
-        return ZarrWriter(path, thread_count=threads, sync_files=True)
+        return ZarrWriter(path, thread_count=threads, sync_files=True, **zarr_options)
     if kind == "fs":
         return FileSystemWriter(path, thread_count=threads, sync_files=True)
     raise ValueError(f"{kind!r} is not a DCP writer kind")

@@ -22,19 +22,26 @@ from dcp_zarr.layout import ChunkLayout, chunk_key
 from dcp_zarr.storage import Storage
 
 
-def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
-    """``(chunk key, data)`` for every chunk of the box that ``local`` (a rank's shard at ``box_offsets``) covers.
+def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequence[int]
+                  ) -> Iterator[tuple[str, tuple[slice, ...]]]:
+    """``(chunk key, region)`` for every chunk of the box (a rank's shard of ``sizes`` at ``box_offsets``); the region
+    indexes the shard.
 
-    The box must be a union of whole chunks (``chunk_layout_for_boxes`` guarantees it); each ``data`` is a view of
-    ``local`` (unpadded), ready for ``encode_chunk``.
+    The box must be a union of whole chunks (``chunk_layout_for_boxes`` guarantees it).
     """
-    sizes = local.shape
     for coords in layout.chunks_in_box(box_offsets, sizes):
         offsets, extent = layout.chunk_box(coords)
         start = [o - b for o, b in zip(offsets, box_offsets)]
         if any(s < 0 or s + e > n for s, e, n in zip(start, extent, sizes)):
             raise AssertionError(f"chunk {coords} is not inside the saved box at {tuple(box_offsets)}")
-        yield chunk_key(coords), local[tuple(slice(s, s + e) for s, e in zip(start, extent))]
+        yield chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
+
+
+def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+    """``(chunk key, data)`` for every chunk of the box that ``local`` (a rank's shard at ``box_offsets``) covers;
+    each ``data`` is a view of ``local`` (unpadded), ready for ``encode_chunk``."""
+    for key, region in chunk_regions(layout, box_offsets, local.shape):
+        yield key, local[region]
 
 
 def write_chunk(storage: Storage, key: str, data: np.ndarray, layout: ChunkLayout) -> None:

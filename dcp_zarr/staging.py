@@ -1,14 +1,23 @@
 """The staging copy of ``dcp.async_save``: what the caller waits for before training goes on.
 
 ``ZarrWriter`` is DCP's ``AsyncStager`` for its own saves (``dcp.async_save`` uses a writer that is one when no
-``async_stager`` is passed). CUDA tensors are copied into pinned (page-locked) host buffers, which the GPU fills by
-DMA, with non-blocking copies waited for before the call returns; CPU tensors are copied to ordinary memory, as DCP's
-default stager does. The copying is DCP's own ``DefaultStager``, kept by the writer: a writer reused for the next
-save (``checkpoint_id=`` per save) copies into the same buffers again instead of allocating and pinning new ones.
+``async_stager`` is passed). The copying is DCP's own ``DefaultStager``, blocking: when any tensor is on a CUDA
+device, every copy goes into pinned (page-locked) shared host memory, which the GPU fills by DMA and a process-based
+executor can map as it is; otherwise into ordinary memory, as DCP's default stager does.
+
+By default each save stages into new buffers, freed when that save is done. With ``cache_staged_state_dict=True``
+the writer keeps them and the next save copies into the same buffers (no allocation, no pinning): keep one writer
+and pass ``checkpoint_id=`` per save.
+
+One writer runs one save at a time: a writer whose previous save is still running (not yet through write_data, or
+finish on the coordinator, and its staged copy still referenced) refuses to stage again. That holds for the thread-based executor; the process-based one takes the writer and the
+staged copy to another process, where this writer cannot see them, so a writer that has been sent to one stages
+into new buffers every time and leaves waiting for the future to the caller.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -19,52 +28,89 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 def pinned_staging(devices: Iterable[str], cuda_available: bool) -> bool:
     """Whether staging should copy into pinned buffers: only for CUDA tensors (pinning helps device-to-host DMA
     only, and CPU-only builds of torch cannot pin)."""
-    return cuda_available and "cuda" in set(devices)
+    return cuda_available and any(device == "cuda" for device in devices)
+
+
+def tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a state dict (a DTensor's ``device`` is its local shard's)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors(value)
 
 
 def tensor_devices(tree: Any) -> Iterator[str]:
-    """The device types of every tensor in a state dict (a DTensor's local shard counts)."""
-    if isinstance(tree, torch.Tensor):
-        local = tree.to_local() if hasattr(tree, "to_local") else tree
-        yield local.device.type
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from tensor_devices(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from tensor_devices(value)
+    return (tensor.device.type for tensor in tensors(tree))
+
+
+def _stager(pinned: bool) -> DefaultStager:
+    # Pinned buffers are also shared memory: the process-based executor pickles the staged copy, which would move
+    # ordinary memory (and its CUDA registration) into a new shared block; shared memory is sent as it is.
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=pinned, use_async_staging=False,
+                                        use_non_blocking_copy=pinned))
 
 
 class WriterStaging(AsyncStager):
-    """``AsyncStager`` half of ``ZarrWriter``: a blocking copy, into buffers kept for the writer's next save."""
+    """``AsyncStager`` half of ``ZarrWriter``: a blocking copy, into buffers kept for the next save if asked to."""
 
     _synchronize_after_execute = False  # stage() returns only when the copy is complete
 
-    def __init__(self) -> None:
+    def __init__(self, cache_staged_state_dict: bool = False) -> None:
+        self.cache_staged_state_dict = cache_staged_state_dict
         self._stager: DefaultStager | None = None
         self._pinned: bool | None = None
+        self._in_use: weakref.ref | None = None  # a tensor of the last staged copy: alive while its save runs
+        self._sent_to_process = False  # pickled for a process-based executor: buffers are no longer ours to reuse
+        self._save_running = False  # from stage() until the writer has finished with that save on this rank
 
     def stage(self, state_dict: dict) -> dict:
+        if self._save_running and self._in_use is not None and self._in_use() is not None and not self._sent_to_process:
+            # One writer runs one save at a time: a second would take over its paths and, when caching, overwrite
+            # the buffers the first is still writing from.
+            raise RuntimeError(
+                "ZarrWriter: the previous async save with this writer is still running (its staged copy is in use); "
+                "wait for its future before the next dcp.async_save, or use another writer")
         pinned = pinned_staging(tensor_devices(state_dict), torch.cuda.is_available())
-        if self._stager is None or pinned != self._pinned:
+        if not self.cache_staged_state_dict or self._sent_to_process:
             self.close()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=pinned))
-            self._pinned = pinned
-        return self._stager.stage(state_dict)
+            stager = _stager(pinned)
+            try:
+                staged = stager.stage(state_dict)
+            finally:
+                stager.close()  # drops only the stager's cache: the staged copy lives as long as its save holds it
+        else:
+            if self._stager is None or pinned != self._pinned:
+                self.close()
+                self._stager, self._pinned = _stager(pinned), pinned
+            staged = self._stager.stage(state_dict)
+        first = next(tensors(staged), None)
+        self._in_use = weakref.ref(first) if first is not None else None
+        self._save_running = True
+        return staged
+
+    def save_ended(self) -> None:
+        """Called by the writer when this rank is done with a save (its data written, or the save failed)."""
+        self._save_running = False
 
     def synchronize_staging(self) -> None:
         pass  # stage() already waited for its copies
 
     def close(self) -> None:
-        """Release the staging buffers (pinned ones included); the next async save allocates new ones."""
+        """Release the kept staging buffers (pinned ones included); the next async save allocates new ones."""
         if self._stager is not None:
             self._stager.close()
         self._stager = None
         self._pinned = None
+        self._in_use = None
 
     def __getstate__(self) -> dict:
-        # The process-based async executor pickles the writer into its worker; staging buffers stay here.
+        # The process-based async executor pickles the writer into its worker; staging buffers stay here, and the
+        # staged copy that goes with it is the worker's from now on.
+        self._sent_to_process = True
         state = self.__dict__.copy()
-        state.update(_stager=None, _pinned=None)
+        state.update(_stager=None, _pinned=None, _in_use=None, _save_running=False)
         return state

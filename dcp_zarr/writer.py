@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import uuid
 from functools import partial
@@ -20,11 +21,11 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_zarr import commit
-from dcp_zarr.chunk_io import chunks_of_box, write_chunk
+from dcp_zarr.chunk_io import chunk_regions, chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError
-from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
+from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
 from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.scheduler import run_jobs
@@ -39,9 +40,8 @@ from dcp_zarr.version import versions
 class ZarrWriter(StorageWriter, WriterStaging):
     """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
 
-    With ``dcp.async_save`` the writer is also the stager (staging.py): CUDA tensors are copied into pinned host
-    buffers, which a writer reused for later saves (``checkpoint_id=`` per save, after the previous save's future
-    resolved) copies into again; ``close()`` releases them.
+    With ``dcp.async_save`` the writer is also the stager (staging.py): the caller waits for a copy in host memory,
+    pinned when the state dict has CUDA tensors.
 
     Args:
         path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s
@@ -51,17 +51,20 @@ class ZarrWriter(StorageWriter, WriterStaging):
         sync_files: fsync chunks and directories before the commit (local paths).
         overwrite: replace a checkpoint already at ``path`` (after the new one is complete, locally).
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
+        cache_staged_state_dict: keep ``dcp.async_save``'s staging buffers for the next save with this writer
+            (``checkpoint_id=`` per save, each after the previous one's future resolved); ``close()`` frees them.
     """
 
     def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
-                 sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES):
+                 sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
+                 cache_staged_state_dict: bool = False):
         self.path = os.fspath(path)
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
-        WriterStaging.__init__(self)
+        WriterStaging.__init__(self, cache_staged_state_dict)
         self.save_id: str | None = None
         self.is_coordinator = False
         self._specs: dict[str, ArraySpec] = {}
@@ -108,11 +111,30 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_rank_data(plan, planner)
+        except BaseException:
+            self.save_ended()  # no finish() follows
+            raise
+        finally:
+            if not self.is_coordinator:
+                self.save_ended()  # this rank is done with the staged copy and with the writer's state
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self.save_ended()
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
         results = []
         jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
         chunk_keys: list[str] = []
+        devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
@@ -134,22 +156,27 @@ class ZarrWriter(StorageWriter, WriterStaging):
                         chunk_keys.append(key)
                         jobs.append((data.nbytes, partial(write_chunk, storage, key, data, spec.layout)))
                 else:
-                    # A device tensor is copied to host memory on an IO thread, just before its chunks are written:
-                    # the copies overlap other tensors' writes, and at most thread_count host copies exist at once
-                    # (copying every tensor first would hold a host copy of the rank's whole state dict).
-                    chunk_keys += [f"{spec.node}/{chunk_key(c)}" for c in spec.layout.chunks_in_box(offsets, tensor.shape)]
-                    jobs.append((nbytes, partial(_write_from_device, storage, spec, offsets, tensor)))
+                    # Each chunk of a device tensor is copied to host memory on an IO thread just before it is
+                    # written: copies overlap other chunks' writes, and at most thread_count chunks are in host
+                    # memory at once (copying every tensor first would hold a host copy of the whole state dict).
+                    devices.add(tensor.device)
+                    for chunk, region in chunk_regions(spec.layout, offsets, tensor.shape):
+                        key = f"{spec.node}/{chunk}"
+                        chunk_keys.append(key)
+                        jobs.append((_region_bytes(tensor, region),
+                                     partial(_write_from_device, storage, key, tensor, region, spec.layout)))
                 source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
                 result = WriteResult(index=item.index, size_in_bytes=nbytes, storage_data={"source": source})
             results.append(result)
         self.written_keys = chunk_keys
+        _wait_for_current_streams(devices)
         run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-write")
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
         by_fqn: dict[str, list] = {}
         for rank_results in results:
@@ -177,8 +204,6 @@ class ZarrWriter(StorageWriter, WriterStaging):
         manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
         commit.commit(storage, self.path, replace=self.overwrite)
-
-    # -- helpers -----------------------------------------------------------------------------------------------------
 
     def _manifest(self, entries: dict, key_order: tuple | list = ()) -> dict:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
@@ -212,10 +237,20 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-def _write_from_device(storage, spec: ArraySpec, offsets, tensor: torch.Tensor) -> None:
-    local = tensor_as_numpy(tensor.to("cpu"))
-    for chunk, data in chunks_of_box(spec.layout, offsets, local):
-        write_chunk(storage, f"{spec.node}/{chunk}", data, spec.layout)
+def _region_bytes(tensor: torch.Tensor, region: tuple[slice, ...]) -> int:
+    return math.prod(s.stop - s.start for s in region) * tensor.element_size()
+
+
+def _write_from_device(storage, key: str, tensor: torch.Tensor, region: tuple[slice, ...], layout: ChunkLayout) -> None:
+    write_chunk(storage, key, tensor_as_numpy(tensor[region].to("cpu")), layout)
+
+
+def _wait_for_current_streams(devices: set[torch.device]) -> None:
+    """The IO threads copy on their own streams, which do not wait for the caller's: wait here for the work queued on
+    the caller's current stream (what produced the tensors) before any copy starts."""
+    for device in devices:
+        if device.type != "cpu":
+            torch.get_device_module(device.type).current_stream(device).synchronize()
 
 
 def _array_metadata(spec: ArraySpec, dtype: torch.dtype) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import numpy as np
@@ -235,7 +236,10 @@ def async_save_and_load(rank, world_size, path, executor):
     sd = {"model": {"w": torch.randn(5, 3, generator=torch.Generator().manual_seed(1)),
                     "sharded": distribute_tensor(full, mesh, [Shard(0)])}, "step": 3}
     kind = AsyncCheckpointerType.THREAD if executor == "thread" else AsyncCheckpointerType.PROCESS
-    writer = ZarrWriter()  # one writer for both saves: the second reuses its staging buffers
+    assert list(tensor_devices(sd)) == ["cpu", "cpu"], "a DTensor counts by its local shard's device"
+    # One writer for both saves: with the thread executor the second copies into the first's staging buffers; the
+    # process executor takes each staged copy away, so there every save stages anew.
+    writer = ZarrWriter(cache_staged_state_dict=True)
     expected = []
     for i in range(2):
         expected.append({"w": sd["model"]["w"].clone(), "sharded": full.clone()})
@@ -259,17 +263,70 @@ def test_async_save(tmp_path, executor):
     assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
 
 
-def test_staging_copies_into_the_same_buffers_when_the_writer_is_reused(tmp_path):
+def _pointers(sd) -> list[int]:
+    return [sd["a"].data_ptr(), sd["nested"]["b"].data_ptr()]
+
+
+def test_staging_copies_into_new_buffers_unless_asked_to_keep_them(tmp_path):
+    import weakref
+
     sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
     writer = ZarrWriter(tmp_path / "x.zarr")
     first = writer.stage(sd)
     assert first["a"].data_ptr() != sd["a"].data_ptr(), "staging must copy"
+    gone = weakref.ref(first["a"].untyped_storage())
+    del first  # its save is done
+    assert gone() is None, "the writer must not keep the staged copy"
+    sd["a"].add_(1)
+    assert torch.equal(writer.stage(sd)["a"], torch.arange(6.0) + 1)
+
+
+def test_kept_staging_buffers_are_reused_and_never_overwritten_while_in_use(tmp_path):
+    sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
+    writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
+    first = writer.stage(sd)
+    first_pointers = _pointers(first)
+    with pytest.raises(RuntimeError, match="still running"):
+        writer.stage(sd)
+    del first  # its save is done
     sd["a"].add_(1)
     second = writer.stage(sd)
-    assert [t.data_ptr() for t in (second["a"], second["nested"]["b"])] == [
-        t.data_ptr() for t in (first["a"], first["nested"]["b"])]
+    assert _pointers(second) == first_pointers
     assert torch.equal(second["a"], torch.arange(6.0) + 1)
+    del second
     writer.close()
+
+
+def test_a_writer_sent_to_a_process_executor_stops_reusing_buffers(tmp_path):
+    import pickle
+
+    sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
+    writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
+    first = writer.stage(sd)
+    pickle.loads(pickle.dumps(writer))  # what the process executor does; that worker now owns the staged copy
+    second = writer.stage(sd)  # no refusal: the buffers in the other process are not this writer's to reuse
+    assert set(_pointers(first)).isdisjoint(_pointers(second))
+
+
+class _SlowWriter(ZarrWriter):
+    def write_data(self, plan, planner):
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_survives(tmp_path, cache):
+    sd = {"w": torch.arange(12.0).reshape(3, 4)}
+    writer = _SlowWriter(cache_staged_state_dict=cache)
+    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
+    sd["w"].add_(100)
+    with pytest.raises(RuntimeError, match="still running"):
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))
+    first.result()
+    assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "0.zarr")["w"], torch.arange(12.0).reshape(3, 4))
+    assert not (tmp_path / "1.zarr").exists()
+    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()  # now it may
+    assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "1.zarr")["w"], sd["w"])
 
 
 def test_only_cuda_tensors_are_staged_through_pinned_buffers():
@@ -291,25 +348,46 @@ def _store_files(path) -> dict[str, bytes]:
 
 
 def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monkeypatch):
-    """Tensors not in host memory (CUDA) are copied on the IO threads, one job per tensor; with that path forced on
-    for CPU tensors, the store must be byte-for-byte the one the direct path writes."""
+    """Chunks of tensors not in host memory (CUDA) are copied on the IO threads, one job per chunk. With that path
+    forced on for CPU tensors (where ``.to("cpu")`` copies nothing), the chunk regions, keys and bookkeeping must give
+    the store, byte for byte, that the direct path writes."""
     import dcp_zarr.writer as writer_module
 
     sd = {"big": torch.randn(4096, 300), "t": torch.randn(64, 48).t(), "bf16": torch.randn(37, 5).bfloat16(),
           "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "obj": torch.Size([2])}
-    direct, deferred = ZarrWriter(tmp_path / "direct.zarr", inner_chunk_bytes=256 << 10), None
+    direct = ZarrWriter(tmp_path / "direct.zarr", inner_chunk_bytes=256 << 10)
     dcp.save(sd, storage_writer=direct)
     monkeypatch.setattr(writer_module, "_on_host", lambda tensor: False)
     copied = []
     real_write = writer_module._write_from_device
     monkeypatch.setattr(writer_module, "_write_from_device",
-                        lambda storage, spec, offsets, tensor: (copied.append(spec.fqn),
-                                                                real_write(storage, spec, offsets, tensor)))
+                        lambda storage, key, *args: (copied.append(key), real_write(storage, key, *args)))
     deferred = ZarrWriter(tmp_path / "deferred.zarr", inner_chunk_bytes=256 << 10)
     dcp.save(sd, storage_writer=deferred)
-    assert sorted(copied) == ["bf16", "big", "empty", "scalar", "t"], "every tensor went through the deferred copy"
     assert sorted(deferred.written_keys) == sorted(direct.written_keys) and len(direct.written_keys) == 5
+    assert sorted(copied) == sorted(k for k in direct.written_keys if not k.startswith("obj/")), "every tensor chunk"
     a, b = _store_files(tmp_path / "direct.zarr"), _store_files(tmp_path / "deferred.zarr")
     assert a.keys() == b.keys()
     assert [k for k in a if a[k] != b[k]] == ["zarr.json"], "only the manifest (save id, time) may differ"
     assert_state_equal(load(blank_like(sd), tmp_path / "deferred.zarr"), sd)
+
+
+class _FailingWriter(ZarrWriter):
+    fail = True
+
+    def _write_rank_data(self, plan, planner):
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+        return super()._write_rank_data(plan, planner)
+
+
+def test_a_failed_async_save_does_not_block_the_next_one_on_the_same_writer(tmp_path):
+    sd = {"w": torch.arange(6.0)}
+    writer = _FailingWriter(cache_staged_state_dict=True)
+    failed = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
+    with pytest.raises(CheckpointException, match="No space left"):
+        failed.result()
+    writer.fail = False  # the failed future (and its traceback, holding the staged copy) is still referenced
+    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()
+    assert torch.equal(load({"w": torch.zeros(6)}, tmp_path / "1.zarr")["w"], sd["w"])
+    assert failed.exception() is not None and not (tmp_path / "0.zarr").exists()
