@@ -10,9 +10,10 @@ the writer keeps them and the next save copies into the same buffers (no allocat
 and pass ``checkpoint_id=`` per save.
 
 One writer runs one save at a time: a writer whose previous save is still running (not yet through write_data, or
-finish on the coordinator, and its staged copy still referenced) refuses to stage again. That holds for the thread-based executor; the process-based one takes the writer and the
-staged copy to another process, where this writer cannot see them, so a writer that has been sent to one stages
-into new buffers every time and leaves waiting for the future to the caller.
+finish on the coordinator, and its staged copy still referenced) refuses to stage again. That holds for the
+thread-based executor; the process-based one takes the writer and the staged copy to another process, where this
+writer cannot see them, so a writer that has been sent to one stages into new buffers every time and leaves waiting
+for the future to the caller.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class WriterStaging(AsyncStager):
         self._save_running = False  # from stage() until the writer has finished with that save on this rank
 
     def stage(self, state_dict: dict) -> dict:
-        if self._save_running and self._in_use is not None and self._in_use() is not None and not self._sent_to_process:
+        previous = self._in_use() if self._in_use is not None else None
+        if self._save_running and previous is not None and not self._sent_to_process:
             # One writer runs one save at a time: a second would take over its paths and, when caching, overwrite
             # the buffers the first is still writing from.
             raise RuntimeError(
