@@ -9,21 +9,26 @@ By default each save stages into new buffers, freed when that save is done. With
 the writer keeps them and the next save copies into the same buffers (no allocation, no pinning): keep one writer
 and pass ``checkpoint_id=`` per save.
 
-One writer runs one save at a time: a writer whose previous save is still running (not yet through write_data, or
-finish on the coordinator, and its staged copy still referenced) refuses to stage again. That holds for the
-thread-based executor; the process-based one takes the writer and the staged copy to another process, where this
-writer cannot see them, so a writer that has been sent to one stages into new buffers every time and leaves waiting
-for the future to the caller.
+One writer runs one save at a time. A writer remembers the thread that runs the save it staged for (DCP's
+thread-based executor starts one per save, which ends with it) and refuses to stage again while that thread is
+alive, or while the save has not started yet. The process-based executor takes the writer and the staged copy to
+another process, where this writer cannot see them: a writer that has been sent to one stages into new buffers
+every time, and waiting for each future is the caller's part.
 """
 
 from __future__ import annotations
 
-import weakref
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+
+
+# DCP's thread-based executor ends its thread right after the save's future resolves; a writer asked to stage in
+# that moment waits this long for the thread to go before calling the save still running.
+SAVE_THREAD_EXIT_GRACE_S = 1.0
 
 
 def pinned_staging(devices: Iterable[str], cuda_available: bool) -> bool:
@@ -64,18 +69,12 @@ class WriterStaging(AsyncStager):
         self.cache_staged_state_dict = cache_staged_state_dict
         self._stager: DefaultStager | None = None
         self._pinned: bool | None = None
-        self._in_use: weakref.ref | None = None  # a tensor of the last staged copy: alive while its save runs
+        self._staged_for_save = False  # staged, and the save it is for has not started yet
+        self._save_thread: threading.Thread | None = None  # the thread running that save, once started
         self._sent_to_process = False  # pickled for a process-based executor: buffers are no longer ours to reuse
-        self._save_running = False  # from stage() until the writer has finished with that save on this rank
 
     def stage(self, state_dict: dict) -> dict:
-        previous = self._in_use() if self._in_use is not None else None
-        if self._save_running and previous is not None and not self._sent_to_process:
-            # One writer runs one save at a time: a second would take over its paths and, when caching, overwrite
-            # the buffers the first is still writing from.
-            raise RuntimeError(
-                "ZarrWriter: the previous async save with this writer is still running (its staged copy is in use); "
-                "wait for its future before the next dcp.async_save, or use another writer")
+        self._refuse_while_saving()
         pinned = pinned_staging(tensor_devices(state_dict), torch.cuda.is_available())
         if not self.cache_staged_state_dict or self._sent_to_process:
             self.close()
@@ -89,14 +88,13 @@ class WriterStaging(AsyncStager):
                 self.close()
                 self._stager, self._pinned = _stager(pinned), pinned
             staged = self._stager.stage(state_dict)
-        first = next(tensors(staged), None)
-        self._in_use = weakref.ref(first) if first is not None else None
-        self._save_running = True
+        self._staged_for_save, self._save_thread = True, None
         return staged
 
-    def save_ended(self) -> None:
-        """Called by the writer when this rank is done with a save (its data written, or the save failed)."""
-        self._save_running = False
+    def save_started(self) -> None:
+        """Called by the writer when a save starts on this rank, in the thread that runs it."""
+        if self._staged_for_save:
+            self._staged_for_save, self._save_thread = False, threading.current_thread()
 
     def synchronize_staging(self) -> None:
         pass  # stage() already waited for its copies
@@ -107,12 +105,26 @@ class WriterStaging(AsyncStager):
             self._stager.close()
         self._stager = None
         self._pinned = None
-        self._in_use = None
+
+    def _refuse_while_saving(self) -> None:
+        # A second save would take over the first one's paths and, with kept buffers, overwrite the data the first is
+        # still writing from.
+        if self._sent_to_process:
+            return
+        thread = self._save_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=SAVE_THREAD_EXIT_GRACE_S)  # a save whose future just resolved is still leaving
+            if not thread.is_alive():
+                self._save_thread = thread = None
+        if thread is not None or self._staged_for_save:
+            raise RuntimeError(
+                "ZarrWriter: the previous async save with this writer is still running; wait for its future before "
+                "the next dcp.async_save, or use another writer")
 
     def __getstate__(self) -> dict:
         # The process-based async executor pickles the writer into its worker; staging buffers stay here, and the
         # staged copy that goes with it is the worker's from now on.
         self._sent_to_process = True
         state = self.__dict__.copy()
-        state.update(_stager=None, _pinned=None, _in_use=None, _save_running=False)
+        state.update(_stager=None, _pinned=None, _staged_for_save=False, _save_thread=None)
         return state

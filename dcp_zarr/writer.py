@@ -85,6 +85,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
+        self.save_started()  # the first writer method DCP calls in a save, in the thread that runs it
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
@@ -111,24 +112,6 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        try:
-            return self._write_rank_data(plan, planner)
-        except BaseException:
-            self.save_ended()  # no finish() follows
-            raise
-        finally:
-            if not self.is_coordinator:
-                self.save_ended()  # this rank is done with the staged copy and with the writer's state
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        try:
-            self._finish(metadata, results)
-        finally:
-            self.save_ended()
-
-    # -- helpers -----------------------------------------------------------------------------------------------------
-
-    def _write_rank_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
         results = []
@@ -176,7 +159,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         future.set_result(results)
         return future
 
-    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
         by_fqn: dict[str, list] = {}
         for rank_results in results:
@@ -204,6 +187,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
         commit.commit(storage, self.path, replace=self.overwrite)
+
+    # -- helpers -----------------------------------------------------------------------------------------------------
 
     def _manifest(self, entries: dict, key_order: tuple | list = ()) -> dict:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from dcp_zarr import (
     ZarrWriter,
 )
 from dcp_zarr.dtypes import numpy_as_tensor
-from dcp_zarr.staging import pinned_staging, tensor_devices
+from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
 from tests.distributed import assert_state_equal
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
@@ -263,37 +264,38 @@ def test_async_save(tmp_path, executor):
     assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
 
 
-def _pointers(sd) -> list[int]:
-    return [sd["a"].data_ptr(), sd["nested"]["b"].data_ptr()]
+class _RecordingWriter(ZarrWriter):
+    """Notes where each staged copy lives (data pointers) and a weak reference to it, keeping nothing alive."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.staged = []
+
+    def stage(self, state_dict):
+        out = super().stage(state_dict)
+        self.staged.append(([out["a"].data_ptr(), out["nested"]["b"].data_ptr()], weakref.ref(out["a"])))
+        return out
 
 
-def test_staging_copies_into_new_buffers_unless_asked_to_keep_them(tmp_path):
-    import weakref
-
+def _two_async_saves(writer, tmp_path):
     sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
-    writer = ZarrWriter(tmp_path / "x.zarr")
-    first = writer.stage(sd)
-    assert first["a"].data_ptr() != sd["a"].data_ptr(), "staging must copy"
-    gone = weakref.ref(first["a"].untyped_storage())
-    del first  # its save is done
-    assert gone() is None, "the writer must not keep the staged copy"
-    sd["a"].add_(1)
-    assert torch.equal(writer.stage(sd)["a"], torch.arange(6.0) + 1)
+    for i in range(2):
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / f"{i}.zarr")).result()
+        assert_state_equal(load(blank_like(sd), tmp_path / f"{i}.zarr"), sd)
+        sd["a"].add_(1)
+    return writer.staged
 
 
-def test_kept_staging_buffers_are_reused_and_never_overwritten_while_in_use(tmp_path):
-    sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
-    writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
-    first = writer.stage(sd)
-    first_pointers = _pointers(first)
-    with pytest.raises(RuntimeError, match="still running"):
-        writer.stage(sd)
-    del first  # its save is done
-    sd["a"].add_(1)
-    second = writer.stage(sd)
-    assert _pointers(second) == first_pointers
-    assert torch.equal(second["a"], torch.arange(6.0) + 1)
-    del second
+def test_each_async_save_stages_into_new_buffers_freed_with_the_save(tmp_path):
+    (first_pointers, first), (_, second) = _two_async_saves(_RecordingWriter(), tmp_path)
+    assert first() is None and second() is None, "the writer keeps no staged copy after its save"
+    assert first_pointers[0] != torch.arange(6.0).data_ptr()
+
+
+def test_kept_staging_buffers_are_reused_by_the_next_save(tmp_path):
+    writer = _RecordingWriter(cache_staged_state_dict=True)
+    (first_pointers, _), (second_pointers, _) = _two_async_saves(writer, tmp_path)
+    assert second_pointers == first_pointers, "the second save copied into the first one's buffers"
     writer.close()
 
 
@@ -304,13 +306,14 @@ def test_a_writer_sent_to_a_process_executor_stops_reusing_buffers(tmp_path):
     writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
     first = writer.stage(sd)
     pickle.loads(pickle.dumps(writer))  # what the process executor does; that worker now owns the staged copy
-    second = writer.stage(sd)  # no refusal: the buffers in the other process are not this writer's to reuse
-    assert set(_pointers(first)).isdisjoint(_pointers(second))
+    second = writer.stage(sd)  # not refused, and not into the buffers the other process is writing from
+    assert {first["a"].data_ptr(), first["nested"]["b"].data_ptr()}.isdisjoint(
+        {second["a"].data_ptr(), second["nested"]["b"].data_ptr()})
 
 
 class _SlowWriter(ZarrWriter):
     def write_data(self, plan, planner):
-        time.sleep(1.0)
+        time.sleep(3 * SAVE_THREAD_EXIT_GRACE_S)
         return super().write_data(plan, planner)
 
 
@@ -327,6 +330,32 @@ def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_surviv
     assert not (tmp_path / "1.zarr").exists()
     dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()  # now it may
     assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "1.zarr")["w"], sd["w"])
+
+
+class _FailingWriter(ZarrWriter):
+    fail = True
+
+    def write_data(self, plan, planner):
+        if self.fail:
+            raise OSError(28, "No space left on device (injected)")
+        return super().write_data(plan, planner)
+
+
+@pytest.mark.parametrize("where", ["while writing", "before planning (the target exists)"])
+def test_a_failed_async_save_does_not_block_the_next_one_on_the_same_writer(tmp_path, where):
+    sd = {"w": torch.arange(6.0)}
+    writer = _FailingWriter(cache_staged_state_dict=True)
+    target = tmp_path / "0.zarr"
+    if where.startswith("before"):
+        writer.fail = False
+        save({"w": torch.zeros(6)}, target)
+    failed = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(target))
+    with pytest.raises(CheckpointException, match="No space left|already"):
+        failed.result()
+    writer.fail = False  # the failed future (and its traceback, holding the staged copy) is still referenced
+    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()
+    assert torch.equal(load({"w": torch.zeros(6)}, tmp_path / "1.zarr")["w"], sd["w"])
+    assert failed.exception() is not None
 
 
 def test_only_cuda_tensors_are_staged_through_pinned_buffers():
@@ -370,24 +399,3 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
     assert a.keys() == b.keys()
     assert [k for k in a if a[k] != b[k]] == ["zarr.json"], "only the manifest (save id, time) may differ"
     assert_state_equal(load(blank_like(sd), tmp_path / "deferred.zarr"), sd)
-
-
-class _FailingWriter(ZarrWriter):
-    fail = True
-
-    def _write_rank_data(self, plan, planner):
-        if self.fail:
-            raise OSError(28, "No space left on device (injected)")
-        return super()._write_rank_data(plan, planner)
-
-
-def test_a_failed_async_save_does_not_block_the_next_one_on_the_same_writer(tmp_path):
-    sd = {"w": torch.arange(6.0)}
-    writer = _FailingWriter(cache_staged_state_dict=True)
-    failed = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
-    with pytest.raises(CheckpointException, match="No space left"):
-        failed.result()
-    writer.fail = False  # the failed future (and its traceback, holding the staged copy) is still referenced
-    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()
-    assert torch.equal(load({"w": torch.zeros(6)}, tmp_path / "1.zarr")["w"], sd["w"])
-    assert failed.exception() is not None and not (tmp_path / "0.zarr").exists()
