@@ -9,16 +9,17 @@ By default each save stages into new buffers, freed when that save is done. With
 the writer keeps them and the next save copies into the same buffers (no allocation, no pinning): keep one writer
 and pass ``checkpoint_id=`` per save.
 
-One writer runs one save at a time. A writer remembers the thread that runs the save it staged for (DCP's
-thread-based executor starts one per save, which ends with it) and refuses to stage again while that thread is
-alive, or while the save has not started yet. The process-based executor takes the writer and the staged copy to
-another process, where this writer cannot see them: a writer that has been sent to one stages into new buffers
-every time, and waiting for each future is the caller's part.
+One writer runs one save at a time. The writer keeps a weak reference to the copy it staged and notes the thread
+that runs its save (DCP's thread-based executor starts one per save, which ends with it): while that thread is alive,
+or while the copy waits for a save that has not started, the writer refuses to stage again. The process-based
+executor takes the staged copy to another process, where this writer cannot see it: there the buffers go with it
+(a writer pickled with a pending save forgets its kept buffers), and waiting for each future is the caller's part.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -60,6 +61,10 @@ def _stager(pinned: bool) -> DefaultStager:
                                         use_non_blocking_copy=pinned))
 
 
+class _StagedStateDict(dict):
+    """A staged copy (a plain dict would not take a weak reference)."""
+
+
 class WriterStaging(AsyncStager):
     """``AsyncStager`` half of ``ZarrWriter``: a blocking copy, into buffers kept for the next save if asked to."""
 
@@ -69,15 +74,13 @@ class WriterStaging(AsyncStager):
         self.cache_staged_state_dict = cache_staged_state_dict
         self._stager: DefaultStager | None = None
         self._pinned: bool | None = None
-        self._staged_for_save = False  # staged, and the save it is for has not started yet
-        self._save_thread: threading.Thread | None = None  # the thread running that save, once started
-        self._sent_to_process = False  # pickled for a process-based executor: buffers are no longer ours to reuse
+        self._staged: weakref.ref | None = None  # the last staged copy; dead once its save (or failure) lets go
+        self._save_thread: threading.Thread | None = None  # the thread running the save of that copy
 
     def stage(self, state_dict: dict) -> dict:
         self._refuse_while_saving()
         pinned = pinned_staging(tensor_devices(state_dict), torch.cuda.is_available())
-        if not self.cache_staged_state_dict or self._sent_to_process:
-            self.close()
+        if not self.cache_staged_state_dict:
             stager = _stager(pinned)
             try:
                 staged = stager.stage(state_dict)
@@ -88,13 +91,14 @@ class WriterStaging(AsyncStager):
                 self.close()
                 self._stager, self._pinned = _stager(pinned), pinned
             staged = self._stager.stage(state_dict)
-        self._staged_for_save, self._save_thread = True, None
+        staged = _StagedStateDict(staged)
+        self._save_thread, self._staged = None, weakref.ref(staged)
         return staged
 
     def save_started(self) -> None:
-        """Called by the writer when a save starts on this rank, in the thread that runs it."""
-        if self._staged_for_save:
-            self._staged_for_save, self._save_thread = False, threading.current_thread()
+        """Called by the writer when a save starts, in the thread that runs it."""
+        if self._save_thread is None and self._pending():
+            self._save_thread = threading.current_thread()
 
     def synchronize_staging(self) -> None:
         pass  # stage() already waited for its copies
@@ -106,25 +110,30 @@ class WriterStaging(AsyncStager):
         self._stager = None
         self._pinned = None
 
+    def _pending(self) -> bool:
+        return self._staged is not None and self._staged() is not None
+
     def _refuse_while_saving(self) -> None:
         # A second save would take over the first one's paths and, with kept buffers, overwrite the data the first is
         # still writing from.
-        if self._sent_to_process:
-            return
         thread = self._save_thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread():  # in its own thread, the save is over
             thread.join(timeout=SAVE_THREAD_EXIT_GRACE_S)  # a save whose future just resolved is still leaving
-            if not thread.is_alive():
-                self._save_thread = thread = None
-        if thread is not None or self._staged_for_save:
+            if thread.is_alive():
+                raise RuntimeError(
+                    "ZarrWriter: the previous async save with this writer is still running; wait for its future "
+                    "before the next dcp.async_save, or use another writer")
+        if thread is None and self._pending():
             raise RuntimeError(
-                "ZarrWriter: the previous async save with this writer is still running; wait for its future before "
-                "the next dcp.async_save, or use another writer")
+                "ZarrWriter: the previous async save with this writer has staged its copy but not started yet; wait "
+                "for its future before the next dcp.async_save, or use another writer")
+        self._save_thread = self._staged = None
 
     def __getstate__(self) -> dict:
-        # The process-based async executor pickles the writer into its worker; staging buffers stay here, and the
-        # staged copy that goes with it is the worker's from now on.
-        self._sent_to_process = True
+        if self._save_thread is None and self._pending():
+            # The process-based executor is sending the staged copy (buffers included) to its worker: they are the
+            # worker's now, and this writer must not copy into them again.
+            self.close()
         state = self.__dict__.copy()
-        state.update(_stager=None, _pinned=None, _staged_for_save=False, _save_thread=None)
+        state.update(_stager=None, _pinned=None, _staged=None, _save_thread=None)
         return state

@@ -76,6 +76,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     # -- StorageWriter interface -------------------------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.save_started()  # with checkpoint_id=, DCP's first call in a save, in the thread that runs it
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = None
@@ -85,7 +86,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
-        self.save_started()  # the first writer method DCP calls in a save, in the thread that runs it
+        self.save_started()  # the first call in a save without checkpoint_id=
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:

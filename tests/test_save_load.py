@@ -299,16 +299,43 @@ def test_kept_staging_buffers_are_reused_by_the_next_save(tmp_path):
     writer.close()
 
 
-def test_a_writer_sent_to_a_process_executor_stops_reusing_buffers(tmp_path):
+def test_a_writer_pickled_with_a_pending_save_gives_its_buffers_away(tmp_path):
     import pickle
 
     sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
     writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
-    first = writer.stage(sd)
-    pickle.loads(pickle.dumps(writer))  # what the process executor does; that worker now owns the staged copy
-    second = writer.stage(sd)  # not refused, and not into the buffers the other process is writing from
-    assert {first["a"].data_ptr(), first["nested"]["b"].data_ptr()}.isdisjoint(
-        {second["a"].data_ptr(), second["nested"]["b"].data_ptr()})
+    staged = writer.stage(sd)
+    kept = staged["a"]  # the buffer outlives the staged dict, as in a worker process still writing from it
+    pickle.loads(pickle.dumps(writer))  # what the process executor does with a staged save: the buffers go with it
+    del staged
+    assert writer.stage(sd)["a"].data_ptr() != kept.data_ptr(), "copied into buffers given away"
+
+
+def test_a_copy_of_an_idle_writer_keeps_its_buffers(tmp_path):
+    import copy
+
+    sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
+    writer = ZarrWriter(tmp_path / "x.zarr", cache_staged_state_dict=True)
+    staged = writer.stage(sd)
+    pointer = staged["a"].data_ptr()
+    del staged  # its save is over
+    copy.deepcopy(writer)
+    assert writer.stage(sd)["a"].data_ptr() == pointer
+
+
+def test_the_next_async_save_may_start_from_the_previous_ones_done_callback(tmp_path):
+    sd = {"w": torch.arange(6.0)}
+    writer = ZarrWriter(cache_staged_state_dict=True)
+    chained = []
+    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
+    first.add_done_callback(lambda _: chained.append(
+        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))))
+    first.result()
+    deadline = time.monotonic() + 30
+    while not chained and time.monotonic() < deadline:
+        time.sleep(0.01)
+    chained[0].result()
+    assert torch.equal(load({"w": torch.zeros(6)}, tmp_path / "1.zarr")["w"], sd["w"])
 
 
 class _SlowWriter(ZarrWriter):
@@ -323,7 +350,7 @@ def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_surviv
     writer = _SlowWriter(cache_staged_state_dict=cache)
     first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
     sd["w"].add_(100)
-    with pytest.raises(RuntimeError, match="still running"):
+    with pytest.raises(RuntimeError, match="still running|not started yet"):
         dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))
     first.result()
     assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "0.zarr")["w"], torch.arange(12.0).reshape(3, 4))
