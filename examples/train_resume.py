@@ -75,6 +75,10 @@ def main() -> None:
             print(f"resumed at step {done} on {world_size} ranks: weights and optimizer step match the store; "
                   f"trained to step {done + args.steps} (loss {loss:.4f})")
             print(zarr.open_group(args.ckpt, mode="r").tree())
+    # A barrier before the teardown: DCP's last collective (a gloo broadcast) may still be releasing its tensors on
+    # gloo's worker thread, which needs the GIL; an interpreter already finalizing kills that thread and the
+    # process aborts ("terminate called without an active exception", pytorch #190489). README "Clean exits".
+    dist.barrier()
     dist.destroy_process_group()
 
 
