@@ -33,6 +33,10 @@ class MalformedMetadataError(ZarrCheckpointError, ValueError):
     """The store's metadata (zarr.json or the dcp_zarr manifest) is not what this version writes."""
 
 
+class MetadataTooLargeError(MalformedMetadataError):
+    """A metadata document is larger than the limit set for it; it is refused before parsing."""
+
+
 class MissingKeysError(ZarrCheckpointError, RuntimeError):
     """Requested state-dict keys have no counterpart in the checkpoint; the message lists them and the fix."""
 

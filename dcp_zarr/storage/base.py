@@ -6,6 +6,8 @@ import abc
 import json
 from collections.abc import Sequence
 
+from dcp_zarr.errors import MetadataTooLargeError
+
 
 class Storage(abc.ABC):
     """A flat key space (zarr's: ``model/w/c/0``, ``model/w/zarr.json``) under one checkpoint root."""
@@ -53,8 +55,14 @@ class Storage(abc.ABC):
     def remove_all(self) -> None:
         """Delete every key under this root (the root itself may remain)."""
 
-    def read_json(self, key: str):
-        return json.loads(self.read(key))
+    def read_json(self, key: str, max_bytes: int | None = None):
+        """The JSON document at ``key``; one longer than ``max_bytes`` is refused before it is parsed."""
+        if max_bytes is None:
+            return json.loads(self.read(key))
+        data = self.read_range(key, 0, max_bytes + 1)
+        if len(data) > max_bytes:
+            raise MetadataTooLargeError(f"{self.url}/{key} is larger than {max_bytes} bytes; refused unread")
+        return json.loads(data)
 
     def write_json(self, key: str, document) -> None:
         self.write(key, [json.dumps(document, separators=(",", ":"), allow_nan=False).encode()])
