@@ -82,6 +82,19 @@ class RegionReader:
                 fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, chunk_key(coords))
         return fetched
 
+    def row_pieces(self, offsets: Sequence[int], shape: Sequence[int], target_bytes: int) -> list[tuple[int, int]]:
+        """Split a region along dim 0 into row ranges (relative to the region) of about ``target_bytes`` each, cut
+        only at the array's chunk (or inner-chunk) row boundaries, so no stored piece is read by two of them.
+        Reading the ranges concurrently keeps a large region from being one job on one thread."""
+        rows = shape[0] if shape else 0
+        if rows == 0:
+            return [(0, rows)]
+        step = self.layout.inner_rows if self.layout.sharded else self.layout.chunk_shape[0]
+        row_bytes = math.prod(shape[1:]) * self.dtype.itemsize
+        span = max(1, target_bytes // max(step * row_bytes, 1)) * step  # whole chunk rows per piece
+        first, last = offsets[0], offsets[0] + rows
+        return [(max(first, b) - first, min(last, b + span) - first) for b in range(first - first % span, last, span)]
+
     def _read_piece(self, key: str, offset: int, length: int | None, shape: tuple[int, ...],
                     inside: tuple[slice, ...], target: np.ndarray, name: str) -> int:
         """Read one stored piece (a chunk, or an inner chunk of a shard), verify it, copy ``inside`` to ``target``.

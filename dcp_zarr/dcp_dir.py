@@ -58,7 +58,7 @@ class DcpCheckpoint:
                 self.entries[fqn] = Entry(
                     fqn=fqn, path=path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
                     dtype=md.properties.dtype, shape=shape,
-                    saved_chunks=tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+                    saved_shards=sum(1 for c in md.chunks if all(c.sizes)))
             else:
                 self.entries[fqn] = Entry(fqn=fqn, path=path, kind=VALUE, node=node, nbytes=0)
         self._state: dict | None = None

@@ -85,6 +85,19 @@ class ChunkLayout(NamedTuple):
     def inner_chunks_per_chunk(self) -> int:
         return self.chunk_shape[0] // self.inner_rows if self.sharded else 1
 
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        """Chunks along each dim (edge chunks counted)."""
+        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
+
+    @property
+    def chunk_count(self) -> int:
+        return math.prod(self.grid_shape)
+
+    def all_chunks(self) -> Iterable[tuple[int, ...]]:
+        """Grid coordinates of every chunk, in C order (``()`` once for a 0-d array)."""
+        return _product([range(n) for n in self.grid_shape])
+
     def chunks_in_box(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterable[tuple[int, ...]]:
         """Grid coordinates of every chunk that intersects the box."""
         ranges = []

@@ -32,6 +32,7 @@ from dcp_zarr.optim_keys import (
     tables_of_manifest,
     translate,
 )
+from dcp_zarr.manifest import Manifest
 from dcp_zarr.reader import MANIFEST_IN_STORAGE_DATA
 
 logger = logging.getLogger(__name__)
@@ -206,9 +207,9 @@ def _real_key(container, part):
     return part
 
 
-def _manifest_of(metadata: Metadata) -> dict | None:
+def _manifest_of(metadata: Metadata) -> Manifest | None:
     extra = metadata.storage_data
-    if isinstance(extra, dict) and isinstance(extra.get(MANIFEST_IN_STORAGE_DATA), dict):
+    if isinstance(extra, dict) and isinstance(extra.get(MANIFEST_IN_STORAGE_DATA), Manifest):
         return extra[MANIFEST_IN_STORAGE_DATA]
     return None
 
@@ -220,7 +221,7 @@ def _request_type(state_dict: dict) -> str:
     return "sharded" if sharded else "full"
 
 
-def _missing_message(missing: dict[str, str], metadata: Metadata, manifest: dict | None,
+def _missing_message(missing: dict[str, str], metadata: Metadata, manifest: Manifest | None,
                      requested: list[OptimizerTable], saved: list[OptimizerTable], state_dict: dict) -> str:
     saved_keys = list(metadata.state_dict_metadata)
     lines = [f"Missing key in checkpoint state_dict: {len(missing)} of {len(state_dict)} requested keys have no "
@@ -230,8 +231,8 @@ def _missing_message(missing: dict[str, str], metadata: Metadata, manifest: dict
         lines.append(f"  {key}: {why}" + (f"; nearest saved: {', '.join(near)}" if near else ""))
     if len(missing) > _LISTED:
         lines.append(f"  ... and {len(missing) - _LISTED} more")
-    saved_type = manifest.get("state_dict_type", "unknown") if manifest else "unknown (no dcp_zarr manifest)"
-    world = f", saved world size {manifest.get('saved_world_size')}" if manifest else ""
+    saved_type = manifest.state_dict_type if manifest else "unknown (no dcp_zarr manifest)"
+    world = f", saved world size {manifest.saved_world_size}" if manifest else ""
     lines.append(f"Checkpoint: state_dict_type {saved_type}{world}; "
                  + (", ".join(t.summary() for t in saved) if saved else "no optimizer param table recorded"))
     lines.append(f"Requested:  state_dict_type {_request_type(state_dict)}; "

@@ -1,32 +1,42 @@
-"""The checkpoint's own description: plain JSON in the root group's ``dcp_zarr`` attribute, readable with zarr alone.
+"""The checkpoint's own description: typed, validated, and stored as plain JSON in the root group's ``dcp_zarr``
+attribute, readable with zarr alone.
 
 The root ``zarr.json`` is written last, after every chunk and every other ``zarr.json``: its presence with this
-attribute is what makes a store a complete checkpoint. The schema is documented in README ("Store layout").
+attribute is what makes a store a complete checkpoint. This module is the one place that defines the manifest and
+checks it; everything else reads attributes of ``Manifest`` and its entries. The schema is in README ("Store layout").
+
+Format 2 records each tensor's chunk grid, not the boxes the saving ranks held: the writer chooses the grid so that
+every rank's box is a union of whole chunks (``layout.chunk_layout_for_boxes``), so the array at its global shape and
+its grid already say where every element is. The manifest is O(tensors) whatever the saving world size. Format 1
+listed every box (``saved_chunks``, ~36 bytes per rank per tensor); it is still read, and its boxes are checked and
+then only counted.
+
+Every check here is linear in the manifest's size: a hostile manifest costs at most that.
 """
 
 from __future__ import annotations
 
 import math
-
-import numpy as np
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
 
 from dcp_zarr.dtypes import torch_dtype_from_name
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
 from dcp_zarr.layout import check_node_name
+from dcp_zarr.optim_keys import OptimizerTable
 from dcp_zarr.storage import Storage
+from dcp_zarr.values import decode_value
 
 FORMAT_NAME = "dcp_zarr"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_ATTRIBUTE = "dcp_zarr"
 ROOT_KEY = "zarr.json"
+# A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
+# (20,000 entries: ~8 MB); format 1 grew with ranks x tensors (8,192 ranks x 6,000 entries: ~1.8 GB would be refused).
+MAX_MANIFEST_BYTES = 1 << 30
+# A tensor whose bytes do not fit a signed 64-bit size is refused (torch could not allocate or index it).
+_MAX_TENSOR_BYTES = (1 << 63) - 1
 
 # Entry kinds
 TENSOR = "tensor"
@@ -34,60 +44,167 @@ VALUE = "value"  # a JSON value, held inline in the manifest (see values.py)
 OBJECT = "object"  # torch.save bytes in a uint8 array, loaded with weights_only=True
 
 
-def read_manifest(storage: Storage) -> dict:
-    """The manifest of a complete checkpoint, or an error that says what the store is instead."""
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor, stored as one zarr array at its global shape."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    node: str
+    dtype: str  # torch's name, "torch.bfloat16"
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...] | None  # None only in early format-1 stores: the array's zarr.json has it
+    inner_chunk_rows: int = 0
+    requires_grad: bool = False
+    saved_shards: int = 1  # non-empty boxes the saving ranks held (what `inspect` reports)
+    source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...} (sources.py)
+    kind: ClassVar[str] = TENSOR
+
+    def to_json(self) -> dict:
+        return {"path": list(self.path), "kind": TENSOR, "node": self.node, "dtype": self.dtype,
+                "shape": list(self.shape), "chunk_shape": list(self.chunk_shape or self.shape),
+                "inner_chunk_rows": self.inner_chunk_rows, "requires_grad": self.requires_grad,
+                "saved_shards": self.saved_shards, "source": self.source}
+
+
+@dataclass(frozen=True, slots=True)
+class ValueEntry:
+    """A non-tensor value held in the manifest as tagged JSON (values.py)."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    node: str
+    value: object  # the tagged JSON document; ``decode_value`` gives the Python value
+    kind: ClassVar[str] = VALUE
+
+    def to_json(self) -> dict:
+        return {"path": list(self.path), "kind": VALUE, "node": self.node, "value": self.value}
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectEntry:
+    """A non-tensor value stored as ``torch.save`` bytes in a uint8 array."""
+
+    fqn: str
+    path: tuple[str | int, ...]
+    node: str
+    nbytes: int
+    kind: ClassVar[str] = OBJECT
+
+    def to_json(self) -> dict:
+        return {"path": list(self.path), "kind": OBJECT, "node": self.node, "nbytes": self.nbytes}
+
+
+Entry = Union[TensorEntry, ValueEntry, ObjectEntry]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds and how it was saved."""
+
+    entries: dict[str, Entry]  # in the saved state dict's order
+    save_id: str | None = None
+    versions: dict = field(default_factory=dict)
+    saved_world_size: int = 1
+    state_dict_type: str = "unknown"
+    meshes: list = field(default_factory=list)
+    optimizers: tuple[OptimizerTable, ...] | None = None  # None: a store written before tables were recorded
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "complete": True,
+            "save_id": self.save_id,
+            "versions": self.versions,
+            "saved_world_size": self.saved_world_size,
+            "state_dict_type": self.state_dict_type,
+            "meshes": self.meshes,
+            "entries": {fqn: entry.to_json() for fqn, entry in self.entries.items()},
+            "optimizers": None if self.optimizers is None else [t.to_json() for t in self.optimizers],
+        }
+
+    @classmethod
+    def from_json(cls, document, url: str) -> Manifest:
+        """The manifest of ``document`` (the ``dcp_zarr`` attribute of format 1 or 2), or MalformedMetadataError."""
+        if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+            raise MalformedMetadataError(f"{url}: the '{MANIFEST_ATTRIBUTE}' attribute is not a dcp_zarr manifest")
+        version = document.get("format_version")
+        if version not in READABLE_VERSIONS or type(version) is not int:
+            raise MalformedMetadataError(f"{url}: dcp_zarr format version {version!r}; this dcp_zarr reads versions "
+                                         f"{', '.join(map(str, READABLE_VERSIONS))}")
+        if document.get("complete") is not True:
+            raise IncompleteCheckpointError(f"{url}: the manifest is not marked complete")
+        raw_entries = document.get("entries")
+        if not isinstance(raw_entries, dict):
+            raise MalformedMetadataError(f"{url}: the manifest has no 'entries' table")
+        entries = {fqn: _entry_from_json(fqn, raw, version, url) for fqn, raw in raw_entries.items()}
+        try:
+            header = _header_from_json(document)
+        except (TypeError, ValueError) as exc:
+            raise MalformedMetadataError(f"{url}: manifest {exc}") from None
+        optimizers = document.get("optimizers")
+        if optimizers is not None:
+            if not isinstance(optimizers, list):
+                raise MalformedMetadataError(f"{url}: manifest 'optimizers' is {type(optimizers).__name__}, not a list")
+            try:
+                optimizers = tuple(OptimizerTable.from_json(table) for table in optimizers)
+            except MalformedMetadataError as exc:
+                raise MalformedMetadataError(f"{url}: {exc}") from None
+        return cls(entries=entries, optimizers=optimizers, format_version=version, **header)
+
+
+def _header_from_json(document: dict) -> dict:
+    save_id = document.get("save_id")
+    versions = document.get("versions", {})
+    world = document.get("saved_world_size", 1)
+    kind = document.get("state_dict_type", "unknown")
+    meshes = document.get("meshes", [])
+    if save_id is not None and not isinstance(save_id, str):
+        raise ValueError(f"save_id {save_id!r} is not a string")
+    if not isinstance(versions, dict):
+        raise ValueError(f"versions {versions!r} is not a table")
+    if type(world) is not int or world < 1:
+        raise ValueError(f"saved_world_size {world!r} is not a positive integer")
+    if not isinstance(kind, str):
+        raise ValueError(f"state_dict_type {kind!r} is not a string")
+    if not isinstance(meshes, list):
+        raise ValueError(f"meshes {meshes!r} is not a list")
+    return {"save_id": save_id, "versions": versions, "saved_world_size": world, "state_dict_type": kind,
+            "meshes": meshes}
+
+
+def _entry_from_json(fqn: str, raw, version: int, url: str) -> Entry:
+    if not isinstance(raw, dict) or raw.get("kind") not in (TENSOR, VALUE, OBJECT):
+        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has no valid 'kind'")
+    path, node = _location(fqn, raw, url)
     try:
-        root = storage.read_json(ROOT_KEY)
-    except FileNotFoundError:
-        if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
-            raise IncompleteCheckpointError(
-                f"{storage.url} is an incomplete dcp_zarr checkpoint: it has no root zarr.json, which is written "
-                "last; the save was interrupted or is still running"
-            ) from None
-        raise NotACheckpointError(f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
-    except (ValueError, RecursionError) as exc:
-        raise MalformedMetadataError(f"{storage.url}: root zarr.json is not valid JSON ({exc})") from None
-    if not isinstance(root, dict) or root.get("zarr_format") != 3:
-        raise NotACheckpointError(f"{storage.url} is not a zarr v3 store (root zarr.json has no zarr_format 3)")
-    manifest = root.get("attributes", {}).get(MANIFEST_ATTRIBUTE) if isinstance(root.get("attributes"), dict) else None
-    if manifest is None:
-        raise NotACheckpointError(
-            f"{storage.url} is a zarr store but not a dcp_zarr checkpoint (no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
-        )
-    _check(manifest, storage.url)
-    return manifest
+        if raw["kind"] == TENSOR:
+            return _tensor_from_json(fqn, path, node, raw, version)
+        if raw["kind"] == VALUE:
+            value = raw["value"]
+            decode_value(value)  # a malformed value is refused now, not when (or wherever) it is loaded
+            return ValueEntry(fqn, path, node, value)
+        nbytes = raw["nbytes"]
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"nbytes {nbytes!r} is not a non-negative integer")
+        return ObjectEntry(fqn, path, node, nbytes)
+    except MalformedMetadataError:
+        raise
+    except KeyError as exc:
+        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} is malformed: it has no {exc}") from None
+    except Exception as exc:  # any malformation of this entry (RecursionError included), reported naming it
+        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} is malformed: {exc}") from None
 
 
-def _check(manifest, url: str) -> None:
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise MalformedMetadataError(f"{url}: the '{MANIFEST_ATTRIBUTE}' attribute is not a dcp_zarr manifest")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise MalformedMetadataError(
-            f"{url}: dcp_zarr format version {version!r}; this dcp_zarr reads version {FORMAT_VERSION}"
-        )
-    if not manifest.get("complete"):
-        raise IncompleteCheckpointError(f"{url}: the manifest is not marked complete")
-    entries = manifest.get("entries")
-    if not isinstance(entries, dict):
-        raise MalformedMetadataError(f"{url}: the manifest has no 'entries' table")
-    for fqn, entry in entries.items():
-        if not isinstance(entry, dict) or entry.get("kind") not in (TENSOR, VALUE, OBJECT):
-            raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has no valid 'kind'")
-        _check_location(fqn, entry, url)
-        if entry["kind"] == TENSOR:
-            _check_tensor_entry(fqn, entry, url)
-
-
-def _check_location(fqn: str, entry: dict, url: str) -> None:
-    """The entry's state-dict path, and the node it is read from, which must be a place inside this store: a
-    hostile manifest must not send the reader to ``../other.zarr`` or ``/etc``."""
-    path = entry.get("path", [fqn])
+def _location(fqn: str, raw: dict, url: str) -> tuple[tuple, str]:
+    """The entry's state-dict path, and its node, which must be a place inside this store: a hostile manifest must
+    not send the reader to ``../other.zarr`` or ``/etc``."""
+    path = raw.get("path", [fqn])
     if not isinstance(path, list) or not path or any(type(part) not in (str, int) for part in path):
         raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has a malformed path {path!r}")
-    if entry["kind"] == VALUE:
-        return  # held in the manifest itself: its node is never read
-    node = entry.get("node")
+    node = raw.get("node")
     if not isinstance(node, str):
         raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has no valid node ({node!r})")
     try:
@@ -96,61 +213,87 @@ def _check_location(fqn: str, entry: dict, url: str) -> None:
     except InvalidKeyError as exc:
         raise InvalidKeyError(f"{url}: manifest entry {fqn!r} is stored at node {node!r}, which is refused: {exc}") \
             from None
+    return tuple(path), node
 
 
-def _check_tensor_entry(fqn: str, entry: dict, url: str) -> None:
+def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int) -> TensorEntry:
+    shape = _index_list(raw["shape"], "shape")
+    dtype = torch_dtype_from_name(raw["dtype"])
+    itemsize = dtype.itemsize
+    if math.prod(shape) * itemsize > _MAX_TENSOR_BYTES:
+        raise ValueError(f"shape {list(shape)} of {raw['dtype']} is larger than any tensor can be")
+    chunk_shape = raw.get("chunk_shape") if version == 1 else raw["chunk_shape"]
+    if chunk_shape is not None:
+        chunk_shape = _index_list(chunk_shape, "chunk_shape")
+        if len(chunk_shape) != len(shape) or not all(chunk_shape):
+            raise ValueError(f"chunk_shape {list(chunk_shape)} is not a grid of positive lengths for shape {list(shape)}")
+    inner_rows = raw.get("inner_chunk_rows", 0)
+    if type(inner_rows) is not int or inner_rows < 0:
+        raise ValueError(f"inner_chunk_rows {inner_rows!r} is not a non-negative integer")
+    requires_grad = raw.get("requires_grad", False)
+    if type(requires_grad) is not bool:
+        raise ValueError(f"requires_grad {requires_grad!r} is not a boolean")
+    source = raw.get("source", {})
+    if not isinstance(source, dict):
+        raise ValueError(f"source {source!r} is not a table")
+    if version == 1:
+        saved_shards = _count_format1_boxes(raw["saved_chunks"], shape)
+    else:
+        saved_shards = raw.get("saved_shards", 1)
+        if type(saved_shards) is not int or saved_shards < 0:
+            raise ValueError(f"saved_shards {saved_shards!r} is not a non-negative integer")
+    return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,
+                       source)
+
+
+def _count_format1_boxes(boxes, shape: tuple[int, ...]) -> int:
+    """The non-empty boxes of a format-1 entry, each checked to lie inside ``shape``, and their volumes to add up to
+    the tensor's. Loads read the global array, not the boxes, so this is a consistency check (linear), not the
+    proof of exact coverage that format 1's readers used to make with a quadratic overlap test."""
+    if not isinstance(boxes, list):
+        raise ValueError("saved_chunks is not a list")
+    volume, count = 0, 0
+    for box in boxes:
+        offsets = _index_list(box["offsets"], "saved chunk offsets")
+        sizes = _index_list(box["sizes"], "saved chunk sizes")
+        if not len(offsets) == len(sizes) == len(shape):
+            raise ValueError(f"saved chunk {list(offsets)}+{list(sizes)} is not a box of a rank-{len(shape)} tensor")
+        if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            raise ValueError(f"saved chunk {list(offsets)}+{list(sizes)} lies outside shape {list(shape)}")
+        box_volume = math.prod(sizes)
+        volume += box_volume
+        count += box_volume > 0
+    if volume != math.prod(shape):
+        raise ValueError(f"its saved chunks hold {volume} elements, but shape {list(shape)} has {math.prod(shape)}")
+    return count
+
+
+def _index_list(value, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        raise ValueError(f"{what} {value!r} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The manifest of a complete checkpoint, or an error that says what the store is instead."""
     try:
-        shape = entry["shape"]
-        if not _is_index_list(shape):
-            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
-        torch_dtype_from_name(entry["dtype"])
-        boxes = []
-        for chunk in entry["saved_chunks"]:
-            offsets, sizes = chunk["offsets"], chunk["sizes"]
-            if not (_is_index_list(offsets) and _is_index_list(sizes)) or not len(offsets) == len(sizes) == len(shape):
-                raise ValueError(f"saved chunk {offsets}+{sizes} is not a box of a rank-{len(shape)} tensor")
-            if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
-                raise ValueError(f"saved chunk {offsets}+{sizes} lies outside shape {shape}")
-            boxes.append((offsets, sizes))
-        if not _tiles(shape, boxes):
-            raise ValueError(f"its saved chunks do not cover shape {shape} exactly once")
-    except Exception as exc:  # any malformation of this entry, reported as one error naming it
-        raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} is malformed: {exc}") from exc
-
-
-def _is_index_list(value) -> bool:
-    return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)
-
-
-def _tiles(shape: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
-    """Whether the boxes cover every element of ``shape`` exactly once. DCP checks this when saving; a manifest that
-    breaks it would make a load silently leave part of a tensor as it was."""
-    boxes = [box for box in boxes if all(box[1])]  # empty boxes (a rank with no rows) hold nothing
-    if sum(math.prod(sizes) for _, sizes in boxes) != math.prod(shape):
-        return False
-    if len(boxes) < 2:
-        return True
-    lo = np.array([offsets for offsets, _ in boxes], dtype=np.int64)
-    hi = lo + np.array([sizes for _, sizes in boxes], dtype=np.int64)
-    return not any(np.all((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i]), axis=1).any() for i in range(len(boxes) - 1))
-
-
-def dcp_metadata(manifest: dict) -> Metadata:
-    """The ``torch.distributed.checkpoint`` Metadata the saving run produced, rebuilt from JSON (no pickle)."""
-    state_dict_metadata = {}
-    for fqn, entry in manifest["entries"].items():
-        if entry["kind"] == TENSOR:
-            state_dict_metadata[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(
-                    dtype=torch_dtype_from_name(entry["dtype"]), requires_grad=bool(entry.get("requires_grad", False))
-                ),
-                size=torch.Size(entry["shape"]),
-                chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
-                    for c in entry["saved_chunks"]
-                ],
-            )
-        else:
-            state_dict_metadata[fqn] = BytesStorageMetadata()
-    planner_data = {fqn: tuple(entry["path"]) for fqn, entry in manifest["entries"].items() if "path" in entry}
-    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=planner_data or None, storage_data=None)
+        root = storage.read_json(ROOT_KEY, max_bytes=MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
+            raise IncompleteCheckpointError(
+                f"{storage.url} is an incomplete dcp_zarr checkpoint: it has no root zarr.json, which is written "
+                "last; the save was interrupted or is still running"
+            ) from None
+        raise NotACheckpointError(f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
+    except MalformedMetadataError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise MalformedMetadataError(f"{storage.url}: root zarr.json is not valid JSON ({exc})") from None
+    if not isinstance(root, dict) or root.get("zarr_format") != 3:
+        raise NotACheckpointError(f"{storage.url} is not a zarr v3 store (root zarr.json has no zarr_format 3)")
+    document = root.get("attributes", {}).get(MANIFEST_ATTRIBUTE) if isinstance(root.get("attributes"), dict) else None
+    if document is None:
+        raise NotACheckpointError(
+            f"{storage.url} is a zarr store but not a dcp_zarr checkpoint (no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
+        )
+    return Manifest.from_json(document, f"{storage.url}/{ROOT_KEY}")

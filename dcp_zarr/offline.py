@@ -23,7 +23,8 @@ import torch
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.errors import NotACheckpointError
-from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, read_manifest
+from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntry, TensorEntry, read_manifest
+from dcp_zarr.manifest import Entry as ManifestEntry
 from dcp_zarr.prefixes import explain_missing_name
 from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
@@ -50,7 +51,7 @@ class Entry:
     shape: tuple[int, ...] | None = None
     chunk_shape: tuple[int, ...] | None = None
     inner_chunk_rows: int = 0
-    saved_chunks: tuple = ()  # ((offsets, sizes), ...) as the saving ranks held them
+    saved_shards: int = 0  # non-empty boxes the saving ranks held
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...}
 
     @property
@@ -58,34 +59,29 @@ class Entry:
         return self.kind == TENSOR
 
     @classmethod
-    def from_manifest(cls, fqn: str, raw: dict) -> Entry:
-        path = tuple(raw.get("path", (fqn,)))
-        if raw["kind"] != TENSOR:
-            nbytes = int(raw.get("nbytes", 0)) if raw["kind"] == OBJECT else 0
-            return cls(fqn=fqn, path=path, kind=raw["kind"], node=raw["node"], nbytes=nbytes)
-        dtype = torch_dtype_from_name(raw["dtype"])
-        shape = tuple(int(n) for n in raw["shape"])
+    def from_manifest(cls, stored: ManifestEntry) -> Entry:
+        if not isinstance(stored, TensorEntry):
+            nbytes = stored.nbytes if isinstance(stored, ObjectEntry) else 0
+            return cls(fqn=stored.fqn, path=stored.path, kind=stored.kind, node=stored.node, nbytes=nbytes)
+        dtype = torch_dtype_from_name(stored.dtype)
         return cls(
-            fqn=fqn, path=path, kind=TENSOR, node=raw["node"],
-            nbytes=math.prod(shape) * torch.empty((), dtype=dtype).element_size(),
-            dtype=dtype, shape=shape,
-            chunk_shape=tuple(raw.get("chunk_shape", shape)),
-            inner_chunk_rows=int(raw.get("inner_chunk_rows", 0)),
-            saved_chunks=tuple((tuple(c["offsets"]), tuple(c["sizes"])) for c in raw["saved_chunks"]),
-            source=dict(raw.get("source", {})),
+            fqn=stored.fqn, path=stored.path, kind=TENSOR, node=stored.node,
+            nbytes=math.prod(stored.shape) * dtype.itemsize, dtype=dtype, shape=stored.shape,
+            chunk_shape=stored.chunk_shape or stored.shape, inner_chunk_rows=stored.inner_chunk_rows,
+            saved_shards=stored.saved_shards, source=dict(stored.source),
         )
 
 
 class Checkpoint:
     """A complete dcp_zarr checkpoint opened for reading. Cheap to create: only the root zarr.json is read."""
 
-    def __init__(self, storage: Storage, manifest: dict, *, thread_count: int = 8, safe_globals: list | None = None):
+    def __init__(self, storage: Storage, manifest: Manifest, *, thread_count: int = 8,
+                 safe_globals: list | None = None):
         self.storage = storage
         self.manifest = manifest
         self.thread_count = max(1, int(thread_count))
         self.safe_globals = list(safe_globals or [])
-        self.entries: dict[str, Entry] = {
-            fqn: Entry.from_manifest(fqn, raw) for fqn, raw in manifest["entries"].items()}
+        self.entries: dict[str, Entry] = {fqn: Entry.from_manifest(stored) for fqn, stored in manifest.entries.items()}
         self._by_node = {entry.node: entry for entry in self.entries.values()}
         self._readers: dict[str, RegionReader] = {}
 
@@ -97,19 +93,19 @@ class Checkpoint:
 
     @property
     def saved_world_size(self) -> int:
-        return int(self.manifest.get("saved_world_size", 1))
+        return self.manifest.saved_world_size
 
     @property
     def state_dict_type(self) -> str:
-        return self.manifest.get("state_dict_type", "unknown")
+        return self.manifest.state_dict_type
 
     @property
     def meshes(self) -> list[dict]:
-        return list(self.manifest.get("meshes", []))
+        return list(self.manifest.meshes)
 
     @property
     def versions(self) -> dict:
-        return dict(self.manifest.get("versions", {}))
+        return dict(self.manifest.versions)
 
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries.values())
@@ -189,7 +185,7 @@ class Checkpoint:
     def region_reader(self, entry: Entry) -> RegionReader:
         reader = self._readers.get(entry.fqn)
         if reader is None:
-            reader = self._readers[entry.fqn] = tensor_reader(self.storage, self.manifest["entries"][entry.fqn],
+            reader = self._readers[entry.fqn] = tensor_reader(self.storage, self.manifest.entries[entry.fqn],
                                                               entry.fqn)
         return reader
 
@@ -218,7 +214,7 @@ class Checkpoint:
             list(pool.map(read_block, blocks))
 
     def _stored_value(self, entry: Entry):
-        return stored_value(self.storage, self.manifest["entries"][entry.fqn], entry.fqn, self.safe_globals,
+        return stored_value(self.storage, self.manifest.entries[entry.fqn], entry.fqn, self.safe_globals,
                             "open_checkpoint(..., safe_globals=[...])")
 
 

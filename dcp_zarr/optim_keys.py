@@ -239,26 +239,26 @@ def _split_known_fqn(rest: str, fqns: Mapping[str, object]) -> tuple[str | None,
     return None, rest
 
 
-def tables_from_entries(entries: Mapping[str, dict], key_order: Iterable[str] = ()) -> list[OptimizerTable]:
-    """The optimizer tables of a manifest's entries; ``key_order`` is the saved state dict's key order."""
+def tables_from_entries(entries: Mapping, key_order: Iterable[str] = ()) -> list[OptimizerTable]:
+    """The optimizer tables of a manifest's entries (``manifest.Entry`` objects, keyed by fqn); ``key_order`` is
+    the saved state dict's key order."""
     order = [key for key in key_order if key in entries]
     ordered = len(order) == len(entries)
     keys = order if ordered else list(entries)
-    paths = {key: entries[key].get("path", [key]) for key in keys}
+    paths = {key: list(entries[key].path) for key in keys}
 
     def value_of(key: str):
         entry = entries[key]
-        return decode_value(entry["value"]) if entry.get("kind") == "value" else None
+        return decode_value(entry.value) if entry.kind == "value" else None
 
     return find_optimizers(paths, value_of, ordered=ordered)
 
 
-def tables_of_manifest(manifest: Mapping) -> list[OptimizerTable]:
+def tables_of_manifest(manifest) -> list[OptimizerTable]:
     """The manifest's recorded tables; stores written before they were recorded get them rebuilt (no flat ids)."""
-    recorded = manifest.get("optimizers")
-    if recorded is None:
-        return tables_from_entries(manifest.get("entries", {}))
-    return [OptimizerTable.from_json(document) for document in recorded]
+    if manifest.optimizers is None:
+        return tables_from_entries(manifest.entries)
+    return list(manifest.optimizers)
 
 
 # -- translation ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """``ZarrReader``: the ``torch.distributed.checkpoint`` StorageReader for stores written by ``ZarrWriter``.
 
-Data path: read_metadata (the root manifest -> DCP Metadata, manifest.py) -> DCP plans which saved regions each
-rank needs -> read_data (each rank reads only the chunks, or inner chunks, under its regions, concurrently,
+Data path: read_metadata (the root manifest, manifest.py -> DCP Metadata in which each tensor is one chunk, the
+global array) -> DCP plans which regions each rank needs: one read item per local shard and tensor, however many
+ranks saved it -> read_data (each rank reads only the chunks, or inner chunks, under its regions, concurrently,
 checking every checksum; chunk_io.py).
 """
 
@@ -12,17 +13,27 @@ import os
 from functools import partial
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.manifest import TENSOR, dcp_metadata, read_manifest
+from dcp_zarr.manifest import Manifest, TensorEntry, read_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage
 from dcp_zarr.stored import stored_value, tensor_reader
+
+# A large region is read as concurrent row pieces of about this size (whole chunk rows each).
+_READ_PIECE_BYTES = 4 << 20
 
 # Key of the manifest in ``Metadata.storage_data``: ZarrLoadPlanner reads the optimizer param tables from it.
 MANIFEST_IN_STORAGE_DATA = "dcp_zarr_manifest"
@@ -46,7 +57,7 @@ class ZarrReader(StorageReader):
         self.safe_globals = list(safe_globals or [])
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
-        self.manifest: dict | None = None
+        self.manifest: Manifest | None = None
         self.bytes_read = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -66,7 +77,7 @@ class ZarrReader(StorageReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.manifest = read_manifest(self._storage())
         metadata = dcp_metadata(self.manifest)
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.manifest.get("save_id"))
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.manifest.save_id)
         metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}
         return metadata
 
@@ -82,7 +93,7 @@ class ZarrReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = self._storage()
-        entries = self.manifest["entries"]
+        entries = self.manifest.entries
         readers: dict[str, RegionReader] = {}
         tensor_items: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
         for item in plan.items:
@@ -94,15 +105,23 @@ class ZarrReader(StorageReader):
             reader = readers.get(item.storage_index.fqn)
             if reader is None:
                 reader = readers[item.storage_index.fqn] = tensor_reader(storage, entry, item.storage_index.fqn)
-            stored_dtype = torch_dtype_from_name(entry["dtype"])
+            stored_dtype = torch_dtype_from_name(entry.dtype)
             tensor_items.append((item, planner.resolve_tensor(item).detach(), reader, stored_dtype))
 
-        def read(job) -> int:
-            item, dest, reader, stored_dtype = job
+        jobs = []
+        for item, dest, reader, stored_dtype in tensor_items:
             offsets = [a + b for a, b in zip(item.storage_index.offset or (), item.storage_offsets)]
-            return _read_into_tensor(reader, stored_dtype, offsets, item.lengths, dest)
-
-        jobs = [(dest.numel() * dest.element_size(), partial(read, job)) for job in tensor_items for dest in [job[1]]]
+            if dest.device.type == "cpu" and dest.dtype == stored_dtype and dest.dim() > 0:
+                # Straight into the destination, in row pieces read concurrently: each item is a whole local shard
+                # (one saved chunk per tensor, see dcp_metadata), which would otherwise be one job on one thread.
+                target = tensor_as_numpy(dest)
+                row_bytes = target[:1].nbytes
+                for lo, hi in reader.row_pieces(offsets, target.shape, _READ_PIECE_BYTES):
+                    jobs.append(((hi - lo) * row_bytes,
+                                 partial(reader.read_into, [offsets[0] + lo, *offsets[1:]], target[lo:hi])))
+            else:
+                jobs.append((dest.numel() * dest.element_size(),
+                             partial(_read_into_tensor, reader, stored_dtype, offsets, item.lengths, dest)))
         self.bytes_read += sum(run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-read"))
         for item, dest, _, _ in tensor_items:
             planner.commit_tensor(item, dest)
@@ -115,12 +134,34 @@ class ZarrReader(StorageReader):
         if self.manifest is None:
             self.read_metadata()
         storage = self._storage()
-        entry = self.manifest["entries"][fqn]
-        if entry["kind"] != TENSOR:
+        entry = self.manifest.entries[fqn]
+        if not isinstance(entry, TensorEntry):
             return torch.load(io.BytesIO(_value_bytes(storage, entry, fqn, self.safe_globals)), weights_only=True)
-        tensor = torch.empty(entry["shape"], dtype=torch_dtype_from_name(entry["dtype"]))
+        tensor = torch.empty(entry.shape, dtype=torch_dtype_from_name(entry.dtype))
         self.bytes_read += tensor_reader(storage, entry, fqn).read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
         return tensor
+
+
+def dcp_metadata(manifest: Manifest) -> Metadata:
+    """DCP's Metadata for a load, rebuilt from JSON (no pickle).
+
+    Each tensor is presented as one chunk, the global array: DCP's planner then gives every rank one read item per
+    local shard, whatever world size saved it, and ``read_data`` maps each item's region onto the zarr chunks (and
+    inner chunks) under it. Listing the saved boxes instead would make every rank's plan O(saving ranks x tensors).
+    """
+    state_dict_metadata: dict = {}
+    for fqn, entry in manifest.entries.items():
+        if isinstance(entry, TensorEntry):
+            shape = torch.Size(entry.shape)
+            state_dict_metadata[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype_from_name(entry.dtype), requires_grad=entry.requires_grad),
+                size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
+            )
+        else:
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+    planner_data = {fqn: entry.path for fqn, entry in manifest.entries.items()}
+    return Metadata(state_dict_metadata=state_dict_metadata, planner_data=planner_data or None, storage_data=None)
 
 
 def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> int:

@@ -15,33 +15,37 @@ from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
 from dcp_zarr.encoding import array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.layout import chunk_key
-from dcp_zarr.manifest import OBJECT, TENSOR
+from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
 
+# An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
+MAX_ARRAY_METADATA_BYTES = 1 << 20
 
-def tensor_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:
+
+def tensor_reader(storage: Storage, entry: Entry, fqn: str) -> RegionReader:
     """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest."""
-    if entry["kind"] != TENSOR:
-        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry['kind']}, not a tensor")
-    node = entry["node"]
+    if not isinstance(entry, TensorEntry):
+        raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry.kind}, not a tensor")
+    node = entry.node
     try:
-        array_doc = storage.read_json(f"{node}/zarr.json")
+        array_doc = storage.read_json(f"{node}/zarr.json", max_bytes=MAX_ARRAY_METADATA_BYTES)
     except FileNotFoundError:
         raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
+    except MalformedMetadataError:
+        raise
     except (ValueError, RecursionError) as exc:
         raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
     layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
-    if list(layout.shape) != list(entry["shape"]):
+    if layout.shape != entry.shape:
         raise MalformedMetadataError(
-            f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {entry['shape']}")
-    if "chunk_shape" in entry and [list(layout.chunk_shape), layout.inner_rows] != [entry["chunk_shape"],
-                                                                                  entry.get("inner_chunk_rows", 0)]:
+            f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {list(entry.shape)}")
+    if entry.chunk_shape is not None and (layout.chunk_shape, layout.inner_rows) != (entry.chunk_shape,
+                                                                                     entry.inner_chunk_rows):
         raise MalformedMetadataError(
             f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
-            f"{layout.inner_rows} rows, but the manifest says {entry['chunk_shape']} and "
-            f"{entry.get('inner_chunk_rows', 0)}")
-    dtype = torch_dtype_from_name(entry["dtype"])
+            f"{layout.inner_rows} rows, but the manifest says {list(entry.chunk_shape)} and {entry.inner_chunk_rows}")
+    dtype = torch_dtype_from_name(entry.dtype)
     # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
     # compression, no checksums) would be misread, so it is refused by name instead.
     expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
@@ -49,22 +53,19 @@ def tensor_reader(storage: Storage, entry: dict, fqn: str) -> RegionReader:
         if array_doc.get(field) != expected[field]:
             raise MalformedMetadataError(
                 f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
-                f"but a {entry['dtype']} entry is stored with {expected[field]!r}")
+                f"but a {entry.dtype} entry is stored with {expected[field]!r}")
     return RegionReader(storage, node, layout, numpy_dtype(dtype))
 
 
-def stored_value(storage: Storage, entry: dict, fqn: str, safe_globals: list, how_to_allow: str):
+def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, how_to_allow: str):
     """The Python value of a non-tensor entry; ``how_to_allow`` tells the user where to pass ``safe_globals``."""
-    if entry["kind"] == TENSOR:
+    if isinstance(entry, TensorEntry):
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
-    if entry["kind"] != OBJECT:
-        try:
-            return decode_value(entry["value"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} holds a malformed value ({exc!r})") from None
-    where = f"array {entry['node']!r} chunk {chunk_key((0,))}"
+    if isinstance(entry, ValueEntry):
+        return decode_value(entry.value)  # checked when the manifest was read
+    where = f"array {entry.node!r} chunk {chunk_key((0,))}"
     try:
-        raw = storage.read(f"{entry['node']}/{chunk_key((0,))}")
+        raw = storage.read(f"{entry.node}/{chunk_key((0,))}")
     except FileNotFoundError:
         raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
     payload = bytes(verify_plain(raw, where))

@@ -28,11 +28,9 @@ def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
 
 
 def chunk_count(entry: Entry) -> int:
-    """Stored chunks (shards, for large arrays) of a tensor entry."""
-    if not entry.shape:
-        return 1
-    layout = ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows)
-    return len({c for offsets, sizes in entry.saved_chunks for c in layout.chunks_in_box(offsets, sizes)})
+    """Stored chunks (shards, for large arrays) of a tensor entry: every chunk of its grid, since the saved boxes
+    tile the tensor and each is whole chunks."""
+    return ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows).chunk_count
 
 
 def summarize(ckpt: Checkpoint) -> dict:
@@ -45,15 +43,15 @@ def summarize(ckpt: Checkpoint) -> dict:
                 dtype=str(entry.dtype).removeprefix("torch."), shape=list(entry.shape),
                 chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
                 inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
-                saved_shards=len(entry.saved_chunks), source=entry.source)
+                saved_shards=entry.saved_shards, source=entry.source)
         elif entry.kind == "value":
-            row["value"] = ckpt.manifest["entries"][entry.fqn]["value"]
+            row["value"] = ckpt.manifest.entries[entry.fqn].value
         entries.append(row)
     tensors = [e for e in ckpt if e.kind == TENSOR]
     return {
         "path": ckpt.url,
-        "format_version": ckpt.manifest.get("format_version"),
-        "save_id": ckpt.manifest.get("save_id"),
+        "format_version": ckpt.manifest.format_version,
+        "save_id": ckpt.manifest.save_id,
         "versions": ckpt.versions,
         "saved_world_size": ckpt.saved_world_size,
         "state_dict_type": ckpt.state_dict_type,

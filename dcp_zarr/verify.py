@@ -92,15 +92,12 @@ def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool
 
 def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_ChunkJob]:
     try:  # the same checks of zarr.json against the manifest as a load makes
-        layout = tensor_reader(ckpt.storage, ckpt.manifest["entries"][entry.fqn], entry.fqn).layout
+        layout = tensor_reader(ckpt.storage, ckpt.manifest.entries[entry.fqn], entry.fqn).layout
     except (CorruptChunkError, MalformedMetadataError) as exc:
         report.problems.append(Problem(entry.fqn, entry.node, None, str(exc)))
         return []
     itemsize = _itemsize(entry)
-    coords = sorted({c for offsets, sizes in entry.saved_chunks for c in layout.chunks_in_box(offsets, sizes)})
-    if not entry.shape:
-        coords = [()]
-    return [_ChunkJob(entry, layout, c, itemsize) for c in coords]
+    return [_ChunkJob(entry, layout, c, itemsize) for c in layout.all_chunks()]
 
 
 def _check_chunk(ckpt: Checkpoint, job: _ChunkJob) -> tuple[list[Problem], int]:

@@ -26,7 +26,7 @@ from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
-from dcp_zarr.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_ATTRIBUTE, OBJECT, ROOT_KEY, TENSOR, VALUE
+from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
@@ -166,48 +166,34 @@ class ZarrWriter(StorageWriter, WriterStaging):
         for rank_results in results:
             for result in rank_results:
                 by_fqn.setdefault(result.index.fqn, []).append(result.storage_data)
-        entries, documents = {}, {}  # array zarr.json files were written by the ranks (RankAssignment.describes)
+        entries: dict[str, Entry] = {}  # array zarr.json files were written by the ranks (RankAssignment.describes)
         paths = metadata.planner_data or {}
         for fqn, md in metadata.state_dict_metadata.items():
-            entry: dict = {"path": list(paths.get(fqn, (fqn,)))}
+            path = tuple(paths.get(fqn, (fqn,)))
             if isinstance(md, TensorStorageMetadata):
-                entry.update(_tensor_entry(self._specs[fqn], md, by_fqn.get(fqn, [])))
+                entries[fqn] = _tensor_entry(fqn, path, self._specs[fqn], md, by_fqn.get(fqn, []))
+            elif "value" in by_fqn[fqn][0]:
+                entries[fqn] = ValueEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["value"])
             else:
-                stored = by_fqn[fqn][0]
-                entry["node"] = self._nodes[fqn]
-                if "value" in stored:
-                    entry.update(kind=VALUE, value=stored["value"])
-                else:
-                    entry.update(kind=OBJECT, nbytes=stored["object_nbytes"])
-            entries[fqn] = entry
-        for entry in entries.values():
-            for group in parent_groups(entry["node"]):
-                documents.setdefault(f"{group}/zarr.json", group_metadata())
+                entries[fqn] = ObjectEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["object_nbytes"])
+        documents = {f"{group}/zarr.json": group_metadata()
+                     for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
         run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()], self.thread_count,
                  storage.batch_bytes)
         manifest = self._manifest(entries, key_order=list(paths))
-        storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest}))
+        storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}))
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
 
-    def _manifest(self, entries: dict, key_order: tuple | list = ()) -> dict:
+    def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
         # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
-        sources = [e["source"] for e in entries.values() if e["kind"] == TENSOR]
-        summary = summarize_sources(sources)
-        return {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "complete": True,
-            "save_id": self.save_id,
-            "versions": versions(),
-            "saved_world_size": self._world_size,
-            "state_dict_type": summary["state_dict_type"],
-            "meshes": summary["meshes"],
-            "entries": entries,
-            "optimizers": to_manifest(tables_from_entries(entries, key_order)),
-        }
+        summary = summarize_sources([e.source for e in entries.values() if isinstance(e, TensorEntry)])
+        tables = tables_from_entries(entries, key_order)
+        to_manifest(tables)  # fail at save, not at load, if anything slipped into a table that JSON cannot hold
+        return Manifest(entries=entries, save_id=self.save_id, versions=versions(), saved_world_size=self._world_size,
+                        state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables))
 
 
 def _checked_tensor(value, fqn: str) -> torch.Tensor:
@@ -268,16 +254,13 @@ def _value_write(item, planner: SavePlanner, node: str):
     return result, (f"{node}/c/0", [data, checksum(data)])
 
 
-def _tensor_entry(spec: ArraySpec, md: TensorStorageMetadata, stored: list) -> dict:
+def _tensor_entry(fqn: str, path: tuple, spec: ArraySpec, md: TensorStorageMetadata, stored: list) -> TensorEntry:
+    """The manifest entry of a tensor: its grid, not the saved boxes (every box is whole chunks of that grid)."""
     sources = [s["source"] for s in stored if "source" in s]
-    return {
-        "kind": TENSOR,
-        "node": spec.node,
-        "dtype": torch_dtype_name(md.properties.dtype),
-        "shape": list(md.size),
-        "requires_grad": bool(md.properties.requires_grad),
-        "saved_chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
-        "chunk_shape": list(spec.layout.chunk_shape),
-        "inner_chunk_rows": spec.layout.inner_rows,
-        "source": sources[0] if sources else {"type": "unknown"},
-    }
+    return TensorEntry(
+        fqn=fqn, path=path, node=spec.node, dtype=torch_dtype_name(md.properties.dtype), shape=tuple(md.size),
+        chunk_shape=spec.layout.chunk_shape, inner_chunk_rows=spec.layout.inner_rows,
+        requires_grad=bool(md.properties.requires_grad),
+        saved_shards=sum(1 for c in md.chunks if all(c.sizes)),
+        source=sources[0] if sources else {"type": "unknown"},
+    )

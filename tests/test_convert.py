@@ -85,13 +85,13 @@ def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(
 def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store, tmp_path):
     target = tmp_path / "copy.zarr"
     shutil.copytree(zarr_store, target)
-    before = open_checkpoint(target).manifest["save_id"]
+    before = open_checkpoint(target).manifest.save_id
 
     with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
         convert(dcp_dir[0], target, "zarr")
-    assert open_checkpoint(target).manifest["save_id"] == before
+    assert open_checkpoint(target).manifest.save_id == before
     convert(dcp_dir[0], target, "zarr", overwrite=True)
-    assert open_checkpoint(target).manifest["save_id"] != before
+    assert open_checkpoint(target).manifest.save_id != before
 
     other = tmp_path / "notes"
     other.mkdir()

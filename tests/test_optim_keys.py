@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from dcp_zarr import ParamTableMismatchError, ZarrLoadPlanner, ZarrReader, ZarrWriter
 from dcp_zarr.errors import MalformedMetadataError
+from dcp_zarr.manifest import TensorEntry
 from dcp_zarr.optim_keys import (
     FLATTENED,
     FQN,
@@ -142,7 +143,7 @@ def test_a_model_state_dict_is_not_an_optimizer():
 def test_flattened_ids_are_not_trusted_without_the_saved_order():
     model, optim = trained()
     flat, paths = flatten_state_dict({"optim": fqn_state(model, optim, flatten=True)})
-    entries = {key: {"path": list(path), "kind": "tensor"} for key, path in paths.items()}
+    entries = {key: TensorEntry(key, tuple(path), "n", "torch.float32", (), ()) for key, path in paths.items()}
     (table,) = tables_from_entries(entries)  # no key_order: entries may be in plan order
     assert all(p.id is None for p in table.params)
     (table,) = tables_from_entries(entries, key_order=list(paths))

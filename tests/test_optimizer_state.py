@@ -292,7 +292,7 @@ def test_step_is_saved_once_as_a_scalar_under_its_params_key(checkpoints):
     entries = manifest(root, "fqn")["entries"]
     steps = {key: e for key, e in entries.items() if key.endswith(".step")}
     assert len(steps) == 16
-    assert all(e["kind"] == "tensor" and e["shape"] == [] and len(e["saved_chunks"]) == 1 for e in steps.values())
+    assert all(e["kind"] == "tensor" and e["shape"] == [] and e["saved_shards"] == 1 for e in steps.values())
 
 
 # -- loads across key forms, state_dict types and world sizes --------------------------------------------------------

@@ -1,0 +1,177 @@
+"""The manifest (format 2): typed and checked in linear time, O(tensors) whatever the saving world size, one chunk
+per tensor for DCP's load planning; format-1 stores (tests/data, written by the format-1 writer) keep loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import manifest as manifest_module
+from dcp_zarr.cli import main as dcp_zarr_cli
+from dcp_zarr.manifest import Manifest, TensorEntry
+from tests.distributed import assert_state_equal, build, load_fresh, run_ranks, train_and_save
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+FORMAT1 = os.path.join(DATA, "format1-fsdp2-3ranks")  # tests/data/make_format1.py, at format 1
+
+
+def root_manifest(path: str) -> dict:
+    with open(os.path.join(path, "zarr.json")) as f:
+        return json.load(f)["attributes"]["dcp_zarr"]
+
+
+def edit_root_manifest(path: str, edit) -> None:
+    with open(os.path.join(path, "zarr.json")) as f:
+        document = json.load(f)
+    edit(document["attributes"]["dcp_zarr"])
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(document, f)
+
+
+@pytest.fixture(scope="module")
+def saved_at(tmp_path_factory):
+    """world size -> (store of a 2-step FSDP2 ToyModel with AdamW saved at that world size, its full state)."""
+    root = tmp_path_factory.mktemp("saved")
+    stores = {}
+    for world_size in (1, 4):
+        path = str(root / f"ws{world_size}.zarr")
+        stores[world_size] = (path, run_ranks(train_and_save, world_size, "fsdp2", ZarrWriter(path))[0][0])
+    return stores
+
+
+# -- format 2 ------------------------------------------------------------------------------------------------------
+
+
+def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_world_size(saved_at):
+    sizes = {ws: os.path.getsize(os.path.join(path, "zarr.json")) for ws, (path, _) in saved_at.items()}
+    manifests = {ws: root_manifest(path) for ws, (path, _) in saved_at.items()}
+    for manifest in manifests.values():
+        assert manifest["format_version"] == 2
+        assert not any("saved_chunks" in entry for entry in manifest["entries"].values())
+    assert manifests[4]["entries"]["model.embed.weight"]["saved_shards"] == 4
+    assert sizes[4] <= 1.01 * sizes[1], sizes
+
+
+def test_reader_presents_each_tensor_as_one_chunk_the_global_array(saved_at):
+    metadata = ZarrReader(saved_at[4][0]).read_metadata()
+    tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
+    assert tensors
+    for md in tensors.values():
+        assert [(list(c.offsets), list(c.sizes)) for c in md.chunks] == [([0] * len(md.size), list(md.size))]
+
+
+def _read_items_per_key(rank: int, world_size: int, path: str) -> dict[str, int]:
+    model, optim = build("fsdp2", world_size, seed=1)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, ZarrReader(path).read_metadata(), rank == 0)
+    return dict(Counter(item.dest_index.fqn for item in planner.create_local_plan().items))
+
+
+def test_a_ranks_load_plan_has_one_read_item_per_local_shard_however_many_ranks_saved(saved_at):
+    for counts in run_ranks(_read_items_per_key, 2, saved_at[4][0]):
+        assert counts and set(counts.values()) == {1}, counts
+
+
+def test_store_saved_at_4_ranks_loads_at_2_and_1(saved_at):
+    path, expected = saved_at[4]
+    for world_size in (2, 1):
+        assert_state_equal(run_ranks(load_fresh, world_size, "fsdp2", ZarrReader(path))[0], expected)
+
+
+def test_manifest_round_trips_through_json(saved_at):
+    manifest = ZarrReader(saved_at[4][0]).read_metadata().storage_data["dcp_zarr_manifest"]
+    assert isinstance(manifest, Manifest)
+    assert Manifest.from_json(manifest.to_json(), "x") == manifest
+    assert json.loads(json.dumps(manifest.to_json())) == root_manifest(saved_at[4][0])
+
+
+# -- format 1 ------------------------------------------------------------------------------------------------------
+
+
+def test_format1_store_loads_resharded_into_fsdp2():
+    expected = torch.load(os.path.join(DATA, "format1-expected.pt"), weights_only=True)
+    for world_size in (2, 1):
+        assert_state_equal(run_ranks(load_fresh, world_size, "fsdp2", ZarrReader(FORMAT1))[0], expected)
+
+
+def test_format1_store_reads_offline_and_verifies(capsys):
+    ckpt = open_checkpoint(FORMAT1)
+    assert ckpt.manifest.format_version == 1 and ckpt.saved_world_size == 3
+    embed = ckpt.entries["model.embed.weight"]
+    assert embed.saved_shards == 3 and embed.chunk_shape == (6, 13)
+    extra = ckpt.load_full_state_dict(prefix=["extra"])["extra"]
+    assert extra["step"] == 7 and extra["shape"] == torch.Size([3, 4])
+    assert torch.equal(extra["scale"], torch.arange(5.0))
+    state = {"extra": {"step": 0, "scale": torch.zeros(5)}}
+    dcp.load(state, storage_reader=ZarrReader(FORMAT1))
+    assert state["extra"]["step"] == 7 and torch.equal(state["extra"]["scale"], torch.arange(5.0))
+    assert dcp_zarr_cli(["verify", "--no-progress", FORMAT1]) == 0
+    capsys.readouterr()
+
+
+E = "model.embed.weight"  # (17, 13), saved by 3 ranks as rows 0-6, 6-12, 12-17
+
+
+def _boxes(*rows: tuple[int, int]) -> list[dict]:
+    return [{"offsets": [start, 0], "sizes": [stop - start, 13]} for start, stop in rows]
+
+
+@pytest.mark.parametrize("boxes, text", [
+    (_boxes((0, 6), (6, 12), (12, 18)), "outside shape"),
+    (_boxes((0, 6), (6, 12)), "hold 156 elements"),
+    ("0:17", "not a list"),
+    ([{"offsets": [0], "sizes": [17]}], "rank-2"),
+    ([{"offsets": [0, 0], "sizes": [17, -13]}], "non-negative"),
+], ids=["outside the shape", "a gap", "not a list", "box of another rank", "negative size"])
+def test_format1_boxes_that_cannot_be_the_saved_shards_are_refused_naming_the_entry(tmp_path, boxes, text):
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(FORMAT1, path)
+    edit_root_manifest(path, lambda m: m["entries"][E].update(saved_chunks=boxes))
+    with pytest.raises(MalformedMetadataError, match=text) as caught:
+        ZarrReader(path).read_metadata()
+    assert repr(E) in str(caught.value) and "zarr.json" in str(caught.value)
+
+
+def test_format1_entry_without_boxes_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(FORMAT1, path)
+    edit_root_manifest(path, lambda m: m["entries"][E].pop("saved_chunks"))
+    with pytest.raises(MalformedMetadataError, match="saved_chunks"):
+        ZarrReader(path).read_metadata()
+
+
+def test_many_format1_boxes_are_checked_and_counted():
+    rows = 200_000
+    entry = {"path": ["w"], "kind": "tensor", "node": "w", "dtype": "torch.float32", "shape": [rows, 2],
+             "chunk_shape": [1, 2], "saved_chunks": [{"offsets": [i, 0], "sizes": [1, 2]} for i in range(rows)]}
+    document = {"format": "dcp_zarr", "format_version": 1, "complete": True, "entries": {"w": entry}}
+    parsed = Manifest.from_json(document, "mem")
+    assert isinstance(parsed.entries["w"], TensorEntry) and parsed.entries["w"].saved_shards == rows
+
+
+# -- size limit ----------------------------------------------------------------------------------------------------
+
+
+def test_oversized_manifest_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(FORMAT1, path)
+    size = os.path.getsize(os.path.join(path, "zarr.json"))
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", size - 1)
+    with pytest.raises(MetadataTooLargeError, match="zarr.json is larger than"):
+        ZarrReader(path).read_metadata()
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", size)
+    assert ZarrReader(path).read_metadata().state_dict_metadata
