@@ -19,6 +19,7 @@ from dcp_zarr.errors import (
     NotACheckpointError,
     OptimizerStepError,
     ParamTableMismatchError,
+    ReplicaMismatchError,
     ZarrCheckpointError,
 )
 from dcp_zarr.load_planner import ZarrLoadPlanner
@@ -57,6 +58,7 @@ __all__ = [
     "ObjectStoreError",
     "MissingKeysError",
     "ParamTableMismatchError",
+    "ReplicaMismatchError",
     "OptimizerStepError",
     "__version__",
 ]

@@ -65,6 +65,14 @@ def prepare_staging(staging: Storage) -> None:
     staging.remove_all()
 
 
+def abandon(staging: Storage) -> None:
+    """Delete the staging area of a save that was refused before its commit: nothing of it becomes a checkpoint."""
+    staging.remove(ROOT_KEY)
+    staging.remove_all()
+    if is_local(staging.url):
+        shutil.rmtree(local_path(staging.url), ignore_errors=True)
+
+
 def commit(staging: Storage, target: str, replace: bool = False) -> None:
     """Make the fully written staging area the checkpoint at ``target``.
 

@@ -37,6 +37,10 @@ class MetadataTooLargeError(MalformedMetadataError):
     """A metadata document is larger than the limit set for it; it is refused before parsing."""
 
 
+class ReplicaMismatchError(ZarrCheckpointError, ValueError):
+    """Several ranks hold different values, shapes or dtypes under one state-dict key; the save is refused."""
+
+
 class MissingKeysError(ZarrCheckpointError, RuntimeError):
     """Requested state-dict keys have no counterpart in the checkpoint; the message lists them and the fix."""
 

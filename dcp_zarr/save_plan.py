@@ -39,6 +39,7 @@ class RankAssignment:
     arrays: dict[str, ArraySpec]  # fqn -> spec, for this rank's tensor items
     nodes: dict[str, str]  # fqn -> node, for this rank's non-tensor items
     describes: frozenset[str] = frozenset()  # fqns whose zarr.json this rank writes (one rank per array)
+    replica_checks: tuple = ()  # MetadataIndex of each replicated item whose value this rank checksums (replicas.py)
 
 
 def node_paths(plans: list[SavePlan]) -> dict[str, str]:
@@ -94,10 +95,10 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
 
 
 def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],
-                staging_location: str) -> list[RankAssignment]:
+                staging_location: str, replica_checks: list[tuple]) -> list[RankAssignment]:
     result = []
     described: set[str] = set()
-    for plan in plans:
+    for plan, checks in zip(plans, replica_checks):
         fqns = {item.index.fqn for item in plan.items}
         # Each array's zarr.json is written by the first rank holding part of it, so thousands of small arrays
         # spread their metadata writes over the ranks instead of queueing them all on the coordinator.
@@ -108,5 +109,6 @@ def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[
             arrays={f: specs[f] for f in fqns if f in specs},
             nodes={f: nodes[f] for f in fqns if f not in specs},
             describes=describes,
+            replica_checks=checks,
         ))
     return result

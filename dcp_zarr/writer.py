@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_zarr import commit
+from dcp_zarr import commit, replicas
 from dcp_zarr.chunk_io import chunk_regions, chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
-from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
 from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.optim_keys import tables_from_entries, to_manifest
@@ -53,17 +53,26 @@ class ZarrWriter(StorageWriter, WriterStaging):
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
         cache_staged_state_dict: keep ``dcp.async_save``'s staging buffers for the next save with this writer
             (``checkpoint_id=`` per save, each after the previous one's future resolved); ``close()`` frees them.
+        check_replicas: entries several ranks save under one key (DCP keeps one rank's copy) must agree, or the
+            save is refused (``ReplicaMismatchError``) and nothing is committed: ``"small"`` compares kind, shape and
+            dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
+            ``"all"`` compares every value; ``"none"`` checks nothing (replicas.py).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
-                 cache_staged_state_dict: bool = False):
+                 cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
+                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES):
+        if check_replicas not in replicas.CHECK_MODES:
+            raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
         self.path = os.fspath(path)
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
+        self.check_replicas = check_replicas
+        self.replica_check_bytes = int(replica_check_bytes)
         WriterStaging.__init__(self, cache_staged_state_dict)
         self.save_id: str | None = None
         self.is_coordinator = False
@@ -71,6 +80,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._nodes: dict[str, str] = {}
         self._staging = ""
         self._world_size = 1
+        self._local_items: dict = {}  # this rank's items before DCP's deduplication, by index (replicas.py)
         self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
 
     # -- StorageWriter interface -------------------------------------------------------------------------------------
@@ -100,9 +110,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
                 numpy_dtype(item.tensor_data.properties.dtype)  # raises naming the dtype if unsupported
-        return plan
+        self._local_items = {item.index: item for item in plan.items}
+        if self.check_replicas == replicas.NONE:
+            return plan
+        return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
         self._nodes = nodes = node_paths(plans)
         self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes)
         self._world_size = len(plans)
@@ -110,12 +124,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._staging = commit.staging_location(self.path, self.save_id)
         commit.prepare_staging(open_storage(self._staging, self.storage_options))
         return [dataclasses.replace(plan, storage_data=assignment)
-                for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging))]
+                for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
         storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
-        results = []
+        results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
         jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
         chunk_keys: list[str] = []
         devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
@@ -162,6 +176,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
+        results, digests = replicas.split_results(results)
+        try:
+            replicas.compare_checksums(digests)
+        except ReplicaMismatchError:
+            commit.abandon(storage)
+            raise
         by_fqn: dict[str, list] = {}
         for rank_results in results:
             for result in rank_results:
