@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from ckpt_dist import Runtime, init_distributed, shutdown  # noqa: E402
+from ckpt_dist import Runtime, exit_without_interpreter_teardown, init_distributed, shutdown  # noqa: E402
 from ckpt_model import DTYPES, ModelConfig, build_sharded_state_dict, global_bytes, local_bytes  # noqa: E402
 from ckpt_report import SCHEMA_VERSION, plot_result, summary_lines, validate_result  # noqa: E402
 from ckpt_runs import SAVED_CONFIG, Benchmark, Workspace, log  # noqa: E402
@@ -209,4 +209,4 @@ def write_outputs(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_interpreter_teardown(main())
