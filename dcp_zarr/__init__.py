@@ -20,6 +20,7 @@ from dcp_zarr.errors import (
     OptimizerStepError,
     ParamTableMismatchError,
     ReplicaMismatchError,
+    UnsafeFileError,
     ZarrCheckpointError,
 )
 from dcp_zarr.load_planner import ZarrLoadPlanner
@@ -59,6 +60,7 @@ __all__ = [
     "MissingKeysError",
     "ParamTableMismatchError",
     "ReplicaMismatchError",
+    "UnsafeFileError",
     "OptimizerStepError",
     "__version__",
 ]

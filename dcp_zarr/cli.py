@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from dcp_zarr.errors import IncompleteCheckpointError, ZarrCheckpointError
+from dcp_zarr.errors import IncompleteCheckpointError, MalformedMetadataError, ZarrCheckpointError
 
 OK, FAILED, ERROR = 0, 1, 2
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
@@ -68,6 +68,9 @@ def _verify(args) -> int:
     except IncompleteCheckpointError as exc:
         _emit_verify(args, {"ok": False, "complete": False, "problems": [{"message": str(exc)}]},
                      f"INCOMPLETE: {exc}")
+        return FAILED
+    except MalformedMetadataError as exc:  # a check that failed: the manifest itself is damaged
+        _emit_verify(args, {"ok": False, "complete": True, "problems": [{"message": str(exc)}]}, f"CORRUPT: {exc}")
         return FAILED
     report = verify_checkpoint(ckpt, thread_count=args.threads, progress=args.progress)
     problems = [{"fqn": p.fqn, "node": p.node, "chunk": p.chunk, "message": p.message, "text": str(p)}

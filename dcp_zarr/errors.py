@@ -29,6 +29,10 @@ class CorruptChunkError(ZarrCheckpointError):
     """A stored chunk fails its checksum, is truncated, or is missing."""
 
 
+class UnsafeFileError(CorruptChunkError):
+    """A file of the store is a symbolic link, FIFO, device or directory where a regular file belongs; never read."""
+
+
 class MalformedMetadataError(ZarrCheckpointError, ValueError):
     """The store's metadata (zarr.json or the dcp_zarr manifest) is not what this version writes."""
 

@@ -12,7 +12,7 @@ import torch
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
-from dcp_zarr.encoding import array_metadata, layout_from_array_metadata, verify_plain
+from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.layout import chunk_key
 from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
@@ -64,10 +64,15 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
     if isinstance(entry, ValueEntry):
         return decode_value(entry.value)  # checked when the manifest was read
     where = f"array {entry.node!r} chunk {chunk_key((0,))}"
+    stored_bytes = entry.nbytes + CHECKSUM_BYTES
     try:
-        raw = storage.read(f"{entry.node}/{chunk_key((0,))}")
+        raw = storage.read_range(f"{entry.node}/{chunk_key((0,))}", 0, stored_bytes + 1)  # bounded by the manifest
     except FileNotFoundError:
         raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
+    if len(raw) != stored_bytes:
+        size = f"more than {stored_bytes}" if len(raw) > stored_bytes else str(len(raw))
+        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} holds {size} bytes; the manifest says "
+                                f"{stored_bytes}")
     payload = bytes(verify_plain(raw, where))
     try:
         with torch.serialization.safe_globals(safe_globals):

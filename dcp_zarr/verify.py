@@ -107,7 +107,7 @@ def _check_chunk(ckpt: Checkpoint, job: _ChunkJob) -> tuple[list[Problem], int]:
     plain_bytes = math.prod(layout.inner_chunk_shape) * job.itemsize + CHECKSUM_BYTES
     try:
         if not layout.sharded:
-            raw = ckpt.storage.read(path)
+            raw = _read_expected(ckpt, path, plain_bytes)
             _check_plain(raw, plain_bytes)
             return [], len(raw)
         return _check_shard(ckpt, job, path, plain_bytes)
@@ -129,6 +129,10 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
             if i * layout.inner_rows < extent[0]:  # only inner chunks wholly in the edge padding may be absent
                 problems.append(Problem(entry.fqn, entry.node, where, "the shard index marks it missing"))
             continue
+        if int(length) != inner_bytes:  # refused unread: a hostile index may point at gigabytes
+            problems.append(Problem(entry.fqn, entry.node, where, f"the shard index gives it {int(length)} bytes, "
+                                    f"an inner chunk holds {inner_bytes}"))
+            continue
         raw = ckpt.storage.read_range(path, int(offset), int(length))
         nbytes += len(raw)
         try:
@@ -140,6 +144,14 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
     return problems, nbytes
 
 
+def _read_expected(ckpt: Checkpoint, path: str, expected_bytes: int) -> bytes:
+    """At most what the metadata allows: a chunk file grown to gigabytes is refused after ``expected_bytes`` + 1."""
+    raw = ckpt.storage.read_range(path, 0, expected_bytes + 1)
+    if len(raw) > expected_bytes:
+        raise CorruptChunkError(f"chunk holds more than the {expected_bytes} bytes its metadata allows")
+    return raw
+
+
 def _check_plain(raw, expected_bytes: int) -> None:
     verify_plain(raw, "")
     if len(raw) != expected_bytes:
@@ -148,7 +160,7 @@ def _check_plain(raw, expected_bytes: int) -> None:
 
 def _check_object(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> None:
     try:
-        raw = ckpt.storage.read(f"{entry.node}/c/0")
+        raw = _read_expected(ckpt, f"{entry.node}/c/0", entry.nbytes + CHECKSUM_BYTES)
         _check_plain(raw, entry.nbytes + CHECKSUM_BYTES)
         report.bytes_read += len(raw)
     except FileNotFoundError:

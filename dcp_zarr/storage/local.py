@@ -6,9 +6,10 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Sequence
 
-from dcp_zarr.errors import InvalidKeyError
+from dcp_zarr.errors import InvalidKeyError, UnsafeFileError
 from dcp_zarr.storage.base import Storage
 
 # writev accepts at most IOV_MAX buffers per call (1024 on Linux).
@@ -21,6 +22,8 @@ class LocalStorage(Storage):
         self.url = self.root
         self.sync_files = sync_files
         self._directories: set[str] = set()  # made already: one mkdir per directory, not one per file written
+        self._real_root = os.path.realpath(self.root)  # the root itself may be reached through a link
+        self._safe_directories: set[str] = set()  # checked to hold no symbolic link below the root
 
     def _path(self, key: str) -> str:
         parts = key.split("/")
@@ -52,12 +55,45 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def _open_for_reading(self, key: str) -> int:
+        """A descriptor of the regular file at ``key``, inside the store. A store may come from anywhere: a symbolic
+        link (to /etc/passwd, or out of the store) is never followed, and a FIFO, device or directory is refused
+        without blocking (``O_NONBLOCK``: opening a FIFO with no writer would wait forever)."""
+        path = self._path(key)
+        self._check_directory(os.path.dirname(path), key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeFileError(f"{path} is a symbolic link; files of a checkpoint are never followed") from None
+            raise
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device or socket"
+            raise UnsafeFileError(f"{path} is a {kind}, not a regular file; refused unread")
+        return fd
+
+    def _check_directory(self, directory: str, key: str) -> None:
+        """No directory between the root and ``key`` is a symbolic link (checked once per directory)."""
+        if directory in self._safe_directories:
+            return
+        inside = os.path.normpath(os.path.join(self._real_root, os.path.relpath(directory, self.root)))
+        if os.path.realpath(directory) != inside:
+            raise UnsafeFileError(f"{self.root}: a directory on the way to {key!r} is a symbolic link; files of a "
+                                  "checkpoint are never followed out of its directory")
+        self._safe_directories.add(directory)
+
     def read(self, key: str) -> bytes:
-        with open(self._path(key), "rb") as f:
-            return f.read()
+        fd = self._open_for_reading(key)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        finally:
+            os.close(fd)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        fd = os.open(self._path(key), os.O_RDONLY)
+        fd = self._open_for_reading(key)
         try:
             # pread allocates all of ``length`` first: ask for no more than the file holds
             return os.pread(fd, max(0, min(length, os.fstat(fd).st_size - start)), start)
@@ -66,7 +102,7 @@ class LocalStorage(Storage):
 
     def read_range_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
         # Straight into the caller's (destination tensor's) memory: no intermediate buffer to allocate and copy.
-        fd = os.open(self._path(key), os.O_RDONLY)
+        fd = self._open_for_reading(key)
         try:
             pending = [b for b in buffers if len(b)]
             total = 0
@@ -85,7 +121,7 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_tail(self, key: str, length: int) -> bytes:
-        fd = os.open(self._path(key), os.O_RDONLY)
+        fd = self._open_for_reading(key)
         try:
             size = os.fstat(fd).st_size
             start = max(0, size - length)
