@@ -245,6 +245,17 @@ def _write(relative: str, data: bytes):
     return apply
 
 
+def _nested_value(fqn: str, depth: int):
+    """The entry's value nested ``depth`` lists deep, written as text (json.dump itself would recurse too deep)."""
+    def apply(path: str) -> None:
+        _edit_entry(fqn, value="NESTED")(path)
+        with open(os.path.join(path, "zarr.json")) as f:
+            text = f.read()
+        with open(os.path.join(path, "zarr.json"), "w") as f:
+            f.write(text.replace('"NESTED"', "[" * depth + "1" + "]" * depth))
+    return apply
+
+
 _DELETE = object()
 W = "model.layers.0.w"  # sharded, (96, 64) float32, saved as three row blocks of 32
 E = "model.embed.weight"  # plain chunks, (37, 16) float32
@@ -285,6 +296,12 @@ METADATA_CASES = [
     ("malformed tagged JSON value", _edit_entry("optim.betas", value={"__tuple__": 5}), MalformedMetadataError,
      "'optim.betas'"),
     ("malformed float tag", _edit_entry("optim.lr", value={"__float__": "fast"}), MalformedMetadataError, "'optim.lr'"),
+    ("bytes tag holding a number", _edit_entry("optim.lr", value={"__bytes__": 5}), MalformedMetadataError, "'optim.lr'"),
+    ("a value nested 900 deep", _nested_value("optim.lr", 900), MalformedMetadataError, "'optim.lr'"),
+    ("a value nested 100,000 deep", _nested_value("optim.lr", 100_000), MalformedMetadataError, "zarr.json"),
+    ("set tag holding a number", _edit_entry("optim.lr", value={"__set__": 5}), MalformedMetadataError, "'optim.lr'"),
+    ("dict tag of single items", _edit_entry("optim.lr", value={"__dict__": [[1]]}), MalformedMetadataError,
+     "'optim.lr'"),
     ("array zarr.json is not JSON", _write(os.path.join("model", "embed.weight", "zarr.json"), b"{not json"),
      MalformedMetadataError, "'model/embed.weight'"),
     ("array zarr.json is a list", _write(os.path.join("model", "embed.weight", "zarr.json"), b"[1, 2]"),
@@ -327,6 +344,15 @@ def test_malformed_metadata_gives_a_clear_error(damaged, mutate, expected, text)
     assert text in str(cause), str(cause)
     if expected is not BaseException:  # DCP's own size check names the key; every other refusal is ours
         assert isinstance(cause, ZarrCheckpointError), f"not one of dcp_zarr's errors: {cause!r}"
+
+
+@pytest.mark.parametrize("mutate", [c[1] for c in METADATA_CASES], ids=[c[0] for c in METADATA_CASES])
+def test_the_cli_reports_malformed_metadata_without_a_traceback(damaged, mutate, capsys):
+    mutate(damaged)
+    for command, allowed in ((["inspect"], (0, 2)), (["verify", "--no-progress"], (0, 1, 2))):
+        status = dcp_zarr_cli([*command, damaged])
+        err = capsys.readouterr().err
+        assert status in allowed and "Traceback" not in err, (command, status, err)
 
 
 # -- hostile pickles ---------------------------------------------------------------------------------------------------
