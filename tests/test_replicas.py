@@ -92,3 +92,17 @@ def test_an_unknown_mode_is_refused_by_name():
 
 def test_the_error_is_exported():
     assert issubclass(ReplicaMismatchError, ValueError)
+
+
+def test_the_cost_benchmark_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "replica_check.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), "--quick", "--target", str(tmp_path / "r")],
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(f"check_replicas='{mode}'" in proc.stdout for mode in ("none", "small", "all")), proc.stdout
