@@ -175,3 +175,35 @@ def test_oversized_manifest_is_refused_before_it_is_parsed(tmp_path, monkeypatch
         ZarrReader(path).read_metadata()
     monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", size)
     assert ZarrReader(path).read_metadata().state_dict_metadata
+
+
+def _save_rows(rank: int, world_size: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(100 * 1024, dtype=torch.float32).reshape(100, 1024)
+    # 25-row shards of 1-row inner chunks: a shard is 25 inner chunks, as a 25 MiB shard is of 1 MiB ones
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)},
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=4096))
+
+
+def _load_rows(rank: int, world_size: int, path: str) -> tuple[int, int, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(100 * 1024, dtype=torch.float32).reshape(100, 1024)
+    state = {"w": distribute_tensor(torch.zeros(100, 1024), mesh, [Shard(0)], src_data_rank=None)}
+    reader = ZarrReader(path)
+    dcp.load(state, storage_reader=reader)
+    local = state["w"].to_local()
+    start = rank * -(-100 // world_size)
+    return reader.bytes_read, local.numel() * 4, torch.equal(local, full[start: start + local.shape[0]])
+
+
+def test_a_resharded_load_reads_at_most_a_tenth_more_than_it_needs(tmp_path):
+    path = str(tmp_path / "rows.zarr")
+    run_ranks(_save_rows, 4, path)
+    for read, needed, equal in run_ranks(_load_rows, 3, path):
+        assert equal and needed <= read <= 1.1 * needed, (read, needed)
