@@ -77,6 +77,8 @@ def rank_box(layout: str, shape: tuple[int, ...], rank: int, world: int) -> tupl
         start += tp_start
     else:
         raise ValueError(layout)
+    if size == 0:  # an empty shard sits at the tensor's end, as FSDP2's do: it must not share a real shard's offset
+        start = shape[0]
     return (start, *(0 for _ in rest)), (size, *rest)
 
 
