@@ -142,18 +142,18 @@ def chunk_layout_for_boxes(
     ShardedTensors) can shrink it down to 1: correct, but many small files; see README "Chunk layout".
     """
     shape = tuple(int(n) for n in shape)
-    boundaries: list[set[int]] = [set() for _ in shape]
+    gcds = [0] * len(shape)  # running gcd of each dim's inner boundaries (gcd(0, b) == b): one pass, no sets
+    gcd = math.gcd
     for offsets, sizes in boxes:
-        if any(s == 0 for s in sizes):
+        if 0 in sizes:
             continue  # an empty shard (a rank with no rows) writes nothing and constrains nothing
         for d, (off, size) in enumerate(zip(offsets, sizes)):
-            for b in (off, off + size):
-                if 0 < b < shape[d]:
-                    boundaries[d].add(b)
-    chunk_shape = []
-    for d, n in enumerate(shape):
-        length = math.gcd(*boundaries[d]) if boundaries[d] else n
-        chunk_shape.append(max(length, 1))
+            n = shape[d]
+            if 0 < off < n:
+                gcds[d] = gcd(gcds[d], off)
+            if off + size < n:
+                gcds[d] = gcd(gcds[d], off + size)
+    chunk_shape = [max(g or n, 1) for g, n in zip(gcds, shape)]
     return ChunkLayout(shape, tuple(chunk_shape), _inner_rows(tuple(chunk_shape), itemsize, inner_target_bytes))
 
 
