@@ -102,7 +102,7 @@ class RegionReader:
         When the piece is exactly ``target`` (whole, C-contiguous), its bytes are read straight into ``target``'s
         memory; otherwise into a scratch buffer first.
         """
-        where = f"array {self.node!r} {name}"
+        where = f"{self.storage.url}: array {self.node!r} {name}"
         payload_bytes = math.prod(shape) * self.dtype.itemsize
         if length is not None and length != payload_bytes + CHECKSUM_BYTES:
             raise CorruptChunkError(f"{where}: stored length {length} does not fit shape {shape}")
@@ -121,6 +121,9 @@ class RegionReader:
             target[...] = payload[inside]
         return got
 
+    def _shard_name(self, coords) -> str:
+        return f"{self.storage.url}: array {self.node!r} shard {chunk_key(coords)}"
+
     def _index(self, key: str, coords) -> np.ndarray:
         with self._lock:
             if coords in self._indexes:
@@ -128,8 +131,8 @@ class RegionReader:
         try:
             tail = self.storage.read_tail(key, shard_index_bytes(self.layout))
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"array {self.node!r} shard {chunk_key(coords)}: missing from the store") from exc
-        index = decode_shard_index(tail, self.layout, f"array {self.node!r} shard {chunk_key(coords)}")
+            raise CorruptChunkError(f"{self._shard_name(coords)}: missing from the store") from exc
+        index = decode_shard_index(tail, self.layout, self._shard_name(coords))
         with self._lock:
             self._indexes[coords] = index
         return index
@@ -147,7 +150,8 @@ class RegionReader:
             name = f"shard {chunk_key(coords)} inner chunk {i}"
             if offset == MISSING:
                 # The writer leaves out only inner chunks wholly in the edge padding, which no region reaches.
-                raise CorruptChunkError(f"array {self.node!r} {name}: the shard index marks it missing")
+                raise CorruptChunkError(f"{self.storage.url}: array {self.node!r} {name}: the shard index marks it "
+                                        "missing")
             fetched += self._read_piece(key, int(offset), int(length), layout.inner_chunk_shape,
                                         (slice(lo - i * inner, hi - i * inner), *rest),
                                         target[lo - row_slice.start: hi - row_slice.start], name)

@@ -77,19 +77,23 @@ def _check_prefixes(owners: dict[str, str]) -> None:
 
 
 def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int) -> dict[str, ArraySpec]:
-    boxes: dict[str, list] = defaultdict(list)
+    boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
+    byte_io = WriteItemType.BYTE_IO
     for plan in plans:
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
+            if item.type is byte_io:
                 continue
             data = item.tensor_data
-            boxes[item.index.fqn].append((tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
-            tensor_data.setdefault(item.index.fqn, data)
+            fqn = item.index.fqn
+            boxes[fqn].append(data.chunk)
+            if fqn not in tensor_data:
+                tensor_data[fqn] = data
     specs = {}
     for fqn, data in tensor_data.items():
         np_dtype = numpy_dtype(data.properties.dtype)
-        layout = chunk_layout_for_boxes(tuple(data.size), boxes[fqn], np_dtype.itemsize, inner_chunk_bytes)
+        layout = chunk_layout_for_boxes(tuple(data.size), ((c.offsets, c.sizes) for c in boxes[fqn]), np_dtype.itemsize,
+                                        inner_chunk_bytes)
         specs[fqn] = ArraySpec(fqn, nodes[fqn], zarr_dtype_name(data.properties.dtype), np_dtype.itemsize, layout)
     return specs
 
