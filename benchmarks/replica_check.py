@@ -15,8 +15,11 @@ import os
 import shutil
 import statistics
 import sys
+import time
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -24,9 +27,31 @@ from ckpt_dist import exit_without_interpreter_teardown, init_distributed, shutd
 from ckpt_measure import timed_region  # noqa: E402
 from ckpt_model import ModelConfig, build_sharded_state_dict, global_bytes  # noqa: E402
 
-from dcp_zarr import ZarrWriter  # noqa: E402
+from dcp_zarr import ZarrWriter, replicas  # noqa: E402
 
 MODES = ("none", "small", "all")
+
+
+def time_the_checks(state_dict, world_size: int) -> dict:
+    """The replica check's own functions on the ranks' real local plans (gathered), timed on this rank."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, is_coordinator=True)
+    writer = ZarrWriter("unused")
+    plan = writer.prepare_local_plan(planner.create_local_plan())
+    plans = [None] * world_size
+    dist.all_gather_object(plans, plan)
+    plan_s = statistics.median(_seconds(lambda: replicas.plan_checks(plans, "small", replicas.DEFAULT_MAX_BYTES))
+                               for _ in range(5))
+    checks = replicas.plan_checks(plans, "small", replicas.DEFAULT_MAX_BYTES)[dist.get_rank()]
+    checksum_s = statistics.median(_seconds(lambda: replicas.checksums_result(writer._local_items, checks, planner))
+                                   for _ in range(5))
+    return {"plan_checks_s": plan_s, "checksums_s": checksum_s, "items": len(plan.items), "checked": len(checks)}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv=None) -> int:
@@ -50,12 +75,16 @@ def main(argv=None) -> int:
                     times[mode].append(elapsed.max_s)
                 if rt.rank == 0:
                     shutil.rmtree(path)  # before the next region's quiesce (sync, barrier)
+        direct = time_the_checks(state_dict, rt.world_size)
         if rt.rank == 0:
             medians = {mode: statistics.median(values) for mode, values in times.items()}
             print(f"{global_bytes(state_dict) / 1e9:.2f} GB state dict, {rt.world_size} ranks, {repeats} repeats")
             for mode in MODES:
                 print(f"  check_replicas={mode!r:8} save {medians[mode]:.3f} s  "
                       f"({medians[mode] / medians['none'] - 1:+.1%} against 'none')  runs {times[mode]}")
+            print(f"  the checks alone (check_replicas='small', medians of 5): coordinator plan_checks "
+                  f"{direct['plan_checks_s'] * 1e3:.2f} ms over {direct['items']} items x {rt.world_size} ranks; "
+                  f"checksums {direct['checksums_s'] * 1e3:.2f} ms for {direct['checked']} replicated items per rank")
             shutil.rmtree(args.target, ignore_errors=True)
         return 0
     finally:
