@@ -204,6 +204,40 @@ def sampled_save_planning(world: int, entries: int, batch: int, batches: int) ->
             **{key: value * scale for key, value in totals.items()}}
 
 
+def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> dict[int, float]:
+    """A loading rank's read_metadata + read items of dcp_zarr stores saved at each world size, timed round-robin
+    over the world sizes (``rounds`` rounds, medians), so this machine's drifting speed falls on all of them alike."""
+    tensors = model_tensors(entries)
+    keep = tempfile.mkdtemp(prefix="dcp-zarr-scale-kept-")
+    local = {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box("fsdp", shape, 0, LOAD_WORLD_SIZE)))]
+             for fqn, shape in tensors}
+    try:
+        for world in worlds:
+            work = tempfile.mkdtemp(prefix="dcp-zarr-scale-")
+            try:
+                planning = coordinator_planning(save_plans(tensors, "fsdp", world), work)
+                source = {"type": "dtensor", "placements": ["S(0)"], "mesh_shape": [world], "mesh_dim_names": None}
+                results = [[WriteResult(item.index, 0, {"source": source}) for item in plan.items]
+                           for plan in planning["global_plan"]]
+                planning["zarr_writer"].finish(planning["metadata"], results)
+                del planning, results
+                shutil.copytree(os.path.join(work, "ckpt.zarr"), os.path.join(keep, f"ws{world}.zarr"))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        gc.collect()
+        times: dict[int, list[float]] = {world: [] for world in worlds}
+        for _ in range(rounds):
+            for world in worlds:
+                start = time.perf_counter()
+                metadata = ZarrReader(os.path.join(keep, f"ws{world}.zarr")).read_metadata()
+                for fqn, chunks in local.items():
+                    create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks)
+                times[world].append(time.perf_counter() - start)
+        return {world: statistics.median(values) for world, values in times.items()}
+    finally:
+        shutil.rmtree(keep, ignore_errors=True)
+
+
 def format1_validation(boxes: int, repeats: int) -> float:
     entry = {"path": ["w"], "kind": "tensor", "node": "w", "dtype": "torch.float32", "shape": [boxes, 2],
              "chunk_shape": [1, 2], "saved_chunks": [{"offsets": [i, 0], "sizes": [1, 2]} for i in range(boxes)]}
@@ -239,8 +273,8 @@ def plot(rows: list[dict], path: str) -> None:
         ("metadata bytes", [("dcp_zarr manifest", "zarr_manifest_bytes"), ("DCP .metadata", "dcp_metadata_bytes")]),
         ("per-rank read + parse + load plan (s)",
          [("dcp_zarr", ("zarr_read_metadata_s", "zarr_load_plan_s")), ("DCP", ("dcp_read_metadata_s", "dcp_load_plan_s"))]),
-        ("coordinator save planning (s)", [("DCP create_global_plan", "dcp_global_plan_s"),
-                                           ("dcp_zarr prepare_global_plan", "zarr_added_s")]),
+        ("coordinator save planning (s)", [("dcp_zarr prepare_global_plan (added)", "zarr_added_s"),
+                                           ("DCP create_global_plan", "dcp_global_plan_s")]),
     ]
     for ax, (title, lines) in zip(axes, series):
         for label, keys in lines:
@@ -255,13 +289,26 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _interleaved_text(medians: dict[int, float]) -> str:
+    first = min(medians)
+    return ("a loading rank's read_metadata + read items (FSDP, 100 entries), round-robin over saving world sizes, "
+            "medians of 51: " + ", ".join(f"{world} ranks {s * 1e3:.2f} ms ({s / medians[first]:.2f}x)"
+                                          for world, s in medians.items()))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: 8 and 64 ranks, 300 and 1,000 entries")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/scale", help="directory for scale.json, scale.md, scale.png")
+    parser.add_argument("--interleaved-only", action="store_true",
+                        help="only the round-robin timing of a loading rank's read_metadata + read items")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    interleaved_worlds = [8, 64] if args.quick else [8, 64, 512, 2048, 8192]
+    if args.interleaved_only:
+        print(_interleaved_text(interleaved_load_planning(interleaved_worlds, 100, 51)))
+        return 0
     if args.quick:
         worlds = {"fsdp": [8, 64], "hsdp": [8, 64], "fsdp_tp": [8, 64]}
         world_entries, entry_counts, target, boxes = 100, [300, 1000], None, 10_000
@@ -280,6 +327,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__}
     if target:
         report["target"] = sampled_save_planning(*target)
+    report["interleaved_load_planning_s"] = interleaved_load_planning(interleaved_worlds, 100, 51)
     text = table(rows)
     text += (f"\n\nformat-1 entry of {boxes:,} boxes: Manifest.from_json {report['format1_validation_s']['seconds']:.2f} s")
     if target:
@@ -288,6 +336,7 @@ def main(argv=None) -> int:
                  f"{t['measured_entries']}, scaled): "
                  f"DCP {t['dcp_global_plan_s']:.1f} s, dcp_zarr adds {t['zarr_added_s']:.1f} s "
                  f"({t['zarr_added_s'] / t['dcp_global_plan_s']:.0%}), FileSystemWriter adds {t['fs_added_s']:.2f} s")
+    text += "\n" + _interleaved_text(report["interleaved_load_planning_s"])
     print(text)
     with open(os.path.join(args.out, "scale.json"), "w") as f:
         json.dump(report, f, indent=1)
