@@ -128,16 +128,31 @@ def coordinator_planning(plans: list[SavePlan], work: str) -> dict:
             "global_plan": global_plan, "metadata": metadata, "zarr_writer": zarr_writer, "fs_writer": fs_writer}
 
 
+def zarr_results(global_plan: list[SavePlan], world: int) -> list[list[WriteResult]]:
+    """The WriteResults each rank's ZarrWriter.write_data would return (the chunks themselves are not written)."""
+    source = {"type": "dtensor", "placements": ["S(0)"], "mesh_shape": [world], "mesh_dim_names": None}
+    return [[WriteResult(item.index, 0, {"source": source}) for item in plan.items] for plan in global_plan]
+
+
+def loading_shards(tensors) -> dict[str, list[ChunkStorageMetadata]]:
+    """Rank 0's shard of each tensor in a 128-rank FSDP job."""
+    return {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box("fsdp", shape, 0, LOAD_WORLD_SIZE)))]
+            for fqn, shape in tensors}
+
+
+def read_items(metadata, local: dict) -> int:
+    """DCP's read items for the rank's shards (what create_default_local_load_plan makes per tensor)."""
+    return sum(len(create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks))
+               for fqn, chunks in local.items())
+
+
 def write_metadata(planning: dict, world: int, work: str) -> dict:
     """Each writer's finish on synthetic WriteResults; the bytes of what it wrote."""
-    source = {"type": "dtensor", "placements": ["S(0)"], "mesh_shape": [world], "mesh_dim_names": None}
-    zarr_results, fs_results = [], []
-    for rank, plan in enumerate(planning["global_plan"]):
-        zarr_results.append([WriteResult(item.index, 0, {"source": source}) for item in plan.items])
-        fs_results.append([WriteResult(item.index, 0, _StorageInfo(f"__{rank}_0.distcp", 0, 0)) for item in plan.items])
+    fs_results = [[WriteResult(item.index, 0, _StorageInfo(f"__{rank}_0.distcp", 0, 0)) for item in plan.items]
+                  for rank, plan in enumerate(planning["global_plan"])]
     os.makedirs(os.path.join(work, "dcp"), exist_ok=True)
     planning["fs_writer"].finish(planning["metadata"], fs_results)
-    planning["zarr_writer"].finish(planning["metadata"], zarr_results)
+    planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
     return {"zarr_manifest_bytes": os.path.getsize(os.path.join(work, "ckpt.zarr", "zarr.json")),
             "dcp_metadata_bytes": os.path.getsize(os.path.join(work, "dcp", ".metadata"))}
 
@@ -146,12 +161,10 @@ def loading_rank(tensors, work: str, repeats: int) -> dict:
     """Rank 0 of a 128-rank FSDP job: read and parse the metadata, then DCP's read items for each of its shards.
     dcp_zarr's steps take milliseconds, so they get more repeats than DCP's (seconds at 8,192 ranks)."""
     cheap = max(25, repeats)
-    local = {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box("fsdp", shape, 0, LOAD_WORLD_SIZE)))]
-             for fqn, shape in tensors}
+    local = loading_shards(tensors)
 
     def plan(metadata):
-        return sum(len(create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks))
-                   for fqn, chunks in local.items())
+        return read_items(metadata, local)
 
     # Each side runs with only its own metadata alive, as on a real rank: DCP's unpickled metadata (millions of
     # objects at 8,192 ranks) would otherwise slow dcp_zarr's steps through Python's garbage collector.
@@ -209,18 +222,14 @@ def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> d
     over the world sizes (``rounds`` rounds, medians), so this machine's drifting speed falls on all of them alike."""
     tensors = model_tensors(entries)
     keep = tempfile.mkdtemp(prefix="dcp-zarr-scale-kept-")
-    local = {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box("fsdp", shape, 0, LOAD_WORLD_SIZE)))]
-             for fqn, shape in tensors}
+    local = loading_shards(tensors)
     try:
         for world in worlds:
             work = tempfile.mkdtemp(prefix="dcp-zarr-scale-")
             try:
                 planning = coordinator_planning(save_plans(tensors, "fsdp", world), work)
-                source = {"type": "dtensor", "placements": ["S(0)"], "mesh_shape": [world], "mesh_dim_names": None}
-                results = [[WriteResult(item.index, 0, {"source": source}) for item in plan.items]
-                           for plan in planning["global_plan"]]
-                planning["zarr_writer"].finish(planning["metadata"], results)
-                del planning, results
+                planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
+                del planning
                 shutil.copytree(os.path.join(work, "ckpt.zarr"), os.path.join(keep, f"ws{world}.zarr"))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
@@ -229,9 +238,7 @@ def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> d
         for _ in range(rounds):
             for world in worlds:
                 start = time.perf_counter()
-                metadata = ZarrReader(os.path.join(keep, f"ws{world}.zarr")).read_metadata()
-                for fqn, chunks in local.items():
-                    create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks)
+                read_items(ZarrReader(os.path.join(keep, f"ws{world}.zarr")).read_metadata(), local)
                 times[world].append(time.perf_counter() - start)
         return {world: statistics.median(values) for world, values in times.items()}
     finally:
