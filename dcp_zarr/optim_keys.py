@@ -18,7 +18,6 @@ values and shapes in, tables and key maps out.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -370,9 +369,3 @@ def shape_mismatches(translation: Translation, requested_shapes: Mapping[str, tu
             lines.append(f"requested {key!r} ({mine}, shape {list(want)}) <- saved {source!r} ({theirs}, "
                          f"shape {list(have)})")
     return lines
-
-
-def to_manifest(tables: Iterable[OptimizerTable]) -> list[dict]:
-    documents = [table.to_json() for table in tables]
-    json.dumps(documents)  # fail at save, not at load, if anything slipped in that JSON cannot hold
-    return documents

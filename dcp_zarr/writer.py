@@ -27,7 +27,7 @@ from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
 from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.optim_keys import tables_from_entries, to_manifest
+from dcp_zarr.optim_keys import tables_from_entries
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
@@ -210,8 +210,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
         # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
         summary = summarize_sources([e.source for e in entries.values() if isinstance(e, TensorEntry)])
+        # Anything in a table that JSON cannot hold fails at save: write_json dumps the whole manifest before the commit.
         tables = tables_from_entries(entries, key_order)
-        to_manifest(tables)  # fail at save, not at load, if anything slipped into a table that JSON cannot hold
         return Manifest(entries=entries, save_id=self.save_id, versions=versions(), saved_world_size=self._world_size,
                         state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables))
 
