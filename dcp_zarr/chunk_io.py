@@ -18,7 +18,7 @@ from dcp_zarr.encoding import (
     shard_index_bytes,
 )
 from dcp_zarr.errors import CorruptChunkError
-from dcp_zarr.layout import ChunkLayout, chunk_key
+from dcp_zarr.layout import ChunkLayout
 from dcp_zarr.storage import Storage
 
 
@@ -34,7 +34,7 @@ def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequen
         start = [o - b for o, b in zip(offsets, box_offsets)]
         if any(s < 0 or s + e > n for s, e, n in zip(start, extent, sizes)):
             raise AssertionError(f"chunk {coords} is not inside the saved box at {tuple(box_offsets)}")
-        yield chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
+        yield layout.chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
 
 
 def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
@@ -75,11 +75,12 @@ class RegionReader:
             hi = [min(o + n, c + e) for o, n, c, e in zip(offsets, out.shape, chunk_offsets, chunk_extent)]
             target = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             inside = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk_offsets))
-            key = f"{self.node}/{chunk_key(coords)}"
+            name = layout.chunk_key(coords)
+            key = f"{self.node}/{name}"
             if layout.sharded:
                 fetched += self._read_from_shard(key, coords, inside, target)
             else:
-                fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, chunk_key(coords))
+                fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, f"chunk {name}")
         return fetched
 
     def row_pieces(self, offsets: Sequence[int], shape: Sequence[int], target_bytes: int) -> list[tuple[int, int]]:
@@ -122,7 +123,7 @@ class RegionReader:
         return got
 
     def _shard_name(self, coords) -> str:
-        return f"{self.storage.url}: array {self.node!r} shard {chunk_key(coords)}"
+        return f"{self.storage.url}: array {self.node!r} shard {self.layout.chunk_key(coords)}"
 
     def _index(self, key: str, coords) -> np.ndarray:
         with self._lock:
@@ -147,7 +148,7 @@ class RegionReader:
             lo = max(row_slice.start, i * inner)
             hi = min(row_slice.stop, (i + 1) * inner)
             offset, length = index[i]
-            name = f"shard {chunk_key(coords)} inner chunk {i}"
+            name = f"shard {layout.chunk_key(coords)} inner chunk {i}"
             if offset == MISSING:
                 # The writer leaves out only inner chunks wholly in the edge padding, which no region reaches.
                 raise CorruptChunkError(f"{self.storage.url}: array {self.node!r} {name}: the shard index marks it "

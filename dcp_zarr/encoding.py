@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import ChunkLayout
+from dcp_zarr.layout import CHUNK_KEY_SEPARATORS, ChunkLayout
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -151,7 +151,7 @@ def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attribute
         "shape": list(layout.shape),
         "data_type": data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": layout.separator}},
         "fill_value": fill_value_json(data_type),
         "codecs": codecs,
         "attributes": attributes or {},
@@ -172,10 +172,14 @@ def layout_from_array_metadata(meta: dict, where: str) -> ChunkLayout:
         inner_rows = 0
         if codecs and codecs[0]["name"] == "sharding_indexed":
             inner_rows = int(codecs[0]["configuration"]["chunk_shape"][0])
+        separator = meta["chunk_key_encoding"]["configuration"]["separator"]
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise MalformedMetadataError(f"{where}: zarr.json is malformed ({exc!r})") from exc
     if len(chunk_shape) != len(shape) or any(c < 1 for c in chunk_shape) or any(n < 0 for n in shape):
         raise MalformedMetadataError(f"{where}: zarr.json has shape {shape} and chunk shape {chunk_shape}")
     if inner_rows and (chunk_shape[0] % inner_rows):
         raise MalformedMetadataError(f"{where}: inner chunk rows {inner_rows} do not divide {chunk_shape[0]}")
-    return ChunkLayout(shape, chunk_shape, inner_rows)
+    if separator not in CHUNK_KEY_SEPARATORS:
+        raise MalformedMetadataError(f"{where}: zarr.json has chunk key separator {separator!r}, not one of "
+                                     f"{' or '.join(map(repr, CHUNK_KEY_SEPARATORS))}")
+    return ChunkLayout(shape, chunk_shape, inner_rows, separator)

@@ -17,6 +17,14 @@ from typing import NamedTuple
 
 from dcp_zarr.errors import InvalidKeyError
 
+# Chunk keys of the arrays a save writes: zarr v3's default encoding with the "." separator (``c.0.1``), so a
+# chunk is a file in its array's directory. Format 1 and 2 stores used "/" (``c/0/1``): a directory per chunk row and
+# (2 + ranks) directories per array, each a slow file-system operation (benchmarks/file_ops.py: ~0.3 ms on a
+# virtual disk). Readers take the separator from each array's zarr.json, so both kinds load.
+CHUNK_KEY_SEPARATOR = "."
+LEGACY_CHUNK_KEY_SEPARATOR = "/"
+CHUNK_KEY_SEPARATORS = (CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR)
+
 # Inner chunks of a sharded array are aimed at this size: small enough that a resharded load reads little more
 # than it needs, large enough that per-chunk overhead (one checksum, one index entry, one read) stays negligible.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
@@ -67,11 +75,13 @@ class ChunkLayout(NamedTuple):
 
     ``inner_rows`` > 0 means the outer chunks are shards of zarr's ``sharding_indexed`` codec, each split into inner
     chunks of ``inner_rows`` rows along dim 0 (full extent along the other dims), so readers can fetch parts.
+    ``separator`` is the chunk key encoding's (``CHUNK_KEY_SEPARATORS``).
     """
 
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     inner_rows: int = 0
+    separator: str = CHUNK_KEY_SEPARATOR
 
     @property
     def sharded(self) -> bool:
@@ -107,6 +117,10 @@ class ChunkLayout(NamedTuple):
             ranges.append(range(off // c, (off + size - 1) // c + 1))
         yield from _product(ranges)
 
+    def chunk_key(self, coords: Sequence[int]) -> str:
+        """The key of the chunk at grid ``coords``, below the array's node."""
+        return chunk_key(coords, self.separator)
+
     def chunk_box(self, coords: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Offsets and sizes of the chunk's data inside the global array (edge chunks clipped to the shape)."""
         offsets = tuple(i * c for i, c in zip(coords, self.chunk_shape))
@@ -114,9 +128,9 @@ class ChunkLayout(NamedTuple):
         return offsets, sizes
 
 
-def chunk_key(coords: Sequence[int]) -> str:
-    """Zarr v3's default chunk key encoding with the '/' separator (``c/0/1``; ``c`` for 0-d arrays)."""
-    return "/".join(["c", *map(str, coords)])
+def chunk_key(coords: Sequence[int], separator: str = CHUNK_KEY_SEPARATOR) -> str:
+    """Zarr v3's default chunk key encoding (``c.0.1``, or ``c/0/1`` with "/"; ``c`` for 0-d arrays)."""
+    return separator.join(["c", *map(str, coords)])
 
 
 def _product(ranges: list[range]) -> Iterable[tuple[int, ...]]:

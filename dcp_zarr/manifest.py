@@ -22,14 +22,14 @@ from typing import ClassVar, Union
 
 from dcp_zarr.dtypes import torch_dtype_from_name
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
-from dcp_zarr.layout import check_node_name
+from dcp_zarr.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.optim_keys import OptimizerTable
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
 
 FORMAT_NAME = "dcp_zarr"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: chunk keys with "." (c.0.1); 1 and 2 used "/" (layout.CHUNK_KEY_SEPARATOR)
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_ATTRIBUTE = "dcp_zarr"
 ROOT_KEY = "zarr.json"
 # A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
@@ -89,7 +89,13 @@ class ObjectEntry:
     path: tuple[str | int, ...]
     node: str
     nbytes: int
+    separator: str = CHUNK_KEY_SEPARATOR  # of its one chunk's key; "/" in format 1 and 2 (not written: the version says)
     kind: ClassVar[str] = OBJECT
+
+    @property
+    def chunk(self) -> str:
+        """The key of the chunk holding the bytes, below the node."""
+        return chunk_key((0,), self.separator)
 
     def to_json(self) -> dict:
         return {"path": list(self.path), "kind": OBJECT, "node": self.node, "nbytes": self.nbytes}
@@ -189,7 +195,7 @@ def _entry_from_json(fqn: str, raw, version: int, url: str) -> Entry:
         nbytes = raw["nbytes"]
         if type(nbytes) is not int or nbytes < 0:
             raise ValueError(f"nbytes {nbytes!r} is not a non-negative integer")
-        return ObjectEntry(fqn, path, node, nbytes)
+        return ObjectEntry(fqn, path, node, nbytes, LEGACY_CHUNK_KEY_SEPARATOR if version < 3 else CHUNK_KEY_SEPARATOR)
     except MalformedMetadataError:
         raise
     except KeyError as exc:

@@ -14,7 +14,6 @@ from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
 from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import chunk_key
 from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
@@ -63,10 +62,10 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
     if isinstance(entry, ValueEntry):
         return decode_value(entry.value)  # checked when the manifest was read
-    where = f"array {entry.node!r} chunk {chunk_key((0,))}"
+    where = f"array {entry.node!r} chunk {entry.chunk}"
     stored_bytes = entry.nbytes + CHECKSUM_BYTES
     try:
-        raw = storage.read_range(f"{entry.node}/{chunk_key((0,))}", 0, stored_bytes + 1)  # bounded by the manifest
+        raw = storage.read_range(f"{entry.node}/{entry.chunk}", 0, stored_bytes + 1)  # bounded by the manifest
     except FileNotFoundError:
         raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
     if len(raw) != stored_bytes:

@@ -21,7 +21,7 @@ from dcp_zarr.encoding import (
     verify_plain,
 )
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import ChunkLayout, chunk_key, parent_groups
+from dcp_zarr.layout import ChunkLayout, parent_groups
 from dcp_zarr.manifest import OBJECT, TENSOR
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.progress import progress_bar
@@ -34,7 +34,7 @@ class Problem:
 
     fqn: str
     node: str
-    chunk: str | None  # "c/0/0", "c/1/0 inner chunk 3", or None for the node's metadata
+    chunk: str | None  # "c.0.0", "c.1.0 inner chunk 3" ("c/0/0" in format 1 and 2), or None for the node's metadata
     message: str
     node_type: str = "array"
 
@@ -102,7 +102,7 @@ def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_
 
 def _check_chunk(ckpt: Checkpoint, job: _ChunkJob) -> tuple[list[Problem], int]:
     entry, layout = job.entry, job.layout
-    key = chunk_key(job.coords)
+    key = layout.chunk_key(job.coords)
     path = f"{entry.node}/{key}"
     plain_bytes = math.prod(layout.inner_chunk_shape) * job.itemsize + CHECKSUM_BYTES
     try:
@@ -119,7 +119,7 @@ def _check_chunk(ckpt: Checkpoint, job: _ChunkJob) -> tuple[list[Problem], int]:
 
 def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) -> tuple[list[Problem], int]:
     entry, layout = job.entry, job.layout
-    key = chunk_key(job.coords)
+    key = layout.chunk_key(job.coords)
     index = decode_shard_index(ckpt.storage.read_tail(path, shard_index_bytes(layout)), layout, "shard")
     _, extent = layout.chunk_box(job.coords)
     problems, nbytes = [], shard_index_bytes(layout)
@@ -159,14 +159,15 @@ def _check_plain(raw, expected_bytes: int) -> None:
 
 
 def _check_object(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> None:
+    chunk = ckpt.manifest.entries[entry.fqn].chunk  # "c.0", or "c/0" in format 1 and 2
     try:
-        raw = _read_expected(ckpt, f"{entry.node}/c/0", entry.nbytes + CHECKSUM_BYTES)
+        raw = _read_expected(ckpt, f"{entry.node}/{chunk}", entry.nbytes + CHECKSUM_BYTES)
         _check_plain(raw, entry.nbytes + CHECKSUM_BYTES)
         report.bytes_read += len(raw)
     except FileNotFoundError:
-        report.problems.append(Problem(entry.fqn, entry.node, "c/0", "chunk is missing from the store"))
+        report.problems.append(Problem(entry.fqn, entry.node, chunk, "chunk is missing from the store"))
     except CorruptChunkError as exc:
-        report.problems.append(Problem(entry.fqn, entry.node, "c/0", _reason(exc)))
+        report.problems.append(Problem(entry.fqn, entry.node, chunk, _reason(exc)))
     report.chunks += 1
 
 

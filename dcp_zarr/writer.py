@@ -25,7 +25,7 @@ from dcp_zarr.chunk_io import chunk_regions, chunks_of_box, write_chunk
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError
-from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, parent_groups
+from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.optim_keys import tables_from_entries
 from dcp_zarr.scheduler import run_jobs
@@ -271,7 +271,7 @@ def _value_write(item, planner: SavePlanner, node: str):
             pass
     data = planner.resolve_data(item).getvalue()
     result = WriteResult(index=item.index, size_in_bytes=len(data), storage_data={"object_nbytes": len(data)})
-    return result, (f"{node}/c/0", [data, checksum(data)])
+    return result, (f"{node}/{chunk_key((0,))}", [data, checksum(data)])
 
 
 def _tensor_entry(fqn: str, path: tuple, spec: ArraySpec, md: TensorStorageMetadata, stored: list) -> TensorEntry:

@@ -63,13 +63,14 @@ def tree_digest(root: str) -> dict[str, str]:
 
 
 def chunk_files(root: str) -> list[str]:
-    """Relative paths of every chunk (or shard) file: everything under a ``c`` directory, or a 0-d array's ``c``."""
+    """Relative paths of every chunk (or shard) file: ``c.0.1`` and a 0-d array's ``c`` (format 3), or everything
+    under a ``c`` directory (format 1 and 2)."""
     found = []
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             parts = rel.split(os.sep)
-            if "c" in parts[:-1] or parts[-1] == "c":
+            if "c" in parts[:-1] or parts[-1] == "c" or parts[-1].startswith("c."):
                 found.append(rel)
     return sorted(found)
 

@@ -103,8 +103,8 @@ def test_verify_passes_an_intact_checkpoint(saved, capsys):
 
 
 def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
-    os.remove(copy / "model" / "head.weight" / "c" / "1" / "0")
-    chunk = copy / "optim" / "state" / "norm.bias" / "exp_avg" / "c" / "0"
+    os.remove(copy / "model" / "head.weight" / "c.1.0")
+    chunk = copy / "optim" / "state" / "norm.bias" / "exp_avg" / "c.0"
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0x40
     chunk.write_bytes(bytes(data))
@@ -112,8 +112,8 @@ def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
     code, out, _ = run(capsys, "verify", copy)
 
     assert code == 1 and out.startswith("CORRUPT:")
-    assert "array 'model/head.weight' chunk c/1/0 (entry 'model.head.weight'): chunk is missing" in out
-    assert "array 'optim/state/norm.bias/exp_avg' chunk c/0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
+    assert "array 'model/head.weight' chunk c.1.0 (entry 'model.head.weight'): chunk is missing" in out
+    assert "array 'optim/state/norm.bias/exp_avg' chunk c.0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
     code, out, _ = run(capsys, "verify", copy, "--json")
     assert code == 1 and len(json.loads(out)["problems"]) == 2
 
@@ -122,13 +122,13 @@ def test_verify_and_diff_name_the_bad_inner_chunk_of_a_large_array(tmp_path, cap
     good, bad = tmp_path / "good.zarr", tmp_path / "bad.zarr"
     dcp.save({"w": torch.randn(64, 32)}, storage_writer=ZarrWriter(good, inner_chunk_bytes=1024))  # 8 rows a chunk
     shutil.copytree(good, bad)
-    shard = bad / "w" / "c" / "0" / "0"
+    shard = bad / "w" / "c.0.0"
     data = bytearray(shard.read_bytes())
     data[2 * (8 * 32 * 4 + 4) + 7] ^= 1  # inner chunks are stored in order, each followed by its crc32c
     shard.write_bytes(bytes(data))
 
     code, out, _ = run(capsys, "verify", bad)
-    assert code == 1 and "array 'w' chunk c/0/0 inner chunk 2 (entry 'w'): crc32c mismatch" in out
+    assert code == 1 and "array 'w' chunk c.0.0 inner chunk 2 (entry 'w'): crc32c mismatch" in out
     code, out, _ = run(capsys, "diff", good, bad)
     assert code == 1 and "unreadable  w" in out and "inner chunk 2" in out
 

@@ -103,8 +103,10 @@ def _shard_layout(path: str, node: str) -> tuple[int, int] | None:
 
 
 def _split(relative: str) -> tuple[str, str]:
-    """("model/ids", "c/1") from "model/ids/c/1"."""
+    """("model/ids", "c.1") from "model/ids/c.1" (and ("model/ids", "c/1") from a format-2 "model/ids/c/1")."""
     parts = relative.split(os.sep)
+    if parts[-1] == "c" or parts[-1].startswith("c."):
+        return "/".join(parts[:-1]), parts[-1]
     at = len(parts) - 1 - parts[::-1].index("c")
     return "/".join(parts[:at]), "/".join(parts[at:])
 
@@ -175,14 +177,14 @@ def test_every_random_chunk_and_shard_index_damage_is_detected_and_named(pristin
 
 def test_zarr_itself_rejects_a_flipped_bit(damaged):
     """The checksums are zarr's crc32c codec: zarr-python refuses the damaged chunk too, not only dcp_zarr."""
-    _damage(damaged, os.path.join("model", "layers.0.w", "c", "1", "0"), "flip", random.Random(1))
+    _damage(damaged, os.path.join("model", "layers.0.w", "c.1.0"), "flip", random.Random(1))
     array = zarr.open_array(os.path.join(damaged, "model", "layers.0.w"), mode="r")
     with pytest.raises(Exception, match="(?i)checksum"):
         array[...]
 
 
 def test_bytes_appended_to_a_chunk_never_change_what_loads_and_verify_reports_them(damaged, capsys):
-    with open(os.path.join(damaged, "model", "ids", "c", "1"), "ab") as f:
+    with open(os.path.join(damaged, "model", "ids", "c.1"), "ab") as f:
         f.write(b"\x00garbage")
     assert load_failure(damaged) is None or isinstance(load_failure(damaged), CorruptChunkError)
     status, report = verify(damaged, capsys)
@@ -197,9 +199,9 @@ def test_a_missing_array_zarr_json_is_named(damaged, capsys):
 
 
 def test_a_missing_object_chunk_is_named(damaged, capsys):
-    os.remove(os.path.join(damaged, "optim", "seen", "c", "0"))
+    os.remove(os.path.join(damaged, "optim", "seen", "c.0"))
     cause = load_failure(damaged)
-    assert isinstance(cause, CorruptChunkError) and "'optim/seen'" in str(cause) and "c/0" in str(cause), repr(cause)
+    assert isinstance(cause, CorruptChunkError) and "'optim/seen'" in str(cause) and "c.0" in str(cause), repr(cause)
     assert verify(damaged, capsys)[0] == 1
 
 
@@ -380,7 +382,7 @@ def _hostile_payloads(marker: str) -> dict[str, bytes]:
 def test_a_hostile_pickle_in_an_object_entry_never_runs(damaged, tmp_path, kind):
     marker = str(tmp_path / "pwned")
     payload = _hostile_payloads(marker)[kind]
-    with open(os.path.join(damaged, "optim", "seen", "c", "0"), "wb") as f:
+    with open(os.path.join(damaged, "optim", "seen", "c.0"), "wb") as f:
         f.write(payload + checksum(payload))  # a valid checksum: only the unpickler stands in the way
     _edit_entry("optim.seen", nbytes=len(payload))(damaged)
 
@@ -409,7 +411,7 @@ def test_store_bytes_reach_only_weights_only_unpickling(damaged, monkeypatch):
     target = blank_like(TEMPLATE)
     dcp.load(target, storage_reader=ZarrReader(damaged))
     assert target["optim"]["seen"] == TEMPLATE["optim"]["seen"]
-    with open(os.path.join(damaged, "optim", "seen", "c", "0"), "rb") as f:
+    with open(os.path.join(damaged, "optim", "seen", "c.0"), "rb") as f:
         stored = f.read()[:-4]
     unsafe = [data for weights_only, data in calls if not weights_only]
     assert [data for weights_only, data in calls if weights_only] == [stored]

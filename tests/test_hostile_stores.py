@@ -60,11 +60,12 @@ def load_cause(path: str) -> BaseException | None:
 
 
 def first_chunk(store: str, node: str) -> str:
-    folder = os.path.join(store, *node.split("/"), "c")
-    for root, _, files in os.walk(folder):
-        if files:
-            return os.path.join(root, sorted(files)[0])
-    raise AssertionError(f"{node} has no chunk")
+    """The path of the array's first chunk file (``c.0.0``, or ``c`` for a 0-d array)."""
+    folder = os.path.join(store, *node.split("/"))
+    chunks = sorted(name for name in os.listdir(folder) if name == "c" or name.startswith("c."))
+    if not chunks:
+        raise AssertionError(f"{node} has no chunk")
+    return os.path.join(folder, chunks[0])
 
 
 @pytest.mark.timeout(60)

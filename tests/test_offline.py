@@ -99,7 +99,7 @@ def test_read_tensor_returns_the_saved_bits_for_every_dtype(saved):
 
 def test_a_region_reads_only_the_chunks_under_it(saved, copy_of):
     path = copy_of()
-    shard = path / "model" / "embed.weight" / "c" / "0" / "0"
+    shard = path / "model" / "embed.weight" / "c.0.0"
     data = bytearray(shard.read_bytes())
     inner = 12 * 256 * 4 + 4  # one inner chunk and its crc32c; they are laid out in order from offset 0
     data[5 * inner + 100] ^= 0xFF  # corrupt inner chunk 5 (rows 60..71)
@@ -110,7 +110,7 @@ def test_a_region_reads_only_the_chunks_under_it(saved, copy_of):
     rows = ckpt.read_tensor("model.embed.weight", region=(slice(10, 59), slice(3, 40)))
 
     assert torch.equal(rows, expected[10:59, 3:40])
-    with pytest.raises(CorruptChunkError, match=r"model/embed\.weight.*c/0/0.*inner chunk 5"):
+    with pytest.raises(CorruptChunkError, match=r"model/embed\.weight.*c\.0\.0.*inner chunk 5"):
         ckpt.read_tensor("model.embed.weight", region=(slice(58, 62),))
 
 
@@ -173,9 +173,9 @@ def test_paths_that_are_not_checkpoints_are_refused_with_what_they_are(tmp_path,
 
 def test_a_missing_chunk_is_reported_with_its_array_and_key(copy_of):
     path = copy_of()
-    os.remove(path / "model" / "mask" / "c" / "0" / "0")
+    os.remove(path / "model" / "mask" / "c.0.0")
 
-    with pytest.raises(CorruptChunkError, match=r"model/mask.*c/0/0.*missing"):
+    with pytest.raises(CorruptChunkError, match=r"model/mask.*c\.0\.0.*missing"):
         open_checkpoint(path).read_tensor("model.mask")
 
 

@@ -54,6 +54,22 @@ def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
         assert set(all_keys) == chunk_files(path), f"world size {ws}: written keys differ from the store's files"
 
 
+def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_json(fsdp2_checkpoints):
+    """Chunk keys use the "." separator (c.0.1): a store has one directory per group or array, never one per chunk
+    row, and each array holds its zarr.json plus one file per saved chunk, whatever the world size."""
+    for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
+        nodes = 0
+        for directory, subdirectories, files in os.walk(path):
+            nodes += 1
+            assert "zarr.json" in files, f"world size {ws}: {directory} is a directory but not a zarr node"
+            chunks = [f for f in files if f != "zarr.json"]
+            assert all(f == "c" or f.startswith("c.") for f in chunks), (ws, directory, chunks)
+            assert not (chunks and subdirectories), f"world size {ws}: array {directory} has subdirectories"
+        written = sum(len(keys) for keys in keys_per_rank)
+        assert written == len(chunk_files(path)), f"world size {ws}"
+        assert nodes == len(zarr.open_group(path, mode="r").members(max_depth=None)) + 1, f"world size {ws}"
+
+
 def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
     """The model really exercises uneven torch.chunk splits and ranks with empty shards."""
     shapes = fsdp2_checkpoints[4][3]

@@ -103,7 +103,7 @@ def test_edge_case_tensors(tmp_path):
     assert group["row_view"].shape == (10,), "a view stores only its own elements"
     assert group["zero_step"][()] == 0.0
     assert os.path.exists(os.path.join(path, "zero_step", "c")), "an all-zero chunk must be stored, not skipped"
-    assert os.path.exists(os.path.join(path, "zeros", "c", "0", "0"))
+    assert os.path.exists(os.path.join(path, "zeros", "c.0.0"))
 
 
 def test_large_tensor_is_sharded_into_inner_chunks_and_reads_partially(tmp_path):
