@@ -91,10 +91,19 @@ class ZarrReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _tensor_readers(self, storage: Storage, plan: LoadPlan) -> dict[str, RegionReader]:
+        """A checked RegionReader per tensor the plan reads. Each reads its array's zarr.json: concurrently, as one
+        after another they would be a round trip per tensor (seconds for a few hundred tensors on an object store)."""
+        entries = self.manifest.entries
+        fqns = list(dict.fromkeys(item.storage_index.fqn for item in plan.items if item.type != LoadItemType.BYTE_IO))
+        found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn)) for fqn in fqns],
+                         storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
+        return dict(zip(fqns, found))
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = self._storage()
         entries = self.manifest.entries
-        readers: dict[str, RegionReader] = {}
+        readers = self._tensor_readers(storage, plan)
         tensor_items: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
         for item in plan.items:
             entry = entries[item.storage_index.fqn]
@@ -102,11 +111,9 @@ class ZarrReader(StorageReader):
                 value = _value_bytes(storage, entry, item.storage_index.fqn, self.safe_globals)
                 planner.load_bytes(item, io.BytesIO(value))
                 continue
-            reader = readers.get(item.storage_index.fqn)
-            if reader is None:
-                reader = readers[item.storage_index.fqn] = tensor_reader(storage, entry, item.storage_index.fqn)
             stored_dtype = torch_dtype_from_name(entry.dtype)
-            tensor_items.append((item, planner.resolve_tensor(item).detach(), reader, stored_dtype))
+            tensor_items.append((item, planner.resolve_tensor(item).detach(), readers[item.storage_index.fqn],
+                                 stored_dtype))
 
         jobs = []
         for item, dest, reader, stored_dtype in tensor_items:
@@ -122,7 +129,8 @@ class ZarrReader(StorageReader):
             else:
                 jobs.append((dest.numel() * dest.element_size(),
                              partial(_read_into_tensor, reader, stored_dtype, offsets, item.lengths, dest)))
-        self.bytes_read += sum(run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-read"))
+        self.bytes_read += sum(run_jobs(jobs, storage.requests_in_flight(self.thread_count), storage.batch_bytes,
+                                        name="dcp-zarr-read", max_bytes_in_flight=storage.max_bytes_in_flight))
         for item, dest, _, _ in tensor_items:
             planner.commit_tensor(item, dest)
         future: Future[None] = Future()

@@ -168,7 +168,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
             results.append(result)
         self.written_keys = chunk_keys
         _wait_for_current_streams(devices)
-        run_jobs(jobs, self.thread_count, storage.batch_bytes, name="dcp-zarr-write")
+        run_jobs(jobs, storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-write",
+                 max_bytes_in_flight=storage.max_bytes_in_flight)
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -198,8 +199,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 entries[fqn] = ObjectEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["object_nbytes"])
         documents = {f"{group}/zarr.json": group_metadata()
                      for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
-        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()], self.thread_count,
-                 storage.batch_bytes)
+        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()],
+                 storage.requests_in_flight(self.thread_count), storage.batch_bytes)
         manifest = self._manifest(entries, key_order=list(paths))
         storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}))
         commit.commit(storage, self.path, replace=self.overwrite)

@@ -13,6 +13,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrWriter
 from dcp_zarr.cli import main as cli_main
 from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.verify import verify_checkpoint
 from tests import distributed
 from tests.distributed import assert_state_equal, run_ranks
@@ -73,18 +74,28 @@ def test_uploads_within_one_rank_overlap(s3, numel):
         assert peak_in_flight() >= 3
 
 
+def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_for(s3):
+    """thread_count sizes the CPU work; on an object store each request mostly waits on the network, so a rank keeps
+    REQUESTS_IN_FLIGHT of them going (s3fs's connection pool, 10 by default, is widened to match)."""
+    state = {f"w{i}": torch.full((256,), float(i)) for i in range(3 * REQUESTS_IN_FLIGHT)}
+    with s3.slow_puts(0.2) as peak_in_flight:
+        dcp.save(state, storage_writer=ZarrWriter(fresh_url("in-flight"), storage_options=s3.storage_options(),
+                                                  thread_count=2))
+        assert peak_in_flight() > 10, f"{peak_in_flight()} PUTs in flight at most"
+
+
 def test_verify_finds_a_corrupted_object(s3):
     url = fresh_url("corrupt")
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
     fs = s3.filesystem()
-    key = url.removeprefix("s3://") + "/w/c/0"
+    key = url.removeprefix("s3://") + "/w/c.0"
     data = bytearray(fs.cat_file(key))
     data[10] ^= 1
     fs.pipe_file(key, bytes(data))
 
     problems = verify_checkpoint(open_checkpoint(url, s3.storage_options())).problems
 
-    assert [(p.node, p.chunk) for p in problems] == [("w", "c/0")]
+    assert [(p.node, p.chunk) for p in problems] == [("w", "c.0")]
     assert "crc32c mismatch" in problems[0].message
 
 

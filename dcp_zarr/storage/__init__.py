@@ -30,5 +30,20 @@ def open_storage(location: str | os.PathLike, storage_options: dict | None = Non
     from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 
     url = os.fspath(location)
-    store = FsspecStore.from_url(url, storage_options=storage_options, read_only=read_only)
+    store = FsspecStore.from_url(url, storage_options=_with_connection_pool(url, storage_options),
+                                 read_only=read_only)
     return ZarrStoreStorage(store, url)
+
+
+def _with_connection_pool(url: str, storage_options: dict | None) -> dict | None:
+    """s3fs's HTTP connection pool (botocore's default: 10) caps the requests in flight; make room for
+    ``REQUESTS_IN_FLIGHT`` unless the caller chose a size (``config_kwargs={"max_pool_connections": N}``)."""
+    if not url.startswith(("s3://", "s3a://")):
+        return storage_options
+    from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
+
+    options = dict(storage_options or {})
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", REQUESTS_IN_FLIGHT)
+    options["config_kwargs"] = config
+    return options

@@ -17,6 +17,12 @@ class Storage(abc.ABC):
     # per-task overhead of thousands of tiny writes. Object stores: 0, since each write is a round trip that
     # must overlap with the others.
     batch_bytes: int = 1 << 20
+    # Bytes of copies the jobs in flight may hold at once (None: the jobs copy nothing, as local writes do).
+    max_bytes_in_flight: int | None = None
+
+    def requests_in_flight(self, thread_count: int) -> int:
+        """How many IO jobs to run at once for a caller asking for ``thread_count`` threads."""
+        return thread_count
 
     @abc.abstractmethod
     def write(self, key: str, buffers: Sequence) -> None:

@@ -12,10 +12,20 @@ from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.retry import call_with_retry
 
 
+# Requests an object store keeps in flight per rank, at least: each waits mostly on the network (tens of ms a
+# round trip), not on a core, so the thread count asked for (sized for CPUs) would leave latency unhidden.
+# benchmarks/s3_latency.py measured it.
+REQUESTS_IN_FLIGHT = 32
+
+
 class ZarrStoreStorage(Storage):
     """Calls are synchronous; zarr runs them on its event loop, so calls from several threads overlap."""
 
     batch_bytes = 0
+    max_bytes_in_flight = 256 << 20  # each write joins its buffers into one bytes object; each read returns one
+
+    def requests_in_flight(self, thread_count: int) -> int:
+        return max(thread_count, REQUESTS_IN_FLIGHT)
 
     def __init__(self, store: Store, url: str):
         self.store = store

@@ -1,0 +1,79 @@
+"""run_jobs: results in job order, small jobs batched, the first error raised, and a bound on bytes in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dcp_zarr.scheduler import run_jobs
+
+
+class Tracker:
+    """Jobs that record how many bytes run at once."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.now = self.peak = 0
+        self.threads: set[str] = set()
+
+    def job(self, nbytes: int, value, seconds: float = 0.005):
+        def run():
+            with self.lock:
+                self.now += nbytes
+                self.peak = max(self.peak, self.now)
+                self.threads.add(threading.current_thread().name)
+            time.sleep(seconds)
+            with self.lock:
+                self.now -= nbytes
+            return value
+        return nbytes, run
+
+
+def test_results_come_back_in_job_order_from_many_threads():
+    tracker = Tracker()
+    jobs = [tracker.job(10, i, seconds=0.001 * (i % 3)) for i in range(40)]
+    assert run_jobs(jobs, 8, batch_bytes=0) == list(range(40))
+    assert len(tracker.threads) > 1
+
+
+def test_jobs_under_batch_bytes_share_a_task():
+    tracker = Tracker()
+    jobs = [tracker.job(1, i) for i in range(20)]
+    assert run_jobs(jobs, 8, batch_bytes=1 << 20) == list(range(20))
+    assert len(tracker.threads) == 1, "20 one-byte jobs are one batch, on one thread"
+
+
+def test_bytes_in_flight_stay_within_the_budget_and_a_larger_job_runs_alone():
+    tracker = Tracker()
+    jobs = [tracker.job(10, i) for i in range(30)] + [tracker.job(100, "big")] + [tracker.job(10, i) for i in range(10)]
+    results = run_jobs(jobs, 16, batch_bytes=0, max_bytes_in_flight=40)
+    assert results == [*range(30), "big", *range(10)]
+    assert tracker.peak == 100, "the budget holds 4 small jobs at once; the 100-byte one ran with nothing beside it"
+
+
+def test_without_a_budget_every_thread_is_busy():
+    tracker = Tracker()
+    run_jobs([tracker.job(10, i, seconds=0.02) for i in range(16)], 16, batch_bytes=0)
+    assert tracker.peak > 40
+
+
+@pytest.mark.parametrize("budget", [None, 4])
+def test_the_first_error_is_raised_and_later_jobs_stop_being_submitted(budget):
+    started = []
+
+    def failing():
+        raise ValueError("job 5 failed")
+
+    def counted(i):
+        def run():
+            started.append(i)
+            time.sleep(0.002)
+        return 1, run
+
+    jobs = [counted(i) for i in range(5)] + [(1, failing)] + [counted(i) for i in range(6, 400)]
+    with pytest.raises(ValueError, match="job 5 failed"):
+        run_jobs(jobs, 4, batch_bytes=0, max_bytes_in_flight=budget)
+    if budget is not None:
+        assert len(started) < 300, "submission stops soon after a failure"
