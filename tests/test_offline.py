@@ -20,6 +20,7 @@ from dcp_zarr import (
     ZarrWriter,
 )
 from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.storage.local import LocalStorage
 from tests import distributed
 from tests.distributed import assert_state_equal, run_ranks
 
@@ -112,6 +113,22 @@ def test_a_region_reads_only_the_chunks_under_it(saved, copy_of):
     assert torch.equal(rows, expected[10:59, 3:40])
     with pytest.raises(CorruptChunkError, match=r"model/embed\.weight.*c\.0\.0.*inner chunk 5"):
         ckpt.read_tensor("model.embed.weight", region=(slice(58, 62),))
+
+
+def test_inner_chunks_back_to_back_in_a_shard_are_read_with_one_request(saved, monkeypatch):
+    """Rows 10..59 of embed.weight span inner chunks 0..4 (12 rows each) of one shard: one ranged read of the shard
+    (each inner chunk still checked by its own crc32c), after the index; on an object store each read is a round
+    trip."""
+    calls = []
+    original = LocalStorage.read_range_into
+    monkeypatch.setattr(LocalStorage, "read_range_into",
+                        lambda self, key, start, buffers: calls.append(key) or original(self, key, start, buffers))
+    ckpt = open_checkpoint(saved[0])
+
+    rows = ckpt.read_tensor("model.embed.weight", region=(slice(10, 59), slice(3, 40)))
+
+    assert torch.equal(rows, saved[1]["model"]["embed.weight"][10:59, 3:40])
+    assert calls == ["model/embed.weight/c.0.0"], calls
 
 
 def test_regions_follow_basic_indexing(saved):
