@@ -1,0 +1,197 @@
+"""Save and load through a loopback S3 server with added per-request latency: ZarrWriter/ZarrReader against DCP's
+FsspecWriter/FsspecReader, with the requests each one makes counted by method.
+
+    python benchmarks/s3_latency.py --latency-ms 0,20 --repeats 3          # 2 ranks, the 2 GB FSDP2 model
+    python benchmarks/s3_latency.py --layers 2 --hidden 512 --vocab 8000  # a 170 MB model (moto is the limit)
+    python benchmarks/s3_latency.py --quick                                 # a 16 MB model, seconds (tests)
+
+This process runs the S3 server (moto, from the test extras) behind a middleware that sleeps ``--latency-ms`` before
+every request and counts requests; the sleeps of concurrent requests overlap, so it models a distant server, not a
+slow one. The ranks (``torchrun``, launched from here) set the latency and read the counts through the middleware's
+``/__bench__/`` path. Each round saves and loads with every kind, in rotating order; one untimed round first; medians
+of the slowest rank's times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+BUCKET = "bench"
+KINDS = ("zarr", "fsspec")
+
+
+class LatencyAndCounts:
+    """WSGI middleware: sleeps before each request and counts requests by method; ``/__bench__/`` controls it."""
+
+    def __init__(self, app):
+        self.app = app
+        self.latency_s = 0.0
+        self.counts: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path.startswith("/__bench__/"):
+            return self._control(path, environ.get("QUERY_STRING", ""), start_response)
+        with self.lock:
+            self.counts[environ.get("REQUEST_METHOD", "?")] += 1
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return self.app(environ, start_response)
+
+    def _control(self, path: str, query: str, start_response):
+        if path == "/__bench__/latency":
+            self.latency_s = float(query.removeprefix("ms=")) / 1000
+        with self.lock:
+            body = json.dumps(dict(self.counts)).encode()
+            if path == "/__bench__/reset":
+                self.counts.clear()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+
+def control(endpoint: str, what: str) -> dict:
+    with urllib.request.urlopen(f"{endpoint}/__bench__/{what}", timeout=30) as response:
+        return json.loads(response.read())
+
+
+def serve_and_launch(args) -> int:
+    from tests.s3_server import S3Server
+
+    server = S3Server()
+    server._server._server.app = LatencyAndCounts(server._server._server.app)  # outermost: every request
+    server.make_bucket(BUCKET)
+    out = args.out or os.path.join(tempfile.gettempdir(), "s3_latency.json")
+    command = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), "--rank-program",
+               "--endpoint", server.endpoint, "--latency-ms", args.latency_ms, "--repeats", str(args.repeats),
+               "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+               "--zarr-threads", str(args.zarr_threads), "--fsspec-threads", str(args.fsspec_threads),
+               "--out", out] + (["--quick"] if args.quick else [])
+    try:
+        code = subprocess.call(command)
+    finally:
+        server.stop()
+    if code == 0:
+        with open(out) as f:
+            print(f.read())
+    return code
+
+
+def rank_program(args) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    from ckpt_dist import exit_without_interpreter_teardown, init_distributed, shutdown
+    from ckpt_measure import timed_region
+    from ckpt_model import ModelConfig, build_sharded_state_dict, global_bytes, locally_equal, zeroed_copy
+    from dcp_zarr import ZarrReader, ZarrWriter
+    from tests.s3_server import CREDENTIALS
+
+    rt = init_distributed("gloo")
+    options = {"endpoint_url": args.endpoint, **CREDENTIALS}
+    cfg = ModelConfig(4, 128, 2048, "float32") if args.quick else ModelConfig(args.layers, args.hidden, args.vocab,
+                                                                              "float32")
+    repeats = 1 if args.quick else args.repeats
+    state_dict = build_sharded_state_dict(cfg, rt.mesh, rt.device)
+    latencies = [float(x) for x in args.latency_ms.split(",")]
+    times: dict[str, list[float]] = {}
+    requests: dict[str, dict] = {}
+
+    def save(kind: str, url: str) -> None:
+        writer = (ZarrWriter(url, storage_options=options, thread_count=args.zarr_threads) if kind == "zarr" else
+                  FsspecWriter(url, thread_count=args.fsspec_threads, sync_files=False, **options))
+        dcp.save(state_dict, storage_writer=writer)
+
+    def load(kind: str, url: str, target) -> None:
+        reader = (ZarrReader(url, storage_options=options, thread_count=args.zarr_threads) if kind == "zarr" else
+                  FsspecReader(url, **options))
+        dcp.load(target, storage_reader=reader)
+
+    def counted(name: str, fn) -> float:
+        if rt.rank == 0:
+            control(args.endpoint, "reset")
+        elapsed, _ = timed_region(fn, rt.device)
+        if rt.rank == 0:
+            requests.setdefault(name, control(args.endpoint, "counts"))
+        return elapsed.max_s
+
+    try:
+        for latency in latencies:
+            if rt.rank == 0:
+                control(args.endpoint, f"latency?ms={latency}")
+            dist.barrier()
+            for repeat in range(repeats + 1):  # round 0 warms up
+                for kind in KINDS[repeat % 2:] + KINDS[:repeat % 2]:
+                    url = f"s3://{BUCKET}/{kind}-{latency:g}ms-{repeat}"
+                    name = f"{kind}/{latency:g}ms"
+                    save_s = counted(f"save/{name}", lambda: save(kind, url))
+                    target = zeroed_copy(state_dict)
+                    load_s = counted(f"load/{name}", lambda: load(kind, url, target))
+                    if not locally_equal(target, state_dict):
+                        raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
+                    if repeat:
+                        times.setdefault(f"save/{name}", []).append(save_s)
+                        times.setdefault(f"load/{name}", []).append(load_s)
+                    if rt.rank == 0:
+                        _remove(url, options)
+                    dist.barrier()
+        if rt.rank == 0:
+            medians = {name: statistics.median(v) for name, v in times.items()}
+            ratios = {f"{op}_speedup_zarr_vs_fsspec/{lat:g}ms": medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/zarr/{lat:g}ms"]
+                      for op in ("save", "load") for lat in latencies}
+            result = {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
+                      "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
+                      "medians_s": medians, "samples_s": times, "requests": requests, **ratios}
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        dist.barrier()
+    finally:
+        shutdown()
+    exit_without_interpreter_teardown(0)
+    return 0
+
+
+def _remove(url: str, options: dict) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=options["key"],
+                           secret=options["secret"], endpoint_url=options["endpoint_url"])
+    fs.rm(url, recursive=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--latency-ms", default="0,20", help="comma-separated added latencies (default 0,20)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--layers", type=int, default=8, help="transformer blocks (default 8: the 2 GB model)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--zarr-threads", type=int, default=4)
+    parser.add_argument("--fsspec-threads", type=int, default=4)
+    parser.add_argument("--out", default=None, help="result JSON")
+    parser.add_argument("--quick", action="store_true", help="a 16 MB model, 1 repeat")
+    parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    return rank_program(args) if args.rank_program else serve_and_launch(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
