@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unav
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMAT1 = os.path.join(DATA, "format1-fsdp2-3ranks")  # tests/data/make_format1.py, at format 1
+FORMAT2 = os.path.join(DATA, "format2-fsdp2-3ranks")  # tests/data/make_format2.py, at format 2
 
 
 def root_manifest(path: str) -> dict:
@@ -120,6 +121,23 @@ def test_format1_store_reads_offline_and_verifies(capsys):
     dcp.load(state, storage_reader=ZarrReader(FORMAT1))
     assert state["extra"]["step"] == 7 and torch.equal(state["extra"]["scale"], torch.arange(5.0))
     assert dcp_zarr_cli(["verify", "--no-progress", FORMAT1]) == 0
+    capsys.readouterr()
+
+
+# -- format 2: chunk keys with "/" -----------------------------------------------------------------------------------
+
+
+def test_format2_store_with_slash_chunk_keys_loads_resharded_reads_offline_and_verifies(capsys):
+    """tests/data/make_format2.py, at format 2: chunks at c/0/0, the torch.save value at c/0."""
+    assert os.path.isfile(os.path.join(FORMAT2, "model", "embed.weight", "c", "0", "0"))
+    expected = torch.load(os.path.join(DATA, "format2-expected.pt"), weights_only=True)
+    for world_size in (2, 1):
+        assert_state_equal(run_ranks(load_fresh, world_size, "fsdp2", ZarrReader(FORMAT2))[0], expected)
+    ckpt = open_checkpoint(FORMAT2)
+    assert ckpt.manifest.format_version == 2
+    extra = ckpt.load_full_state_dict(prefix=["extra"])["extra"]
+    assert extra["step"] == 7 and extra["shape"] == torch.Size([3, 4])  # a torch.save value: key c/0
+    assert dcp_zarr_cli(["verify", "--no-progress", FORMAT2]) == 0
     capsys.readouterr()
 
 
