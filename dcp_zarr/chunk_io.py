@@ -16,6 +16,9 @@ from dcp_zarr.encoding import (
     checksum,
     decode_shard_index,
     encode_chunk,
+    encode_inner_chunks,
+    full_shard_index,
+    inner_chunk_stored_bytes,
     shard_index_bytes,
 )
 from dcp_zarr.errors import CorruptChunkError
@@ -48,6 +51,34 @@ def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.nda
 def write_chunk(storage: Storage, key: str, data: np.ndarray, layout: ChunkLayout) -> None:
     """Encode (checksums: the CPU part) and store one chunk; run on IO threads so encoding overlaps other writes."""
     storage.write(key, encode_chunk(data, layout))
+
+
+def inner_chunk_runs(layout: ChunkLayout, first_row: int, rows: int, itemsize: int, run_bytes: int
+                     ) -> Iterator[tuple[int, slice]]:
+    """``(first inner chunk, rows of the box)`` for runs of whole inner chunks of about ``run_bytes`` covering a
+    box of ``rows`` rows from ``first_row`` of an array-spanning shard (``ChunkLayout.spans_array``); each run is
+    one write at its first inner chunk's offset, so a large box is several jobs, not one."""
+    inner = layout.inner_rows
+    if rows == 0:
+        return
+    if first_row % inner:
+        raise AssertionError(f"a box starting at row {first_row} is not whole inner chunks of {inner} rows")
+    row_bytes = math.prod(layout.shape[1:]) * itemsize
+    step = max(1, run_bytes // max(inner * row_bytes, 1)) * inner
+    for start in range(0, rows, step):
+        yield (first_row + start) // inner, slice(start, min(rows, start + step))
+
+
+def write_inner_chunks(storage: Storage, key: str, data: np.ndarray, first_inner: int, layout: ChunkLayout) -> None:
+    """Encode whole inner chunks of an array-spanning shard and write them where they lie in its file."""
+    storage.write_at(key, first_inner * inner_chunk_stored_bytes(layout, data.itemsize),
+                     encode_inner_chunks(data, layout))
+
+
+def write_full_shard_index(storage: Storage, key: str, layout: ChunkLayout, itemsize: int) -> None:
+    """The index at the end of an array-spanning shard: one rank writes it (the ranks' runs fill the rest)."""
+    offset = layout.inner_chunks_per_chunk * inner_chunk_stored_bytes(layout, itemsize)
+    storage.write_at(key, offset, full_shard_index(layout, itemsize))
 
 
 class _Piece(NamedTuple):

@@ -92,6 +92,34 @@ def _shard(rows: np.ndarray, layout: ChunkLayout) -> list:
     return buffers
 
 
+def inner_chunk_stored_bytes(layout: ChunkLayout, itemsize: int) -> int:
+    """The stored size of every inner chunk of a sharded layout: its payload at full size, then its crc32c."""
+    return math.prod(layout.inner_chunk_shape) * itemsize + CHECKSUM_BYTES
+
+
+def encode_inner_chunks(rows: np.ndarray, layout: ChunkLayout) -> list:
+    """Buffers of consecutive inner chunks holding ``rows`` (whole inner chunks of a shard spanning the array, the
+    last one padded if the array ends inside it), each with its crc32c: what goes at the first one's offset."""
+    rows = chunk_rows(rows, layout)
+    inner = layout.inner_rows
+    buffers: list = []
+    for start in range(0, rows.shape[0], inner):
+        buffers.extend(_plain(rows[start: start + inner], inner))
+    return buffers
+
+
+def full_shard_index(layout: ChunkLayout, itemsize: int) -> list:
+    """The index of a shard whose inner chunks are all stored, in order, each at its full size; and its crc32c.
+    Written at offset ``inner_chunks_per_chunk * inner_chunk_stored_bytes`` (zarr's index_location "end")."""
+    size = inner_chunk_stored_bytes(layout, itemsize)
+    count = layout.inner_chunks_per_chunk
+    index = np.empty((count, 2), dtype="<u8")
+    index[:, 0] = np.arange(count, dtype="<u8") * size
+    index[:, 1] = size
+    index_bytes = index.tobytes()
+    return [index_bytes, checksum(index_bytes)]
+
+
 def shard_index_bytes(layout: ChunkLayout) -> int:
     return layout.inner_chunks_per_chunk * INDEX_ENTRY_BYTES + CHECKSUM_BYTES
 

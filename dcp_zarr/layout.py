@@ -96,6 +96,11 @@ class ChunkLayout(NamedTuple):
         return self.chunk_shape[0] // self.inner_rows if self.sharded else 1
 
     @property
+    def spans_array(self) -> bool:
+        """One shard holds the whole array (``array_shard_layout``): ranks write its inner chunks at offsets."""
+        return self.sharded and all(n <= c for n, c in zip(self.shape, self.chunk_shape))
+
+    @property
     def grid_shape(self) -> tuple[int, ...]:
         """Chunks along each dim (edge chunks counted)."""
         return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk_shape))
@@ -169,6 +174,29 @@ def chunk_layout_for_boxes(
                 gcds[d] = gcd(gcds[d], off + size)
     chunk_shape = [max(g or n, 1) for g, n in zip(gcds, shape)]
     return ChunkLayout(shape, tuple(chunk_shape), _inner_rows(tuple(chunk_shape), itemsize, inner_target_bytes))
+
+
+def array_shard_layout(layout: ChunkLayout, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> ChunkLayout | None:
+    """The layout of one shard spanning the array, whose inner chunks are ``layout``'s chunks (or their inner
+    chunks), when the saved boxes allow it; else None.
+
+    Several ranks then write one file, each its inner chunks at offsets known in advance (every inner chunk is stored
+    at its full size, edge padding included), so an array is two files at any world size instead of one per rank's
+    chunk. It needs boxes that split dim 0 only, at least two of them, covering every row (their rows add up to the
+    array's: DCP's deduplication leaves no overlaps), so that every inner chunk is written and the index can list
+    them all.
+    """
+    shape = layout.shape
+    if not shape or 0 in shape:
+        return None
+    held = [(o, s) for o, s in boxes if 0 not in s]
+    if len(held) < 2 or sum(s[0] for _, s in held) != shape[0]:
+        return None
+    if any(tuple(o[1:]) != (0,) * (len(shape) - 1) or tuple(s[1:]) != shape[1:] for o, s in held):
+        return None
+    rows = layout.inner_rows or layout.chunk_shape[0]  # every box boundary is a multiple of it
+    shard_rows = -(-shape[0] // rows) * rows  # zarr wants the shard a multiple of the inner chunk: pad the last one
+    return ChunkLayout(shape, (shard_rows, *shape[1:]), rows, layout.separator)
 
 
 def _inner_rows(chunk_shape: tuple[int, ...], itemsize: int, target: int) -> int:

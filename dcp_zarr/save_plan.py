@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from dcp_zarr.dtypes import numpy_dtype, zarr_dtype_name
 from dcp_zarr.errors import InvalidKeyError
-from dcp_zarr.layout import ChunkLayout, chunk_layout_for_boxes, node_path
+from dcp_zarr.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
 
 
 class ArraySpec(NamedTuple):
@@ -76,7 +76,10 @@ def _check_prefixes(owners: dict[str, str]) -> None:
                 )
 
 
-def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int) -> dict[str, ArraySpec]:
+def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int,
+                          array_shards: bool = False) -> dict[str, ArraySpec]:
+    """One ArraySpec per tensor; with ``array_shards`` (a backend that writes at offsets: local files), an array that
+    several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO
@@ -92,8 +95,10 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
     specs = {}
     for fqn, data in tensor_data.items():
         np_dtype = numpy_dtype(data.properties.dtype)
-        layout = chunk_layout_for_boxes(tuple(data.size), ((c.offsets, c.sizes) for c in boxes[fqn]), np_dtype.itemsize,
-                                        inner_chunk_bytes)
+        saved = [(c.offsets, c.sizes) for c in boxes[fqn]]
+        layout = chunk_layout_for_boxes(tuple(data.size), saved, np_dtype.itemsize, inner_chunk_bytes)
+        if array_shards:
+            layout = array_shard_layout(layout, saved) or layout
         specs[fqn] = ArraySpec(fqn, nodes[fqn], zarr_dtype_name(data.properties.dtype), np_dtype.itemsize, layout)
     return specs
 

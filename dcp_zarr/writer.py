@@ -21,7 +21,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_zarr import commit, replicas
-from dcp_zarr.chunk_io import chunk_regions, chunks_of_box, write_chunk
+from dcp_zarr.chunk_io import (
+    chunk_regions,
+    chunks_of_box,
+    inner_chunk_runs,
+    write_chunk,
+    write_full_shard_index,
+    write_inner_chunks,
+)
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError
@@ -32,9 +39,14 @@ from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import open_storage
+from dcp_zarr.storage import is_local, open_storage
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
+
+
+# A rank's rows of an array-spanning shard are written in runs of about this many bytes: one job each, so a large
+# box is spread over the IO threads (and a device tensor is copied to host a run at a time).
+_SHARD_RUN_BYTES = 16 << 20
 
 
 class ZarrWriter(StorageWriter, WriterStaging):
@@ -118,7 +130,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
         self._nodes = nodes = node_paths(plans)
-        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes)
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=is_local(self.path))
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
         self._staging = commit.staging_location(self.path, self.save_id)
@@ -148,7 +160,14 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
                 offsets = item.tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
-                if _on_host(tensor):
+                if spec.layout.spans_array and storage.writes_at_offsets:
+                    written, shard_jobs = _array_shard_jobs(storage, spec, tensor, offsets[0],
+                                                            item.index.fqn in assignment.describes)
+                    chunk_keys.extend(written)
+                    jobs.extend(shard_jobs)
+                    if not _on_host(tensor):
+                        devices.add(tensor.device)
+                elif _on_host(tensor):
                     for chunk, data in chunks_of_box(spec.layout, offsets, tensor_as_numpy(tensor)):
                         key = f"{spec.node}/{chunk}"
                         chunk_keys.append(key)
@@ -228,6 +247,35 @@ def _checked_tensor(value, fqn: str) -> torch.Tensor:
 
 def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
+
+
+def _array_shard_jobs(storage, spec: ArraySpec, tensor: torch.Tensor, first_row: int, writes_index: bool
+                      ) -> tuple[list[str], list[tuple[int, partial]]]:
+    """This rank's writes into an array-spanning shard: runs of its inner chunks at their offsets, and the index if
+    this rank writes the array's metadata. Also what it writes, ``"node/c.0.0#3"`` per inner chunk, so tests can
+    prove that no inner chunk is written by two ranks."""
+    layout = spec.layout
+    key = f"{spec.node}/{layout.chunk_key((0,) * len(layout.shape))}"
+    host = tensor_as_numpy(tensor) if _on_host(tensor) else None
+    row_bytes = math.prod(layout.shape[1:]) * spec.itemsize
+    written: list[str] = []
+    jobs: list[tuple[int, partial]] = []
+    held_rows = tensor.shape[0] if tensor.numel() else 0  # an empty shard ((11, 5, 0) of an (11, 5, 1)) holds none
+    for first, rows in inner_chunk_runs(layout, first_row, held_rows, spec.itemsize, _SHARD_RUN_BYTES):
+        count = -(-(rows.stop - rows.start) // layout.inner_rows)
+        written.extend(f"{key}#{i}" for i in range(first, first + count))
+        job = (partial(write_inner_chunks, storage, key, host[rows], first, layout) if host is not None else
+               partial(_write_rows_from_device, storage, key, tensor, rows, first, layout))
+        jobs.append(((rows.stop - rows.start) * row_bytes, job))
+    if writes_index:
+        written.append(f"{key}#index")
+        jobs.append((0, partial(write_full_shard_index, storage, key, layout, spec.itemsize)))
+    return written, jobs
+
+
+def _write_rows_from_device(storage, key: str, tensor: torch.Tensor, rows: slice, first: int,
+                            layout: ChunkLayout) -> None:
+    write_inner_chunks(storage, key, tensor_as_numpy(tensor[rows].to("cpu")), first, layout)
 
 
 def _region_bytes(tensor: torch.Tensor, region: tuple[slice, ...]) -> int:

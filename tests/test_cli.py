@@ -80,7 +80,7 @@ def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context
     lines = out.splitlines()
     assert "model/" in lines and "optim/" in lines
     embed = next(line for line in lines if line.strip().startswith("embed.weight"))
-    assert "float32" in embed and "[17, 13]" in embed and "chunks 9x13 x2" in embed and "DTensor(S(0))" in embed
+    assert "float32" in embed and "[17, 13]" in embed and "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
 
 
 def test_inspect_json_is_machine_readable(saved, capsys):
@@ -90,7 +90,7 @@ def test_inspect_json_is_machine_readable(saved, capsys):
     assert code == 0 and summary["saved_world_size"] == 2 and summary["state_dict_type"] == "sharded"
     assert summary["steps"]["optim.state.head.weight.step"] == 2.0
     embed = next(e for e in summary["entries"] if e["fqn"] == "model.embed.weight")
-    assert (embed["shape"], embed["dtype"], embed["chunk_shape"], embed["chunks"]) == ([17, 13], "float32", [9, 13], 2)
+    assert (embed["shape"], embed["dtype"], embed["chunk_shape"], embed["chunks"]) == ([17, 13], "float32", [18, 13], 1)
 
 
 # -- verify -----------------------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def test_verify_passes_an_intact_checkpoint(saved, capsys):
 
 
 def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
-    os.remove(copy / "model" / "head.weight" / "c.1.0")
+    os.remove(copy / "model" / "head.weight" / "c.0.0")  # one shard both ranks wrote
     chunk = copy / "optim" / "state" / "norm.bias" / "exp_avg" / "c.0"
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0x40
@@ -112,8 +112,8 @@ def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
     code, out, _ = run(capsys, "verify", copy)
 
     assert code == 1 and out.startswith("CORRUPT:")
-    assert "array 'model/head.weight' chunk c.1.0 (entry 'model.head.weight'): chunk is missing" in out
-    assert "array 'optim/state/norm.bias/exp_avg' chunk c.0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
+    assert "array 'model/head.weight' chunk c.0.0 (entry 'model.head.weight'): chunk is missing" in out
+    assert "array 'optim/state/norm.bias/exp_avg' chunk c.0 inner chunk 0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
     code, out, _ = run(capsys, "verify", copy, "--json")
     assert code == 1 and len(json.loads(out)["problems"]) == 2
 

@@ -150,7 +150,7 @@ def test_every_random_chunk_and_shard_index_damage_is_detected_and_named(pristin
     files = chunk_files(pristine)
     shards = [f for f in files if _shard_layout(pristine, _split(f)[0])]
     kinds = ["flip", "index-flip", "truncate", "delete", "burst", "flip"]
-    assert shards and len(files) > len(shards) + 10, "the store must hold plain chunks and shards"
+    assert shards and len(files) >= len(shards) + 3, "the store must hold plain chunks and shards"
     outcomes = Counter()
     for trial in range(TRIALS):
         path = str(tmp_path / f"t{trial}.zarr")
@@ -177,14 +177,14 @@ def test_every_random_chunk_and_shard_index_damage_is_detected_and_named(pristin
 
 def test_zarr_itself_rejects_a_flipped_bit(damaged):
     """The checksums are zarr's crc32c codec: zarr-python refuses the damaged chunk too, not only dcp_zarr."""
-    _damage(damaged, os.path.join("model", "layers.0.w", "c.1.0"), "flip", random.Random(1))
+    _damage(damaged, os.path.join("model", "layers.0.w", "c.0.0"), "flip", random.Random(1))
     array = zarr.open_array(os.path.join(damaged, "model", "layers.0.w"), mode="r")
     with pytest.raises(Exception, match="(?i)checksum"):
         array[...]
 
 
 def test_bytes_appended_to_a_chunk_never_change_what_loads_and_verify_reports_them(damaged, capsys):
-    with open(os.path.join(damaged, "model", "ids", "c.1"), "ab") as f:
+    with open(os.path.join(damaged, "model", "ids", "c.0"), "ab") as f:
         f.write(b"\x00garbage")
     assert load_failure(damaged) is None or isinstance(load_failure(damaged), CorruptChunkError)
     status, report = verify(damaged, capsys)
@@ -263,6 +263,15 @@ W = "model.layers.0.w"  # sharded, (96, 64) float32, saved as three row blocks o
 E = "model.embed.weight"  # plain chunks, (37, 16) float32
 
 # (name, mutation, expected error type, text the message must contain)
+def _without_checksum(document: dict) -> None:
+    """Drop the crc32c codec: from a plain array's codecs, or from the inner codecs of a sharded one."""
+    codecs = document["codecs"]
+    if codecs[0]["name"] == "sharding_indexed":
+        codecs[0]["configuration"]["codecs"] = codecs[0]["configuration"]["codecs"][:1]
+    else:
+        document["codecs"] = codecs[:1]
+
+
 METADATA_CASES = [
     ("root zarr.json is not JSON", _write("zarr.json", b"{\"zarr_format\": 3, "), MalformedMetadataError, "not valid JSON"),
     ("root zarr.json is not UTF-8", _write("zarr.json", b"\xff\xfe\x00garbage"), MalformedMetadataError, "zarr.json"),
@@ -317,7 +326,7 @@ METADATA_CASES = [
     ("array codecs changed (compressed)",
      _edit_array("model/embed.weight", lambda d: d["codecs"].insert(1, {"name": "zstd", "configuration": {"level": 1}})),
      MalformedMetadataError, "'model/embed.weight'"),
-    ("array without its checksum codec", _edit_array("model/embed.weight", lambda d: d.update(codecs=d["codecs"][:1])),
+    ("array without its checksum codec", _edit_array("model/embed.weight", _without_checksum),
      MalformedMetadataError, "'model/embed.weight'"),
     ("inner chunk rows changed", _edit_array("model/layers.0.w", lambda d: d["codecs"][0]["configuration"].update(
         chunk_shape=[4, 64])), MalformedMetadataError, "'model/layers.0.w'"),

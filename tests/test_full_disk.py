@@ -3,7 +3,7 @@ checkpoint already at the path (and any other) is intact.
 
 Three ways to run out of space without a small tmpfs (not mountable here):
 
-* ``os.writev`` wrapped with a byte budget: a short write, then ENOSPC, exactly as the kernel does, at many points;
+* ``os.pwritev`` wrapped with a byte budget: a short write, then ENOSPC, exactly as the kernel does, at many points;
 * a real kernel limit: ``RLIMIT_FSIZE`` in one rank of a two-rank save (SIGXFSZ ignored, so writes fail with EFBIG);
 * an fsspec memory filesystem that refuses writes past a budget, for the object-store path.
 """
@@ -66,31 +66,32 @@ def _assert_untouched(target: str, earlier: str, earlier_digest: dict) -> None:
 
 
 class _Disk:
-    """``os.writev`` against a disk with ``free`` bytes left: a short write when it fills, then ENOSPC."""
+    """``os.pwritev`` (how dcp_zarr writes every file) against a disk with ``free`` bytes left: a short write when it
+    fills, then ENOSPC."""
 
     def __init__(self, free: int | None):
         self.free = free
         self.written = 0
-        self._real = os.writev
+        self._real = os.pwritev
 
-    def writev(self, fd, buffers):
+    def pwritev(self, fd, buffers, offset):
         wanted = sum(len(memoryview(b).cast("B")) for b in buffers)
         if self.free is None or self.written + wanted <= self.free:
-            n = self._real(fd, buffers)
+            n = self._real(fd, buffers, offset)
             self.written += n
             return n
         room = self.free - self.written
         if room <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)[:room]
-        n = os.write(fd, data)
+        n = os.pwrite(fd, data, offset)
         self.written += n
         return n
 
 
 def _measure_save_bytes(tmp_path, monkeypatch) -> int:
     disk = _Disk(None)
-    monkeypatch.setattr(os, "writev", disk.writev)
+    monkeypatch.setattr(os, "pwritev", disk.pwritev)
     save_plain(NEW, str(tmp_path / "measure.zarr"), **WRITER)
     monkeypatch.undo()
     return disk.written
@@ -104,7 +105,7 @@ def test_enospc_at_any_point_fails_the_save_and_keeps_the_previous_checkpoint(wo
     budgets = sorted({0, 1, total - 1, total // 2, *(rng.randrange(total) for _ in range(30))})
     for free in budgets:
         disk = _Disk(free)
-        monkeypatch.setattr(os, "writev", disk.writev)
+        monkeypatch.setattr(os, "pwritev", disk.pwritev)
         with pytest.raises(CheckpointException) as info:
             save_plain(NEW, target, **WRITER)
         monkeypatch.undo()

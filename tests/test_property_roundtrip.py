@@ -164,9 +164,16 @@ NESTED_2D = (4, (2, 2), [  # always run: nested shards whose boundaries (3, 5, 8
 ], 16)
 
 
+EMPTY_ALONG_DIM2 = (3, (3,), [  # found by this test: ranks 1 and 2 hold (11, 5, 0) of t3, rows but no elements
+    {"name": "t1", "shape": [9], "dtype": torch.int8, "seed": 2568504, "save": ["S0"], "load": ["S0"]},
+    {"name": "t3", "shape": [11, 5, 1], "dtype": torch.complex64, "seed": 1, "save": ["S2"], "load": ["R"]},
+], 16)
+
+
 @settings(max_examples=60, **SETTINGS)
 @given(case=sharded_cases())
 @example(case=NESTED_2D)
+@example(case=EMPTY_ALONG_DIM2)
 def test_random_shardings_at_random_world_sizes_round_trip_bit_exact(case):
     world_size, mesh, specs, inner_chunk_bytes = case
     event(f"mesh {mesh}")

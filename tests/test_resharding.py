@@ -48,15 +48,38 @@ def fsdp2_checkpoints(tmp_path_factory):
 
 
 def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
+    """A chunk, or an inner chunk of a shard the ranks write together (``key#i``; ``key#index`` for its index)."""
     for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
         all_keys = [k for keys in keys_per_rank for k in keys]
         assert len(all_keys) == len(set(all_keys)), f"world size {ws}: a chunk was written twice"
-        assert set(all_keys) == chunk_files(path), f"world size {ws}: written keys differ from the store's files"
+        files = {k.split("#")[0] for k in all_keys}
+        assert files == chunk_files(path), f"world size {ws}: written keys differ from the store's files"
+        for file in files:
+            parts = sorted(k.split("#")[1] for k in all_keys if k.startswith(file + "#"))
+            if parts:  # a shard spanning the array: every inner chunk once, and its index
+                count = len(parts) - 1
+                assert parts == sorted([*map(str, range(count)), "index"]), (ws, file, parts)
+
+
+def test_an_array_is_two_files_whatever_the_world_size(fsdp2_checkpoints):
+    """Locally, an array that several ranks hold in row blocks is one shard they all write at known offsets: its
+    zarr.json and one chunk file at every world size (not one per rank), each inner chunk with its crc32c."""
+    for ws, (path, _, _, _) in fsdp2_checkpoints.items():
+        group = zarr.open_group(path, mode="r")
+        arrays = [name for name, node in group.members(max_depth=None) if isinstance(node, zarr.Array)]
+        assert len(arrays) > 10
+        for name in arrays:
+            folder = os.path.join(path, *name.split("/"))
+            chunks = [f for f in os.listdir(folder) if f != "zarr.json"]
+            assert len(chunks) <= 1, f"world size {ws}: {name} has {chunks}"
+        weight = group["model/embed.weight"]
+        if ws > 1:
+            assert weight.shards is not None and weight.shards[0] >= weight.shape[0], (ws, weight.shards)
 
 
 def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_json(fsdp2_checkpoints):
     """Chunk keys use the "." separator (c.0.1): a store has one directory per group or array, never one per chunk
-    row, and each array holds its zarr.json plus one file per saved chunk, whatever the world size."""
+    row, and each array holds its zarr.json beside its chunk files."""
     for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
         nodes = 0
         for directory, subdirectories, files in os.walk(path):
@@ -65,8 +88,8 @@ def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_jso
             chunks = [f for f in files if f != "zarr.json"]
             assert all(f == "c" or f.startswith("c.") for f in chunks), (ws, directory, chunks)
             assert not (chunks and subdirectories), f"world size {ws}: array {directory} has subdirectories"
-        written = sum(len(keys) for keys in keys_per_rank)
-        assert written == len(chunk_files(path)), f"world size {ws}"
+        written = {k.split("#")[0] for keys in keys_per_rank for k in keys}
+        assert written == chunk_files(path), f"world size {ws}"
         assert nodes == len(zarr.open_group(path, mode="r").members(max_depth=None)) + 1, f"world size {ws}"
 
 

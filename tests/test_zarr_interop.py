@@ -113,7 +113,8 @@ def test_zarr_python_reads_every_array_bit_exact(which, store, consolidated):
     for node, tensor in expected_arrays().items():
         array = group[node]
         assert_same_bits(array[...], tensor, node)
-    assert group["model/big_f32"].shards == (32, 40)  # the zarr view of our sharding
+    big = group["model/big_f32"]  # the zarr view of our sharding: one shard spanning the array, both ranks' rows
+    assert big.shards == (64, 40) and big.chunks[0] < 32 and big.chunks[1] == 40, (big.shards, big.chunks)
     assert_same_bits(group["model/big_bf16"][5:37, 3:9], expected_model()["big_bf16"][5:37, 3:9], "big_bf16 slice")
 
 

@@ -20,6 +20,14 @@ class Storage(abc.ABC):
     # Bytes of copies the jobs in flight may hold at once (None: the jobs copy nothing, as local writes do).
     max_bytes_in_flight: int | None = None
 
+    # Whether write_at works: several ranks writing parts of one file (local files, not object stores).
+    writes_at_offsets: bool = False
+
+    def write_at(self, key: str, offset: int, buffers: Sequence) -> None:
+        """Write the concatenation of ``buffers`` at ``offset`` of ``key``, creating it if absent, keeping the rest:
+        how the ranks fill one shard file together (``layout.array_shard_layout``)."""
+        raise NotImplementedError(f"{self.url}: this store cannot write parts of a value")
+
     def requests_in_flight(self, thread_count: int) -> int:
         """How many IO jobs to run at once for a caller asking for ``thread_count`` threads."""
         return thread_count

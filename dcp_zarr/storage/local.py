@@ -17,6 +17,8 @@ _IOV_MAX = getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX") if hasattr(os, "
 
 
 class LocalStorage(Storage):
+    writes_at_offsets = True
+
     def __init__(self, root: str, *, sync_files: bool = True):
         self.root = os.path.abspath(root)
         self.url = self.root
@@ -32,25 +34,32 @@ class LocalStorage(Storage):
         return os.path.join(self.root, *parts)
 
     def write(self, key: str, buffers: Sequence) -> None:
+        # A fresh store is written into a staging directory, so plain create+write is atomic enough there; a
+        # temporary name would only add a rename per chunk.
+        self._write(key, os.O_TRUNC, 0, buffers)
+
+    def write_at(self, key: str, offset: int, buffers: Sequence) -> None:
+        self._write(key, 0, offset, buffers)
+
+    def _write(self, key: str, flags: int, offset: int, buffers: Sequence) -> None:
         path = self._path(key)
         directory = os.path.dirname(path)
         if directory not in self._directories:
             os.makedirs(directory, exist_ok=True)
             self._directories.add(directory)
-        # A fresh store is written into a staging directory, so plain create+write is atomic enough there; a
-        # temporary name would only add a rename per chunk.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
         try:
             pending = [memoryview(b).cast("B") for b in buffers if len(b)]
             while pending:
-                written = os.writev(fd, pending[:_IOV_MAX])
+                written = os.pwritev(fd, pending[:_IOV_MAX], offset)
+                offset += written
                 while pending and written >= len(pending[0]):
                     written -= len(pending[0])
                     pending.pop(0)
                 if written:
                     pending[0] = pending[0][written:]
         except OSError as exc:
-            exc.filename = exc.filename or path  # writev's ENOSPC / EFBIG / EIO do not say which file
+            exc.filename = exc.filename or path  # pwritev's ENOSPC / EFBIG / EIO do not say which file
             raise
         finally:
             os.close(fd)
