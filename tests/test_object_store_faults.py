@@ -228,7 +228,13 @@ def _assert_not_committed(url: str, opts: dict) -> None:
 @pytest.mark.parametrize("action", ["503", "500", "429", "reset", "stall"])
 def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(proxy, caplog, action):
     times = 2 if action == "stall" else 8
-    rule = proxy.inject(action, times=times, per_key=2)
+    if action == "reset":
+        # aiohttp retries a PUT on a dropped keep-alive connection once by itself, so 8 resets spread over the 32
+        # requests in flight can all be absorbed there; 4 on one key outlast it and must reach dcp_zarr's retries.
+        times = 4
+        rule = proxy.inject(action, path=r"/ckpt\.zarr/optim/step/c$", times=times, per_key=times)
+    else:
+        rule = proxy.inject(action, times=times, per_key=2)
     url, opts = fresh_url(), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     assert rule["served"] == times, "the faults were injected"
@@ -241,9 +247,12 @@ def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(prox
 def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy, caplog, action):
     url, opts = fresh_url(), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    rule = proxy.inject(action, methods=("GET",), times=10, per_key=3)
+    if action == "reset":  # as for writes: 4 resets on one key outlast aiohttp's own retry of a dropped connection
+        times, rule = 4, proxy.inject(action, methods=("GET",), path=r"/ckpt\.zarr/optim/step/c$", times=4, per_key=4)
+    else:
+        times, rule = 10, proxy.inject(action, methods=("GET",), times=10, per_key=3)
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
-    assert rule["served"] == 10 and len(_retries_logged(caplog)) >= (10 if action.isdigit() else 1)
+    assert rule["served"] == times and len(_retries_logged(caplog)) >= (times if action.isdigit() else 1)
 
 
 def test_a_fault_on_the_commit_write_is_retried(proxy, caplog):
