@@ -72,17 +72,17 @@ def _plain(rows: np.ndarray, full_rows: int | None) -> list:
     return [payload, crc.to_bytes(CHECKSUM_BYTES, "little")]
 
 
+def _inner_chunks(rows: np.ndarray, inner: int) -> list[list]:
+    """The buffers of each inner chunk holding ``rows``, in order, the last one padded to ``inner`` rows."""
+    return [_plain(rows[start: start + inner], inner) for start in range(0, rows.shape[0], inner)]
+
+
 def _shard(rows: np.ndarray, layout: ChunkLayout) -> list:
-    inner = layout.inner_rows
-    count = layout.inner_chunks_per_chunk
-    index = np.full((count, 2), MISSING, dtype="<u8")
+    # Inner chunks wholly in the edge padding are not stored and stay missing: readers return the fill value (zero).
+    index = np.full((layout.inner_chunks_per_chunk, 2), MISSING, dtype="<u8")
     buffers: list = []
     offset = 0
-    for i in range(count):
-        start = i * inner
-        if start >= rows.shape[0]:
-            break  # inner chunks wholly in the edge padding stay missing: readers return the fill value (zero)
-        parts = _plain(rows[start : start + inner], inner)
+    for i, parts in enumerate(_inner_chunks(rows, layout.inner_rows)):
         size = sum(len(p) for p in parts)
         index[i] = (offset, size)
         offset += size
@@ -100,12 +100,7 @@ def inner_chunk_stored_bytes(layout: ChunkLayout, itemsize: int) -> int:
 def encode_inner_chunks(rows: np.ndarray, layout: ChunkLayout) -> list:
     """Buffers of consecutive inner chunks holding ``rows`` (whole inner chunks of a shard spanning the array, the
     last one padded if the array ends inside it), each with its crc32c: what goes at the first one's offset."""
-    rows = chunk_rows(rows, layout)
-    inner = layout.inner_rows
-    buffers: list = []
-    for start in range(0, rows.shape[0], inner):
-        buffers.extend(_plain(rows[start: start + inner], inner))
-    return buffers
+    return [buffer for parts in _inner_chunks(chunk_rows(rows, layout), layout.inner_rows) for buffer in parts]
 
 
 def full_shard_index(layout: ChunkLayout, itemsize: int) -> list:
