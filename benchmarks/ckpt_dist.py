@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,25 @@ def exit_without_interpreter_teardown(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_rank_program(program: Callable[[Runtime], dict], out: str | None, *, echo: bool = False) -> None:
+    """Run ``program`` on every rank of a gloo group; rank 0 writes the result it returns to ``out`` as JSON (and
+    prints it with ``echo``). Then the group is destroyed and the process ends without interpreter teardown; an
+    error propagates after the group is destroyed."""
+    rt = init_distributed("gloo")
+    try:
+        result = program(rt)
+        if rt.rank == 0:
+            if echo:
+                print(json.dumps(result, indent=2))
+            if out:
+                with open(out, "w") as f:
+                    json.dump(result, f, indent=2)
+        dist.barrier()
+    finally:
+        shutdown()
+    exit_without_interpreter_teardown(0)
 
 
 def gather(value: Any) -> list[Any]:

@@ -16,7 +16,6 @@ pays: ``save_over_null_s`` is what each writer adds to it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,7 +32,7 @@ from torch.futures import Future
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ckpt_dist import exit_without_interpreter_teardown, init_distributed, shutdown  # noqa: E402
+from ckpt_dist import run_rank_program  # noqa: E402
 from ckpt_measure import gather_floats, timed_region  # noqa: E402
 from ckpt_runs import footprint  # noqa: E402
 
@@ -122,18 +121,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.count, args.entry_bytes, args.repeats = 60, 64 << 10, 1
-    rt = init_distributed("gloo")
-    try:
-        result = run(args, rt)
-        if rt.rank == 0:
-            print(json.dumps(result, indent=2))
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=2)
-        dist.barrier()
-    finally:
-        shutdown()
-    exit_without_interpreter_teardown(0)
+    run_rank_program(lambda rt: run(args, rt), args.out, echo=True)
     return 0
 
 

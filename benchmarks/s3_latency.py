@@ -92,18 +92,24 @@ def serve_and_launch(args) -> int:
 
 
 def rank_program(args) -> int:
+    from ckpt_dist import run_rank_program
+
+    run_rank_program(lambda rt: measure(args, rt), args.out)
+    return 0
+
+
+def measure(args, rt) -> dict:
+    """Every round of saves and loads on this rank; the result (complete on rank 0, which counts the requests)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from ckpt_dist import exit_without_interpreter_teardown, init_distributed, shutdown
     from ckpt_measure import timed_region
     from ckpt_model import ModelConfig, build_sharded_state_dict, global_bytes, locally_equal, zeroed_copy
     from dcp_zarr import ZarrReader, ZarrWriter
     from tests.s3_server import CREDENTIALS
 
-    rt = init_distributed("gloo")
     options = {"endpoint_url": args.endpoint, **CREDENTIALS}
     cfg = ModelConfig(4, 128, 2048, "float32") if args.quick else ModelConfig(args.layers, args.hidden, args.vocab,
                                                                               "float32")
@@ -131,40 +137,31 @@ def rank_program(args) -> int:
             requests.setdefault(name, control(args.endpoint, "counts"))
         return elapsed.max_s
 
-    try:
-        for latency in latencies:
-            if rt.rank == 0:
-                control(args.endpoint, f"latency?ms={latency}")
-            dist.barrier()
-            for repeat in range(repeats + 1):  # round 0 warms up
-                for kind in KINDS[repeat % 2:] + KINDS[:repeat % 2]:
-                    url = f"s3://{BUCKET}/{kind}-{latency:g}ms-{repeat}"
-                    name = f"{kind}/{latency:g}ms"
-                    save_s = counted(f"save/{name}", lambda: save(kind, url))
-                    target = zeroed_copy(state_dict)
-                    load_s = counted(f"load/{name}", lambda: load(kind, url, target))
-                    if not locally_equal(target, state_dict):
-                        raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
-                    if repeat:
-                        times.setdefault(f"save/{name}", []).append(save_s)
-                        times.setdefault(f"load/{name}", []).append(load_s)
-                    if rt.rank == 0:
-                        _remove(url, options)
-                    dist.barrier()
+    for latency in latencies:
         if rt.rank == 0:
-            medians = {name: statistics.median(v) for name, v in times.items()}
-            ratios = {f"{op}_speedup_zarr_vs_fsspec/{lat:g}ms": medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/zarr/{lat:g}ms"]
-                      for op in ("save", "load") for lat in latencies}
-            result = {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
-                      "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
-                      "medians_s": medians, "samples_s": times, "requests": requests, **ratios}
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=2)
+            control(args.endpoint, f"latency?ms={latency}")
         dist.barrier()
-    finally:
-        shutdown()
-    exit_without_interpreter_teardown(0)
-    return 0
+        for repeat in range(repeats + 1):  # round 0 warms up
+            for kind in KINDS[repeat % 2:] + KINDS[:repeat % 2]:
+                url = f"s3://{BUCKET}/{kind}-{latency:g}ms-{repeat}"
+                name = f"{kind}/{latency:g}ms"
+                save_s = counted(f"save/{name}", lambda: save(kind, url))
+                target = zeroed_copy(state_dict)
+                load_s = counted(f"load/{name}", lambda: load(kind, url, target))
+                if not locally_equal(target, state_dict):
+                    raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
+                if repeat:
+                    times.setdefault(f"save/{name}", []).append(save_s)
+                    times.setdefault(f"load/{name}", []).append(load_s)
+                if rt.rank == 0:
+                    _remove(url, options)
+                dist.barrier()
+    medians = {name: statistics.median(v) for name, v in times.items()}
+    ratios = {f"{op}_speedup_zarr_vs_fsspec/{lat:g}ms": medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/zarr/{lat:g}ms"]
+              for op in ("save", "load") for lat in latencies}
+    return {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
+            "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
+            "medians_s": medians, "samples_s": times, "requests": requests, **ratios}
 
 
 def _remove(url: str, options: dict) -> None:
