@@ -6,7 +6,11 @@
     open_checkpoint("ckpt.zarr").load_full_state_dict()  # offline, no process group
 """
 
-from dcp_zarr.checks import assert_step_present
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from dcp_zarr.errors import (
     CheckpointExistsError,
     CorruptChunkError,
@@ -23,18 +27,51 @@ from dcp_zarr.errors import (
     UnsafeFileError,
     ZarrCheckpointError,
 )
-from dcp_zarr.load_planner import ZarrLoadPlanner
-from dcp_zarr.offline import Checkpoint, open_checkpoint
-from dcp_zarr.prefixes import (
-    PrefixTolerantLoadPlanner,
-    WrapperPrefixError,
-    WrapperPrefixLoadMixin,
-    strip_wrapper_prefixes,
-)
-from dcp_zarr.reader import ZarrReader
-from dcp_zarr.storage.retry import ObjectStoreError
 from dcp_zarr.version import __version__
-from dcp_zarr.writer import ZarrWriter
+
+# The rest is imported on first use (PEP 562): zarr imports dcp_zarr.zarr_dtypes, and so this package, whenever
+# it opens a bfloat16 array, and the CLI only looks at stores; neither should pay for importing torch.
+_LAZY = {
+    "assert_step_present": "dcp_zarr.checks",
+    "ZarrLoadPlanner": "dcp_zarr.load_planner",
+    "Checkpoint": "dcp_zarr.offline",
+    "open_checkpoint": "dcp_zarr.offline",
+    "PrefixTolerantLoadPlanner": "dcp_zarr.prefixes",
+    "WrapperPrefixError": "dcp_zarr.prefixes",
+    "WrapperPrefixLoadMixin": "dcp_zarr.prefixes",
+    "strip_wrapper_prefixes": "dcp_zarr.prefixes",
+    "ZarrReader": "dcp_zarr.reader",
+    "ObjectStoreError": "dcp_zarr.storage.retry",
+    "ZarrWriter": "dcp_zarr.writer",
+}
+
+if TYPE_CHECKING:
+    from dcp_zarr.checks import assert_step_present
+    from dcp_zarr.load_planner import ZarrLoadPlanner
+    from dcp_zarr.offline import Checkpoint, open_checkpoint
+    from dcp_zarr.prefixes import (
+        PrefixTolerantLoadPlanner,
+        WrapperPrefixError,
+        WrapperPrefixLoadMixin,
+        strip_wrapper_prefixes,
+    )
+    from dcp_zarr.reader import ZarrReader
+    from dcp_zarr.storage.retry import ObjectStoreError
+    from dcp_zarr.writer import ZarrWriter
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # found once, then an ordinary attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ZarrWriter",

@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import CHUNK_KEY_SEPARATORS, ChunkLayout
+from dcp_zarr.layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -153,8 +153,9 @@ def _bytes_codec(itemsize: int) -> dict:
     return {"name": "bytes", "configuration": {"endian": "little"}} if itemsize > 1 else {"name": "bytes"}
 
 
-def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attributes: dict | None = None) -> dict:
-    """The zarr.json document of an array with this layout (zarr v3 core spec)."""
+def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attributes: dict | None = None, *,
+                   node: str = "") -> dict:
+    """The zarr.json document of the array at ``node`` with this layout (zarr v3 core spec)."""
     plain_codecs = [_bytes_codec(itemsize), {"name": "crc32c"}]
     if layout.sharded:
         codecs = [{
@@ -178,6 +179,7 @@ def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attribute
         "fill_value": fill_value_json(data_type),
         "codecs": codecs,
         "attributes": attributes or {},
+        "dimension_names": dimension_names(node, len(layout.shape)),
         "storage_transformers": [],
     }
 

@@ -70,6 +70,13 @@ def parent_groups(node: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def dimension_names(node: str, ndim: int) -> list[str]:
+    """zarr v3 ``dimension_names`` for the array at ``node``: ``model/w.dim0``, ``model/w.dim1``. xarray needs names
+    to open an array, and takes one name in two arrays of a group (or of a group and its parent) as one dimension
+    that must have one length; so each name carries its array's full path and is never shared."""
+    return [f"{node}.dim{axis}" for axis in range(ndim)]
+
+
 class ChunkLayout(NamedTuple):
     """How one array is cut: ``chunk_shape`` is zarr's (outer) chunk grid; each outer chunk is written by one rank.
 

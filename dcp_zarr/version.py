@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-import torch
-import zarr
-
 try:
     __version__ = version("dcp-zarr")
 except PackageNotFoundError:  # running from a source tree that was not installed
@@ -14,4 +11,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 
 def versions() -> dict:
+    import torch
+    import zarr
+
     return {"dcp_zarr": __version__, "torch": torch.__version__, "zarr": zarr.__version__}

@@ -151,8 +151,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 if write:
                     chunk_keys.append(write[0])
                     jobs.append((len(write[1][0]), partial(storage.write, *write)))
-                    jobs.append(_metadata_job(storage, assignment.nodes[item.index.fqn], _object_array_metadata(
-                        item.index.fqn, result.storage_data["object_nbytes"])))
+                    node = assignment.nodes[item.index.fqn]
+                    jobs.append(_metadata_job(storage, node, _object_array_metadata(
+                        item.index.fqn, node, result.storage_data["object_nbytes"])))
             else:
                 spec = assignment.arrays[item.index.fqn]
                 if item.index.fqn in assignment.describes:
@@ -296,12 +297,13 @@ def _wait_for_current_streams(devices: set[torch.device]) -> None:
 
 def _array_metadata(spec: ArraySpec, dtype: torch.dtype) -> dict:
     return array_metadata(spec.layout, spec.data_type, spec.itemsize,
-                          {"dcp_zarr": {"fqn": spec.fqn, "dtype": torch_dtype_name(dtype)}})
+                          {"dcp_zarr": {"fqn": spec.fqn, "dtype": torch_dtype_name(dtype)}}, node=spec.node)
 
 
-def _object_array_metadata(fqn: str, nbytes: int) -> dict:
+def _object_array_metadata(fqn: str, node: str, nbytes: int) -> dict:
     return array_metadata(ChunkLayout((nbytes,), (max(nbytes, 1),)), "uint8", 1,
-                          {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}})
+                          {"dcp_zarr": {"fqn": fqn, "content": "torch.save bytes (load with weights_only=True)"}},
+                          node=node)
 
 
 def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:

@@ -3,13 +3,18 @@ zarr3 driver: every dtype (bf16 and fp8 included), sharded arrays, 0-d step arra
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import tensorstore as ts
 import torch
 import torch.distributed.checkpoint as dcp
+import xarray as xr
 import zarr
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -150,3 +155,82 @@ def test_tensorstore_reads_regions_of_sharded_arrays(store):
 def test_tensorstore_reads_the_consolidated_copy_too(consolidated):
     assert_same_bits(_tensorstore(consolidated, "model/float8_e4m3fn").read().result(),
                      expected_model()["float8_e4m3fn"], "fp8")
+
+
+# ---- zarr-python without dcp_zarr: the data types come from the zarr.data_type entry points -------------------------
+
+_WITHOUT_DCP_ZARR = r"""
+import hashlib, json, sys
+sys.modules["torch"] = None  # `import torch` raises: proves nothing here needs it
+import zarr
+
+group = zarr.open_group(sys.argv[1], mode="r")
+found = {}
+for node, array in group.members(max_depth=None):  # one unknown data type would break this walk of the whole group
+    if isinstance(array, zarr.Array):
+        data = array[...]
+        found[node] = [str(data.dtype), list(data.shape), hashlib.sha256(data.tobytes()).hexdigest()]
+print(json.dumps({"arrays": found, "modules": sorted(m for m in sys.modules if m.startswith("dcp_zarr"))}))
+"""
+
+
+def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_dcp_zarr(store):
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_DCP_ZARR, str(store)], capture_output=True, text=True,
+                          timeout=120, cwd=str(store.parent))
+
+    assert done.returncode == 0, done.stderr
+    assert "Task exception was never retrieved" not in done.stderr
+    report = json.loads(done.stdout)
+    for node, tensor in expected_arrays().items():
+        expected = tensor_as_numpy(tensor)
+        assert report["arrays"][node] == [str(expected.dtype), list(expected.shape),
+                                          hashlib.sha256(expected.tobytes()).hexdigest()], node
+    # zarr itself loaded only the torch-free data-type module (and the package it lives in), nothing of the save path
+    assert set(report["modules"]) <= {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.version", "dcp_zarr.zarr_dtypes"}
+    assert "dcp_zarr.zarr_dtypes" in report["modules"]
+
+
+# ---- xarray: every array has dimension_names, none shared between arrays -------------------------------------------
+
+
+def _arrays(group: zarr.Group) -> dict[str, zarr.Array]:
+    return {node: a for node, a in group.members(max_depth=None) if isinstance(a, zarr.Array)}
+
+
+def test_every_array_has_dimension_names_that_no_other_array_uses(store):
+    arrays = _arrays(zarr.open_group(str(store), mode="r"))
+    names = [name for a in arrays.values() for name in a.metadata.dimension_names]
+
+    assert all(len(a.metadata.dimension_names) == a.ndim for a in arrays.values())
+    assert len(names) == len(set(names))
+    assert arrays["model/big_f32"].metadata.dimension_names == ("model/big_f32.dim0", "model/big_f32.dim1")
+
+
+def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store):
+    tree = xr.open_datatree(str(store), engine="zarr", consolidated=False)
+
+    for node, tensor in expected_arrays().items():
+        group, _, name = node.rpartition("/")
+        assert_same_bits(tree[group][name].values, tensor, node)
+
+
+def _fsdp2_save(rank, world_size, path):
+    from tests.distributed import train_and_save
+
+    return train_and_save(rank, world_size, "fsdp2", ZarrWriter(path))[0]
+
+
+def test_xarray_opens_an_fsdp2_checkpoint_group_by_group(tmp_path):
+    path = tmp_path / "fsdp2.zarr"
+    run_ranks(_fsdp2_save, 2, str(path))
+    ckpt = open_checkpoint(path)
+    tensors = {fqn: e for fqn, e in ckpt.entries.items() if e.kind == "tensor"}
+    assert any(fqn.endswith("exp_avg_sq") for fqn in tensors) and any(fqn.endswith(".step") for fqn in tensors)
+
+    tree = xr.open_datatree(str(path), engine="zarr", consolidated=False)
+    for fqn, entry in tensors.items():
+        group, _, name = entry.node.rpartition("/")
+        assert_same_bits(tree[group][name].values, ckpt.read_tensor(fqn), fqn)
+    weights = xr.open_zarr(str(path), group="model", consolidated=False)
+    some = next(fqn for fqn in tensors if fqn.startswith("model."))
+    assert_same_bits(weights[tensors[some].node.removeprefix("model/")].values, ckpt.read_tensor(some), some)
