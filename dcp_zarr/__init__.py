@@ -25,6 +25,8 @@ from dcp_zarr.errors import (
     ParamTableMismatchError,
     ReplicaMismatchError,
     UnsafeFileError,
+    UntrustedTypeError,
+    UntrustedTypeWarning,
     ZarrCheckpointError,
 )
 from dcp_zarr.version import __version__
@@ -98,6 +100,8 @@ __all__ = [
     "ParamTableMismatchError",
     "ReplicaMismatchError",
     "UnsafeFileError",
+    "UntrustedTypeError",
+    "UntrustedTypeWarning",
     "OptimizerStepError",
     "__version__",
 ]

@@ -52,7 +52,8 @@ def check_target(target: str, storage_options: dict | None, overwrite: bool) -> 
         ) from None
     if not overwrite:
         raise CheckpointExistsError(
-            f"{target} already holds a checkpoint; pass overwrite=True to ZarrWriter to replace it "
+            f"Checkpoint already exists: {target} already holds a checkpoint; pass overwrite=True to ZarrWriter to "
+            "replace it "
             "(locally the old one is swapped out only after the new one is complete)"
         )
 
@@ -96,7 +97,8 @@ def commit(staging: Storage, target: str, replace: bool = False) -> None:
             raise
         shutil.rmtree(source, ignore_errors=True)
         raise CheckpointExistsError(
-            f"{final} was written by someone else while this save ran; refusing to replace it (overwrite=False)"
+            f"Checkpoint already exists: {final} was written by someone else while this save ran; refusing to "
+            "replace it (overwrite=False)"
         ) from None
     _fsync_directory(os.path.dirname(final))
 

@@ -164,7 +164,7 @@ def _check_local_output(dst: str | os.PathLike, overwrite: bool) -> str:
             raise ConversionError(f"{target}: the parent directory does not exist")
         return target
     if not overwrite:
-        raise CheckpointExistsError(f"{target} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise CheckpointExistsError(f"Checkpoint already exists: {target}; pass --overwrite (overwrite=True) to replace it")
     if os.path.isdir(target):
         # Only a directory holding nothing but a previous safetensors export is ours to replace.
         foreign = [n for n in os.listdir(target) if not (n.endswith(".safetensors") or n == SAFETENSORS_INDEX)]

@@ -1,5 +1,7 @@
 """Exceptions raised by dcp_zarr. Each names the path, key or array at fault."""
 
+import pickle
+
 
 class ZarrCheckpointError(Exception):
     """Base class of every error dcp_zarr raises on purpose."""
@@ -31,6 +33,15 @@ class CorruptChunkError(ZarrCheckpointError):
 
 class UnsafeFileError(CorruptChunkError):
     """A file of the store is a symbolic link, FIFO, device or directory where a regular file belongs; never read."""
+
+
+class UntrustedTypeError(ZarrCheckpointError, pickle.UnpicklingError):
+    """A non-tensor value, stored as ``torch.save`` bytes, holds a type that ``torch.load(weights_only=True)`` does
+    not trust or cannot import here. Pass the types you trust as ``safe_globals``."""
+
+
+class UntrustedTypeWarning(UserWarning):
+    """At save: a non-tensor value can only be stored as ``torch.save`` bytes that will need ``safe_globals`` to load."""
 
 
 class MalformedMetadataError(ZarrCheckpointError, ValueError):

@@ -28,8 +28,8 @@ from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
 
 FORMAT_NAME = "dcp_zarr"
-FORMAT_VERSION = 3  # 3: chunk keys with "." (c.0.1); 1 and 2 used "/" (layout.CHUNK_KEY_SEPARATOR)
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST_ATTRIBUTE = "dcp_zarr"
 ROOT_KEY = "zarr.json"
 # A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
@@ -146,6 +146,7 @@ class Manifest:
         if not isinstance(raw_entries, dict):
             raise MalformedMetadataError(f"{url}: the manifest has no 'entries' table")
         entries = {fqn: _entry_from_json(fqn, raw, version, url) for fqn, raw in raw_entries.items()}
+        _check_paths_form_one_tree(entries, url)
         try:
             header = _header_from_json(document)
         except (TypeError, ValueError) as exc:
@@ -159,6 +160,33 @@ class Manifest:
             except MalformedMetadataError as exc:
                 raise MalformedMetadataError(f"{url}: {exc}") from None
         return cls(entries=entries, optimizers=optimizers, format_version=version, **header)
+
+
+def _check_paths_form_one_tree(entries: dict[str, Entry], url: str) -> None:
+    """Every entry's state-dict path must have a place of its own in one nested state dict: no path inside another
+    entry's value, no container indexed by both names and list positions, no negative or absurd list position (a
+    hostile index of 10**12 would otherwise allocate a list that long when the state dict is rebuilt)."""
+    leaves: set[tuple] = set()
+    inner: dict[tuple, type] = {}  # a container's path -> the type of its keys (int: a list)
+    # Items that are empty containers have no entry, so a list may be longer than the entries in it; not this much.
+    positions = len(entries) + (1 << 16)
+    for fqn, entry in entries.items():
+        path = entry.path
+        for depth, part in enumerate(path):
+            if type(part) is int and not 0 <= part < positions:
+                raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has list position {part} in its path "
+                                             f"{list(path)}, outside 0..{positions - 1}")
+            prefix = path[:depth]
+            if prefix in leaves:
+                raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has path {list(path)} inside another "
+                                             f"entry's value {list(prefix)}")
+            if inner.setdefault(prefix, type(part)) is not type(part):
+                raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has path {list(path)}: {list(prefix)} "
+                                             "is indexed both by names and by list positions")
+        if path in leaves or path in inner:
+            raise MalformedMetadataError(f"{url}: manifest entry {fqn!r} has path {list(path)}, which another entry "
+                                         "also uses")
+        leaves.add(path)
 
 
 def _header_from_json(document: dict) -> dict:

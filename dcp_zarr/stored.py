@@ -6,14 +6,20 @@ entries decode their tagged JSON; object entries (``torch.save`` bytes) load wit
 
 from __future__ import annotations
 
+import collections
+import datetime
+import decimal
+import fractions
 import io
+import pathlib
+import uuid
 
 import torch
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
 from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, UntrustedTypeError
 from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
@@ -74,13 +80,46 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
                                 f"{stored_bytes}")
     payload = bytes(verify_plain(raw, where))
     try:
-        with torch.serialization.safe_globals(safe_globals):
+        with torch.serialization.safe_globals([*STANDARD_SAFE_GLOBALS, *safe_globals]):
             return torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as exc:
+        untrusted = untrusted_types(payload, safe_globals)
+        if untrusted or isinstance(exc, (ImportError, AttributeError)):
+            types = ", ".join(untrusted) or _unpickling_reason(exc)
+            raise UntrustedTypeError(
+                f"{storage.url}: entry {fqn!r} is stored as torch.save bytes holding types that "
+                f"torch.load(weights_only=True) does not trust or cannot import here ({types}). If you trust them, "
+                f"pass them as {how_to_allow}") from None
         raise MalformedMetadataError(
             f"{storage.url}: entry {fqn!r} is stored as torch.save bytes that do not load with "
-            f"torch.load(weights_only=True) ({_unpickling_reason(exc)}). If you trust the types it holds, pass them "
-            f"as {how_to_allow}") from None
+            f"torch.load(weights_only=True) ({_unpickling_reason(exc)})") from None
+
+
+def _qualified_name(obj) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+# Value types of the standard library that DCP's own reader (torch.load(weights_only=False)) brings back and whose
+# unpickling only builds a value: trusted by default, so that such state loads without extra options. Anything else
+# (your own classes, enums, dataclasses) needs ``safe_globals``; numpy values and BytesIO are JSON (values.py).
+STANDARD_SAFE_GLOBALS = [
+    datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,
+    decimal.Decimal, fractions.Fraction, uuid.UUID,
+    pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath,
+    slice, range, collections.Counter,  # (torch's weights_only unpickler cannot fill a defaultdict or a deque)
+    io.BytesIO,  # a BytesIO inside a value that is not JSON (the JSON ones need no unpickling)
+]
+_STANDARD_NAMES = {_qualified_name(t) for t in STANDARD_SAFE_GLOBALS}
+
+
+def untrusted_types(payload: bytes, safe_globals: list = ()) -> list[str]:
+    """The globals of ``torch.save`` bytes that neither the standard list nor ``safe_globals`` trusts."""
+    trusted = _STANDARD_NAMES | {_qualified_name(t) for t in safe_globals if hasattr(t, "__qualname__")}
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload))
+    except Exception:  # not a torch.save archive at all: the caller reports it as malformed
+        return []
+    return sorted(name for name in found if name not in trusted)
 
 
 def _unpickling_reason(exc: Exception) -> str:

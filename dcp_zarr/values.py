@@ -1,16 +1,21 @@
 """Non-tensor state-dict values (hyperparameters, scheduler and dataloader state) as exact, tagged JSON.
 
 Plain JSON loses types a resumed run can notice: tuples come back as lists, ``nan`` is not JSON, dicts with int keys
-get string keys, and bytes and sets are not JSON at all. The tags below keep the round trip exact while the stored document stays ordinary JSON that any
-zarr tool can show. Values that are not built from these types are not JSON: the writer stores them as
-``torch.save`` bytes instead, which are only ever read back with ``torch.load(weights_only=True)``.
+get string keys, and bytes and sets are not JSON at all. The tags below keep the round trip exact while the stored
+document stays ordinary JSON that any zarr tool can show. ``io.BytesIO`` (DCP's own way to save opaque state) and
+numpy arrays and scalars of plain numeric dtypes (numpy RNG states, dataloader positions) are tagged too, so that
+they load without unpickling anything. Values that are not built from these types are not JSON: the writer stores
+them as ``torch.save`` bytes instead, which are only ever read back with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
+
+import numpy as np
 
 TUPLE_TAG = "__tuple__"
 FLOAT_TAG = "__float__"
@@ -18,6 +23,13 @@ DICT_TAG = "__dict__"
 BYTES_TAG = "__bytes__"  # base64
 SET_TAG = "__set__"
 FROZENSET_TAG = "__frozenset__"
+BYTESIO_TAG = "__bytesio__"  # base64 of the buffer's whole contents; it loads positioned at 0
+NDARRAY_TAG = "__ndarray__"  # {"dtype": "<f4", "shape": [...], "data": base64 of the C-order bytes}
+NUMPY_SCALAR_TAG = "__numpy_scalar__"  # {"dtype": "<i8", "data": base64}
+# Since format 4. A reader of format 3 would return these documents as dicts, so they are in no store it accepts.
+NEW_IN_FORMAT_4 = (BYTESIO_TAG, NDARRAY_TAG, NUMPY_SCALAR_TAG)
+# numpy dtypes stored by value: booleans, integers, floats and complex numbers, as numpy names them.
+_NUMPY_KINDS = "biufc"
 
 
 class NotJSONError(TypeError):
@@ -36,7 +48,14 @@ def encode_value(value):
     if kind is tuple:
         return {TUPLE_TAG: [encode_value(v) for v in value]}
     if kind is bytes:
-        return {BYTES_TAG: base64.b64encode(value).decode("ascii")}
+        return {BYTES_TAG: _b64(value)}
+    if kind is io.BytesIO:
+        return {BYTESIO_TAG: _b64(value.getvalue())}
+    if kind is np.ndarray and _plain_numpy(value.dtype):
+        return {NDARRAY_TAG: {"dtype": value.dtype.str, "shape": list(value.shape),
+                              "data": _b64(np.ascontiguousarray(value).tobytes())}}
+    if isinstance(value, np.generic) and _plain_numpy(value.dtype):
+        return {NUMPY_SCALAR_TAG: {"dtype": value.dtype.str, "data": _b64(value.tobytes())}}
     if kind in (set, frozenset):
         # sorted by their JSON, so one set always gives one document
         items = sorted((encode_value(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
@@ -63,11 +82,51 @@ def decode_value(document):
         if tag == DICT_TAG:
             return {_hashable(decode_value(k)): decode_value(v) for k, v in body}
         if tag == BYTES_TAG:
-            return base64.b64decode(body.encode("ascii"), validate=True)
+            return _unb64(body)
+        if tag == BYTESIO_TAG:
+            return io.BytesIO(_unb64(body))
+        if tag == NDARRAY_TAG:
+            return _numpy_value(body, tag).reshape(_shape(body)).copy()  # a writable array of its own
+        if tag == NUMPY_SCALAR_TAG:
+            values = _numpy_value(body, tag)
+            if values.size != 1:
+                raise ValueError(f"a {tag} holds {values.size} values, not 1")
+            return values[0]
         if tag in (SET_TAG, FROZENSET_TAG):
             items = (_hashable(decode_value(v)) for v in body)
             return set(items) if tag == SET_TAG else frozenset(items)
     return {k: decode_value(v) for k, v in document.items()}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(body) -> bytes:
+    if not isinstance(body, str):
+        raise ValueError(f"base64 text expected, got {type(body).__name__}")
+    return base64.b64decode(body.encode("ascii"), validate=True)
+
+
+def _plain_numpy(dtype: np.dtype) -> bool:
+    """A dtype whose ``.str`` names it exactly (not object, structured, datetime or ml_dtypes' bfloat16, '<V2')."""
+    return dtype.kind in _NUMPY_KINDS and np.dtype(dtype.str) == dtype
+
+
+def _numpy_value(body, tag: str) -> np.ndarray:
+    if not isinstance(body, dict) or not isinstance(body.get("dtype"), str):
+        raise ValueError(f"a {tag} needs a dtype string, got {body!r:.80}")
+    dtype = np.dtype(body["dtype"])
+    if not _plain_numpy(dtype):
+        raise ValueError(f"a {tag} has dtype {body['dtype']!r}, not a plain numeric one")
+    return np.frombuffer(_unb64(body.get("data")), dtype=dtype)
+
+
+def _shape(body) -> tuple[int, ...]:
+    shape = body.get("shape")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"a {NDARRAY_TAG} has shape {shape!r}")
+    return tuple(shape)
 
 
 def _hashable(key):

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import uuid
+import warnings
 from functools import partial
 
 import torch
@@ -31,7 +32,7 @@ from dcp_zarr.chunk_io import (
 )
 from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.encoding import array_metadata, checksum, group_metadata
-from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError
+from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.optim_keys import tables_from_entries
@@ -40,6 +41,7 @@ from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans,
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
 from dcp_zarr.storage import is_local, open_storage
+from dcp_zarr.stored import untrusted_types
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
 
@@ -313,14 +315,24 @@ def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:
 def _value_write(item, planner: SavePlanner, node: str):
     """The WriteResult of a non-tensor entry, and the (key, buffers) to write when it is not JSON."""
     lookup = getattr(planner, "lookup_object", None)
+    value = None
     if lookup is not None:
+        value = lookup(item.index)
         try:
-            document = encode_value(lookup(item.index))
+            document = encode_value(value)
             size = len(json.dumps(document))
             return WriteResult(index=item.index, size_in_bytes=size, storage_data={"value": document}), None
         except NotJSONError:
             pass
     data = planner.resolve_data(item).getvalue()
+    untrusted = untrusted_types(data)
+    if untrusted:  # it saves, but would fail at load without options: say so now, while the run can change it
+        kind = "" if value is None else f" ({type(value).__module__}.{type(value).__qualname__})"
+        warnings.warn(UntrustedTypeWarning(
+            f"state-dict value {item.index.fqn!r}{kind} is stored as torch.save bytes holding types that "
+            f"torch.load(weights_only=True) does not trust: {', '.join(untrusted)}. Loading it will need "
+            "ZarrReader(..., safe_globals=[...]) or open_checkpoint(..., safe_globals=[...]) naming them"),
+            stacklevel=2)
     result = WriteResult(index=item.index, size_in_bytes=len(data), storage_data={"object_nbytes": len(data)})
     return result, (f"{node}/{chunk_key((0,))}", [data, checksum(data)])
 

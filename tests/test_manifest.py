@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 from collections import Counter
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr import manifest as manifest_module
 from dcp_zarr.cli import main as dcp_zarr_cli
-from dcp_zarr.manifest import Manifest, TensorEntry
+from dcp_zarr.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from tests.distributed import assert_state_equal, build, load_fresh, run_ranks, train_and_save
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
@@ -59,7 +60,7 @@ def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_worl
     sizes = {ws: os.path.getsize(os.path.join(path, "zarr.json")) for ws, (path, _) in saved_at.items()}
     manifests = {ws: root_manifest(path) for ws, (path, _) in saved_at.items()}
     for manifest in manifests.values():
-        assert manifest["format_version"] == 3
+        assert manifest["format_version"] == FORMAT_VERSION == 4
         assert not any("saved_chunks" in entry for entry in manifest["entries"].values())
     assert manifests[4]["entries"]["model.embed.weight"]["saved_shards"] == 4
     assert sizes[4] <= 1.01 * sizes[1], sizes
@@ -225,3 +226,19 @@ def test_a_resharded_load_reads_at_most_a_tenth_more_than_it_needs(tmp_path):
     run_ranks(_save_rows, 4, path)
     for read, needed, equal in run_ranks(_load_rows, 3, path):
         assert equal and needed <= read <= 1.1 * needed, (read, needed)
+
+
+@pytest.mark.parametrize("paths, why", [
+    ({"a": ["m", "w"], "b": ["m", "w", "x"]}, "inside another entry's value"),
+    ({"a": ["m", 0], "b": ["m", "w"]}, "both by names and by list positions"),
+    ({"a": ["m", -1]}, "list position -1"),
+    ({"a": ["m", 10**12]}, "list position 1000000000000"),
+    ({"a": ["m", "w"], "b": ["m", "w"]}, "which another entry also uses"),
+])
+def test_entry_paths_that_cannot_form_one_state_dict_are_refused(paths, why):
+    entries = {fqn: {"path": path, "kind": "value", "node": f"n{i}", "value": 1}
+               for i, (fqn, path) in enumerate(paths.items())}
+    document = {"format": "dcp_zarr", "format_version": 4, "complete": True, "entries": entries}
+
+    with pytest.raises(MalformedMetadataError, match=re.escape(why)):
+        Manifest.from_json(document, "mem://x")

@@ -16,6 +16,7 @@ from dcp_zarr import (
     CorruptChunkError,
     IncompleteCheckpointError,
     MalformedMetadataError,
+    UntrustedTypeError,
     NotACheckpointError,
     ZarrWriter,
 )
@@ -207,7 +208,7 @@ def test_objects_load_only_with_weights_only_unless_their_types_are_allowed(tmp_
     ckpt = open_checkpoint(path)
     assert ckpt.entries["extra.run"].kind == "object"
 
-    with pytest.raises(MalformedMetadataError, match="RunInfo.*safe_globals"):
+    with pytest.raises(UntrustedTypeError, match="RunInfo.*safe_globals"):
         ckpt.read_value("extra.run")
     assert open_checkpoint(path, safe_globals=[RunInfo]).read_value("extra.run") == RunInfo("alpha")
 

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import fractions
+import io
 import os
+import pathlib
 import time
+import uuid
 import warnings
 import weakref
 
@@ -17,6 +23,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_zarr import (
     CheckpointExistsError,
     InvalidKeyError,
+    MalformedMetadataError,
+    UntrustedTypeError,
+    UntrustedTypeWarning,
     ZarrReader,
     ZarrWriter,
 )
@@ -140,14 +149,69 @@ def test_non_tensor_values_round_trip_exactly(tmp_path):
     assert manifest["entries"]["obj.size"]["kind"] == "object"
 
 
-def test_object_values_are_never_unpickled_beyond_weights_only(tmp_path):
-    path = str(tmp_path / "np.zarr")
-    save({"array": np.arange(3)}, path)
-    with pytest.raises(CheckpointException, match="safe_globals"):
-        load({"array": None}, path)
-    back = load({"array": None}, path, safe_globals=[np._core.multiarray._reconstruct, np.ndarray, np.dtype,
-                                                     type(np.dtype("int64"))])
-    assert np.array_equal(back["array"], np.arange(3))
+def test_bytesio_and_numpy_values_are_json_and_load_with_default_options(tmp_path):
+    """What DCP's TrainState saves (a BytesIO) and numpy RNG state load with no safe_globals and no pickle."""
+    rng = np.random.RandomState(7).get_state()
+    sd = {"train": {"loader": io.BytesIO(b"\x00position=17\xff"), "np_rng": rng, "count": np.int64(12),
+                    "weights": np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3), "flag": np.bool_(True),
+                    "empty": np.zeros((0, 4), dtype="<c16")}}
+    path = str(tmp_path / "values.zarr")
+    save(sd, path)
+    back = load(blank_like(sd), path)["train"]
+
+    assert isinstance(back["loader"], io.BytesIO) and back["loader"].getvalue() == b"\x00position=17\xff"
+    assert back["np_rng"][0] == "MT19937" and np.array_equal(back["np_rng"][1], rng[1]) and back["np_rng"][2:] == rng[2:]
+    assert type(back["count"]) is np.int64 and back["count"] == 12
+    assert back["weights"].dtype == np.float32 and np.array_equal(back["weights"], sd["train"]["weights"])
+    assert back["weights"].flags.writeable
+    assert type(back["flag"]) is np.bool_ and back["empty"].shape == (0, 4) and back["empty"].dtype == "<c16"
+    entries = zarr.open_group(path, mode="r").attrs["dcp_zarr"]["entries"]
+    assert all(entries[f"train.{k}"]["kind"] == "value" for k in ("loader", "np_rng", "count", "weights"))
+    assert entries["train.loader"]["value"] == {"__bytesio__": "AHBvc2l0aW9uPTE3/w=="}
+
+
+def test_standard_library_values_load_with_default_options(tmp_path):
+    """Types DCP's own reader brings back (it unpickles freely) that only build a value: trusted by default."""
+    sd = {"meta": {"when": datetime.datetime(2026, 12, 1, 14, 0, tzinfo=datetime.timezone.utc),
+                   "took": datetime.timedelta(seconds=3.5), "lr": decimal.Decimal("0.001"), "frac": fractions.Fraction(1, 3),
+                   "run": uuid.UUID(int=5), "out": pathlib.PurePosixPath("/ckpt/step-3"), "window": slice(2, 9, 3),
+                   "epochs": range(0, 10, 2)}}
+    path = str(tmp_path / "std.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntrustedTypeWarning)  # none of these needs safe_globals, so none warns
+        save(sd, path)
+    back = load(blank_like(sd), path)
+
+    assert back == sd and type(back["meta"]["out"]) is pathlib.PurePosixPath
+
+
+class RunConfig:
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return isinstance(other, RunConfig) and other.name == self.name
+
+
+def test_a_value_needing_safe_globals_warns_at_save_and_fails_at_load_as_an_untrusted_type(tmp_path):
+    path = str(tmp_path / "custom.zarr")
+    with pytest.warns(UntrustedTypeWarning, match=r"'extra\.config'.*RunConfig.*safe_globals"):
+        save({"extra": {"config": RunConfig("alpha")}, "x": torch.ones(2)}, path)
+
+    with pytest.raises(CheckpointException) as info:
+        load({"extra": {"config": None}, "x": torch.zeros(2)}, path)
+    cause, _traceback = info.value.failures[0]
+    assert isinstance(cause, UntrustedTypeError) and not isinstance(cause, MalformedMetadataError)
+    assert "tests.test_save_load.RunConfig" in str(cause) and "safe_globals" in str(cause)
+    back = load({"extra": {"config": None}, "x": torch.zeros(2)}, path, safe_globals=[RunConfig])
+    assert back["extra"]["config"] == RunConfig("alpha")
+
+
+def test_refusing_to_replace_a_checkpoint_says_what_dcp_says(tmp_path):
+    path = str(tmp_path / "twice.zarr")
+    save({"x": torch.ones(1)}, path)
+    with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+        save({"x": torch.ones(1)}, path)
 
 
 def test_checkpoint_id_argument_selects_the_path(tmp_path):
