@@ -31,7 +31,7 @@ def staging_location(target: str, save_id: str) -> str:
     return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
 
 
-def check_target(target: str, storage_options: dict | None, overwrite: bool) -> None:
+def check_target(target: str, storage_options: dict | None, overwrite: bool, *, retry=None) -> None:
     """Refuse before anything is written if the target holds data we must not replace."""
     if is_local(target):
         path = local_path(target)
@@ -41,7 +41,7 @@ def check_target(target: str, storage_options: dict | None, overwrite: bool) -> 
             raise CheckpointExistsError(f"{path} exists and is not a directory; refusing to replace it")
         if not os.listdir(path):
             return
-    storage = open_storage(target, storage_options, read_only=True)
+    storage = open_storage(target, storage_options, read_only=True, retry=retry)
     if not storage.exists(ROOT_KEY) and not is_local(target):
         return  # nothing committed there: leftovers of an interrupted save are cleared before writing
     try:
