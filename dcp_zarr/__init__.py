@@ -32,7 +32,7 @@ from dcp_zarr.prefixes import (
     strip_wrapper_prefixes,
 )
 from dcp_zarr.reader import ZarrReader
-from dcp_zarr.storage.retry import ObjectStoreError
+from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy
 from dcp_zarr.version import __version__
 from dcp_zarr.writer import ZarrWriter
 
@@ -57,6 +57,7 @@ __all__ = [
     "MalformedMetadataError",
     "MetadataTooLargeError",
     "ObjectStoreError",
+    "RetryPolicy",
     "MissingKeysError",
     "ParamTableMismatchError",
     "ReplicaMismatchError",

@@ -29,6 +29,7 @@ from dcp_zarr.prefixes import explain_missing_name
 from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage
+from dcp_zarr.storage.retry import RetryPolicy
 
 # A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
 # object store busy, few enough that a local read is not dominated by scheduling.
@@ -219,8 +220,9 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None, *, thread_count: int = 8,
-                    safe_globals: list | None = None) -> Checkpoint:
-    """Open a dcp_zarr checkpoint (a local directory or an fsspec URL) for reading; no process group needed."""
+                    safe_globals: list | None = None, retry: RetryPolicy | None = None) -> Checkpoint:
+    """Open a dcp_zarr checkpoint (a local directory or an fsspec URL) for reading; no process group needed.
+    ``retry``: the ``RetryPolicy`` of its object-store calls."""
     location = os.fspath(path)
     if is_local(location):
         local = local_path(location)
@@ -230,7 +232,7 @@ def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None
             raise NotACheckpointError(
                 f"{local} is a torch.distributed.checkpoint directory (.metadata + .distcp files), not a zarr store; "
                 f"convert it with: dcp-zarr convert {location} OUT.zarr --to zarr")
-    storage = open_storage(location, storage_options, read_only=True)
+    storage = open_storage(location, storage_options, read_only=True, retry=retry)
     return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
 
 

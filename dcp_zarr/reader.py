@@ -30,6 +30,7 @@ from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.manifest import Manifest, TensorEntry, read_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 from dcp_zarr.stored import stored_value, tensor_reader
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
@@ -49,11 +50,14 @@ class ZarrReader(StorageReader):
         safe_globals: extra types that non-tensor values saved as ``torch.save`` bytes may contain (numpy arrays,
             your own classes); passed to ``torch.serialization.safe_globals``. Nothing else from the store is
             ever unpickled.
+        retry: the ``RetryPolicy`` of this reader's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
-                 safe_globals: list | None = None):
+                 safe_globals: list | None = None, retry: RetryPolicy | None = None):
         self.path = os.fspath(path)
+        self.retry = retry
+        self._retrying = Retrying(retry)  # shared by every storage this reader opens (retry.py)
         self.safe_globals = list(safe_globals or [])
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
@@ -72,7 +76,7 @@ class ZarrReader(StorageReader):
     def _storage(self) -> Storage:
         if not self.path:
             raise ValueError("ZarrReader needs a path: pass one, or checkpoint_id= to dcp.load")
-        return open_storage(self.path, self.storage_options, read_only=True)
+        return open_storage(self.path, self.storage_options, read_only=True, retry=self._retrying)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.manifest = read_manifest(self._storage())

@@ -39,7 +39,8 @@ from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import is_local, open_storage
+from dcp_zarr.storage import Storage, is_local, open_storage
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
 
@@ -69,12 +70,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
             save is refused (``ReplicaMismatchError``) and nothing is committed: ``"small"`` compares kind, shape and
             dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
             ``"all"`` compares every value; ``"none"`` checks nothing (replicas.py).
+        retry: the ``RetryPolicy`` of this writer's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
-                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES):
+                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None):
         if check_replicas not in replicas.CHECK_MODES:
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
         self.path = os.fspath(path)
@@ -85,6 +87,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self.inner_chunk_bytes = inner_chunk_bytes
         self.check_replicas = check_replicas
         self.replica_check_bytes = int(replica_check_bytes)
+        self.retry = retry
+        # One for every storage this writer opens: whether the store has answered yet decides whether a refused
+        # connection is retried (retry.py).
+        self._retrying = Retrying(retry)
         WriterStaging.__init__(self, cache_staged_state_dict)
         self.save_id: str | None = None
         self.is_coordinator = False
@@ -116,7 +122,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             raise ValueError("ZarrWriter needs a path: pass one, or checkpoint_id= to dcp.save")
         self.is_coordinator = is_coordinator
         if is_coordinator:
-            commit.check_target(self.path, self.storage_options, self.overwrite)
+            commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:
@@ -134,13 +140,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
         self._staging = commit.staging_location(self.path, self.save_id)
-        commit.prepare_staging(open_storage(self._staging, self.storage_options))
+        commit.prepare_staging(self._open(self._staging))
         return [dataclasses.replace(plan, storage_data=assignment)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
-        storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
+        storage = self._open(assignment.staging_location)
         results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
         jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
         chunk_keys: list[str] = []
@@ -195,7 +201,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
+        storage = self._open(self._staging)
         results, digests = replicas.split_results(results)
         try:
             replicas.compare_checksums(digests)
@@ -225,6 +231,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _open(self, location: str) -> Storage:
+        return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self._retrying)
 
     def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
