@@ -39,7 +39,7 @@ from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, is_local, open_storage
+from dcp_zarr.storage import Storage, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import RetryPolicy, Retrying
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
@@ -59,6 +59,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
     Args:
         path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s
             ``checkpoint_id`` replaces it.
+        store: a zarr store object instead of ``path`` (``zarr.storage.ObjectStore``, ``FsspecStore``,
+            ``MemoryStore``, ``LocalStore``): each rank passes its own. Committed as on an object store (the root
+            ``zarr.json`` last, in place), except a ``LocalStore``, which is saved as its directory path would be.
         storage_options: passed to fsspec for URLs (credentials, ``endpoint_url``, ...).
         thread_count: concurrent chunk writes per rank.
         sync_files: fsync chunks and directories before the commit (local paths).
@@ -73,13 +76,14 @@ class ZarrWriter(StorageWriter, WriterStaging):
         retry: the ``RetryPolicy`` of this writer's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
     """
 
-    def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
+    def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
+                 thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None):
         if check_replicas not in replicas.CHECK_MODES:
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
-        self.path = os.fspath(path)
+        self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
@@ -106,6 +110,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.save_started()  # with checkpoint_id=, DCP's first call in a save, in the thread that runs it
         if checkpoint_id:
+            if self.store is not None:
+                raise ValueError(f"ZarrWriter(store=...) saves into its store; checkpoint_id={checkpoint_id!r} cannot "
+                                 "name another place: make a writer per store, or pass paths instead")
             self.path = os.fspath(checkpoint_id)
         self.save_id = None
 
@@ -115,13 +122,15 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def storage_meta(self) -> StorageMeta | None:
         self.save_started()  # the first call in a save without checkpoint_id=
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self._target(), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        if not self.path:
-            raise ValueError("ZarrWriter needs a path: pass one, or checkpoint_id= to dcp.save")
+        if not self.path and self.store is None:
+            raise ValueError("ZarrWriter needs a path or a store: pass path or store=, or checkpoint_id= to dcp.save")
         self.is_coordinator = is_coordinator
-        if is_coordinator:
+        if is_coordinator and self.store is not None:
+            commit.check_stored(self._open(""), self.overwrite)
+        elif is_coordinator:
             commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -136,10 +145,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
         self._nodes = nodes = node_paths(plans)
-        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=is_local(self.path))
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=self.store is None and is_local(self.path))
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
-        self._staging = commit.staging_location(self.path, self.save_id)
+        # A store object is written in place, by each rank through its own store: the location is only a name.
+        self._staging = self._target() if self.store is not None else commit.staging_location(self.path, self.save_id)
         commit.prepare_staging(self._open(self._staging))
         return [dataclasses.replace(plan, storage_data=assignment)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
@@ -233,7 +243,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
     # -- helpers -----------------------------------------------------------------------------------------------------
 
     def _open(self, location: str) -> Storage:
+        if self.store is not None:
+            return store_objects.open_store(self.store, self._retrying)
         return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self._retrying)
+
+    def _target(self) -> str:
+        return store_objects.label(self.store) if self.store is not None else self.path
 
     def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
