@@ -227,7 +227,8 @@ class Retrying:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
+    # obstore appends a multi-line "Debug source:" dump after a blank line: the first paragraph says it all
+    return " ".join(str(exc).split("\n\n")[0].split())
 
 
 def call_with_retry(operation: Callable[[], T], *, what: str, key: str, url: str, policy: RetryPolicy | None = None,
