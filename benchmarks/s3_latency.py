@@ -4,12 +4,17 @@ FsspecWriter/FsspecReader, with the requests each one makes counted by method.
     python benchmarks/s3_latency.py --latency-ms 0,20 --repeats 3          # 2 ranks, the 2 GB FSDP2 model
     python benchmarks/s3_latency.py --layers 2 --hidden 512 --vocab 8000  # a 170 MB model (moto is the limit)
     python benchmarks/s3_latency.py --quick                                 # a 16 MB model, seconds (tests)
+    python benchmarks/s3_latency.py --backends s3fs,obstore --latency-ms 0  # dcp_zarr through s3fs and obstore
 
 This process runs the S3 server (moto, from the test extras) behind a middleware that sleeps ``--latency-ms`` before
 every request and counts requests; the sleeps of concurrent requests overlap, so it models a distant server, not a
 slow one. The ranks (``torchrun``, launched from here) set the latency and read the counts through the middleware's
 ``/__bench__/`` path. Each round saves and loads with every kind, in rotating order; one untimed round first; medians
 of the slowest rank's times.
+
+Kinds: ``fsspec`` (DCP's FsspecWriter/Reader) and one dcp_zarr kind per ``--backends`` entry: ``zarr`` (a URL, so
+zarr's FsspecStore over s3fs) and ``zarr-obstore`` (``store=zarr.storage.ObjectStore(obstore S3Store)``, built on
+each rank), writing the same state dict from the same ranks.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 BUCKET = "bench"
-KINDS = ("zarr", "fsspec")
+ZARR_KINDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
 
 
 class LatencyAndCounts:
@@ -80,7 +85,7 @@ def serve_and_launch(args) -> int:
                "--endpoint", server.endpoint, "--latency-ms", args.latency_ms, "--repeats", str(args.repeats),
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
                "--zarr-threads", str(args.zarr_threads), "--fsspec-threads", str(args.fsspec_threads),
-               "--out", out] + (["--quick"] if args.quick else [])
+               "--backends", args.backends, "--out", out] + (["--quick"] if args.quick else [])
     try:
         code = subprocess.call(command)
     finally:
@@ -119,14 +124,24 @@ def measure(args, rt) -> dict:
     times: dict[str, list[float]] = {}
     requests: dict[str, dict] = {}
 
+    kinds = tuple(ZARR_KINDS[b] for b in args.backends.split(",")) + ("fsspec",)
+
     def save(kind: str, url: str) -> None:
-        writer = (ZarrWriter(url, storage_options=options, thread_count=args.zarr_threads) if kind == "zarr" else
-                  FsspecWriter(url, thread_count=args.fsspec_threads, sync_files=False, **options))
+        if kind == "zarr-obstore":
+            writer = ZarrWriter(store=_obstore(url, args.endpoint), thread_count=args.zarr_threads)
+        elif kind == "zarr":
+            writer = ZarrWriter(url, storage_options=options, thread_count=args.zarr_threads)
+        else:
+            writer = FsspecWriter(url, thread_count=args.fsspec_threads, sync_files=False, **options)
         dcp.save(state_dict, storage_writer=writer)
 
     def load(kind: str, url: str, target) -> None:
-        reader = (ZarrReader(url, storage_options=options, thread_count=args.zarr_threads) if kind == "zarr" else
-                  FsspecReader(url, **options))
+        if kind == "zarr-obstore":
+            reader = ZarrReader(store=_obstore(url, args.endpoint), thread_count=args.zarr_threads)
+        elif kind == "zarr":
+            reader = ZarrReader(url, storage_options=options, thread_count=args.zarr_threads)
+        else:
+            reader = FsspecReader(url, **options)
         dcp.load(target, storage_reader=reader)
 
     def counted(name: str, fn) -> float:
@@ -142,7 +157,8 @@ def measure(args, rt) -> dict:
             control(args.endpoint, f"latency?ms={latency}")
         dist.barrier()
         for repeat in range(repeats + 1):  # round 0 warms up
-            for kind in KINDS[repeat % 2:] + KINDS[:repeat % 2]:
+            turn = repeat % len(kinds)
+            for kind in kinds[turn:] + kinds[:turn]:
                 url = f"s3://{BUCKET}/{kind}-{latency:g}ms-{repeat}"
                 name = f"{kind}/{latency:g}ms"
                 save_s = counted(f"save/{name}", lambda: save(kind, url))
@@ -157,11 +173,24 @@ def measure(args, rt) -> dict:
                     _remove(url, options)
                 dist.barrier()
     medians = {name: statistics.median(v) for name, v in times.items()}
-    ratios = {f"{op}_speedup_zarr_vs_fsspec/{lat:g}ms": medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/zarr/{lat:g}ms"]
-              for op in ("save", "load") for lat in latencies}
+    ratios = {f"{op}_speedup_{kind}_vs_fsspec/{lat:g}ms":
+              medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/{kind}/{lat:g}ms"]
+              for op in ("save", "load") for lat in latencies for kind in kinds if kind != "fsspec"}
     return {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
             "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
             "medians_s": medians, "samples_s": times, "requests": requests, **ratios}
+
+
+def _obstore(url: str, endpoint: str):
+    """zarr's ObjectStore over obstore's S3 client for ``url``'s prefix (each rank builds its own)."""
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    from tests.s3_server import CREDENTIALS
+
+    return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=endpoint,
+                               region="us-east-1", access_key_id=CREDENTIALS["key"],
+                               secret_access_key=CREDENTIALS["secret"], client_options={"allow_http": True}))
 
 
 def _remove(url: str, options: dict) -> None:
@@ -182,11 +211,16 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--zarr-threads", type=int, default=4)
     parser.add_argument("--fsspec-threads", type=int, default=4)
+    parser.add_argument("--backends", default="s3fs",
+                        help="comma-separated dcp_zarr clients: s3fs (a URL, zarr's FsspecStore), obstore (store=)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--quick", action="store_true", help="a 16 MB model, 1 repeat")
     parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = set(args.backends.split(",")) - set(ZARR_KINDS)
+    if unknown:
+        parser.error(f"--backends: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ZARR_KINDS)}")
     return rank_program(args) if args.rank_program else serve_and_launch(args)
 
 

@@ -44,6 +44,7 @@ _LAZY = {
     "strip_wrapper_prefixes": "dcp_zarr.prefixes",
     "ZarrReader": "dcp_zarr.reader",
     "ObjectStoreError": "dcp_zarr.storage.retry",
+    "RetryPolicy": "dcp_zarr.storage.retry",
     "ZarrWriter": "dcp_zarr.writer",
 }
 
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
         strip_wrapper_prefixes,
     )
     from dcp_zarr.reader import ZarrReader
-    from dcp_zarr.storage.retry import ObjectStoreError
+    from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy
     from dcp_zarr.writer import ZarrWriter
 
 
@@ -96,6 +97,7 @@ __all__ = [
     "MalformedMetadataError",
     "MetadataTooLargeError",
     "ObjectStoreError",
+    "RetryPolicy",
     "MissingKeysError",
     "ParamTableMismatchError",
     "ReplicaMismatchError",

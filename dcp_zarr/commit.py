@@ -16,7 +16,7 @@ import shutil
 
 from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
 from dcp_zarr.manifest import ROOT_KEY, read_manifest
-from dcp_zarr.storage import Storage, is_local, local_path, open_storage
+from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 
 STAGING_MARK = ".dcp-zarr-partial-"
 _RENAME_EXCHANGE = 2
@@ -31,7 +31,7 @@ def staging_location(target: str, save_id: str) -> str:
     return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
 
 
-def check_target(target: str, storage_options: dict | None, overwrite: bool) -> None:
+def check_target(target: str, storage_options: dict | None, overwrite: bool, *, retry=None) -> None:
     """Refuse before anything is written if the target holds data we must not replace."""
     if is_local(target):
         path = local_path(target)
@@ -41,8 +41,14 @@ def check_target(target: str, storage_options: dict | None, overwrite: bool) -> 
             raise CheckpointExistsError(f"{path} exists and is not a directory; refusing to replace it")
         if not os.listdir(path):
             return
-    storage = open_storage(target, storage_options, read_only=True)
-    if not storage.exists(ROOT_KEY) and not is_local(target):
+    check_stored(open_storage(target, storage_options, read_only=True, retry=retry), overwrite, target)
+
+
+def check_stored(storage: Storage, overwrite: bool, target: str | None = None) -> None:
+    """``check_target`` once the storage is open (a zarr store object a writer was given is only that)."""
+    target = target or storage.url
+    local = isinstance(storage, LocalStorage)
+    if not local and not storage.exists(ROOT_KEY):
         return  # nothing committed there: leftovers of an interrupted save are cleared before writing
     try:
         read_manifest(storage)
@@ -70,8 +76,8 @@ def abandon(staging: Storage) -> None:
     """Delete the staging area of a save that was refused before its commit: nothing of it becomes a checkpoint."""
     staging.remove(ROOT_KEY)
     staging.remove_all()
-    if is_local(staging.url):
-        shutil.rmtree(local_path(staging.url), ignore_errors=True)
+    if isinstance(staging, LocalStorage):
+        shutil.rmtree(staging.root, ignore_errors=True)
 
 
 def commit(staging: Storage, target: str, replace: bool = False) -> None:
@@ -81,7 +87,7 @@ def commit(staging: Storage, target: str, replace: bool = False) -> None:
     rename fails on a non-empty directory, atomically, and this save is refused instead.
     """
     staging.flush()
-    if not is_local(target):
+    if not isinstance(staging, LocalStorage):  # an object store (or any zarr store given): the marker was the commit
         return
     final = local_path(target)
     source = staging.url

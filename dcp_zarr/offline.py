@@ -28,7 +28,8 @@ from dcp_zarr.manifest import Entry as ManifestEntry
 from dcp_zarr.prefixes import explain_missing_name
 from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
-from dcp_zarr.storage import Storage, is_local, local_path, open_storage
+from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 
 # A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
 # object store busy, few enough that a local read is not dominated by scheduling.
@@ -218,10 +219,17 @@ class Checkpoint:
                             "open_checkpoint(..., safe_globals=[...])")
 
 
-def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None, *, thread_count: int = 8,
-                    safe_globals: list | None = None) -> Checkpoint:
-    """Open a dcp_zarr checkpoint (a local directory or an fsspec URL) for reading; no process group needed."""
-    location = os.fspath(path)
+def open_checkpoint(path: str | os.PathLike | None = None, storage_options: dict | None = None, *,
+                    store=None, thread_count: int = 8, safe_globals: list | None = None,
+                    retry: RetryPolicy | None = None) -> Checkpoint:
+    """Open a dcp_zarr checkpoint (a local directory, an fsspec URL, or a zarr store object as ``store=``) for
+    reading; no process group needed. ``retry``: the ``RetryPolicy`` of its object-store calls."""
+    location, store = store_objects.resolve("open_checkpoint", path, store, writable=False)
+    if store is not None:
+        storage = store_objects.open_store(store, Retrying(retry))
+        return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
+    if not location:
+        raise ValueError("open_checkpoint needs a path or a store: pass path or store=")
     if is_local(location):
         local = local_path(location)
         if not os.path.exists(local):
@@ -230,7 +238,7 @@ def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None
             raise NotACheckpointError(
                 f"{local} is a torch.distributed.checkpoint directory (.metadata + .distcp files), not a zarr store; "
                 f"convert it with: dcp-zarr convert {location} OUT.zarr --to zarr")
-    storage = open_storage(location, storage_options, read_only=True)
+    storage = open_storage(location, storage_options, read_only=True, retry=retry)
     return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
 
 

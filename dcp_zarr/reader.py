@@ -29,7 +29,8 @@ from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.manifest import Manifest, TensorEntry, read_manifest
 from dcp_zarr.scheduler import run_jobs
-from dcp_zarr.storage import Storage, open_storage
+from dcp_zarr.storage import Storage, open_storage, store_objects
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 from dcp_zarr.stored import stored_value, tensor_reader
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
@@ -44,16 +45,22 @@ class ZarrReader(StorageReader):
 
     Args:
         path: the store's local directory or URL; ``dcp.load``'s ``checkpoint_id`` replaces it.
+        store: a zarr store object instead of ``path`` (``zarr.storage.ObjectStore``, ``FsspecStore``, ...); each
+            rank passes its own.
         storage_options: passed to fsspec for URLs.
         thread_count: concurrent chunk reads per rank.
         safe_globals: extra types that non-tensor values saved as ``torch.save`` bytes may contain (numpy arrays,
             your own classes); passed to ``torch.serialization.safe_globals``. Nothing else from the store is
             ever unpickled.
+        retry: the ``RetryPolicy`` of this reader's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
     """
 
-    def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
-                 safe_globals: list | None = None):
-        self.path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
+                 thread_count: int = 4,
+                 safe_globals: list | None = None, retry: RetryPolicy | None = None):
+        self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)
+        self.retry = retry
+        self._retrying = Retrying(retry)  # shared by every storage this reader opens (retry.py)
         self.safe_globals = list(safe_globals or [])
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
@@ -62,6 +69,9 @@ class ZarrReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
+            if self.store is not None:
+                raise ValueError(f"ZarrReader(store=...) reads its store; checkpoint_id={checkpoint_id!r} cannot name "
+                                 "another place: make a reader per store, or pass paths instead")
             self.path = os.fspath(checkpoint_id)
         self.manifest = None
 
@@ -70,14 +80,17 @@ class ZarrReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
     def _storage(self) -> Storage:
+        if self.store is not None:
+            return store_objects.open_store(self.store, self._retrying)
         if not self.path:
-            raise ValueError("ZarrReader needs a path: pass one, or checkpoint_id= to dcp.load")
-        return open_storage(self.path, self.storage_options, read_only=True)
+            raise ValueError("ZarrReader needs a path or a store: pass path or store=, or checkpoint_id= to dcp.load")
+        return open_storage(self.path, self.storage_options, read_only=True, retry=self._retrying)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.manifest = read_manifest(self._storage())
         metadata = dcp_metadata(self.manifest)
-        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, load_id=self.manifest.save_id)
+        checkpoint_id = store_objects.label(self.store) if self.store is not None else self.path
+        metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, load_id=self.manifest.save_id)
         metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}
         return metadata
 

@@ -40,7 +40,8 @@ from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import is_local, open_storage
+from dcp_zarr.storage import Storage, is_local, open_storage, store_objects
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 from dcp_zarr.stored import untrusted_types
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
@@ -60,6 +61,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
     Args:
         path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s
             ``checkpoint_id`` replaces it.
+        store: a zarr store object instead of ``path`` (``zarr.storage.ObjectStore``, ``FsspecStore``,
+            ``MemoryStore``, ``LocalStore``): each rank passes its own. Committed as on an object store (the root
+            ``zarr.json`` last, in place), except a ``LocalStore``, which is saved as its directory path would be.
         storage_options: passed to fsspec for URLs (credentials, ``endpoint_url``, ...).
         thread_count: concurrent chunk writes per rank.
         sync_files: fsync chunks and directories before the commit (local paths).
@@ -71,15 +75,17 @@ class ZarrWriter(StorageWriter, WriterStaging):
             save is refused (``ReplicaMismatchError``) and nothing is committed: ``"small"`` compares kind, shape and
             dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
             ``"all"`` compares every value; ``"none"`` checks nothing (replicas.py).
+        retry: the ``RetryPolicy`` of this writer's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
     """
 
-    def __init__(self, path: str | os.PathLike = "", *, storage_options: dict | None = None, thread_count: int = 4,
+    def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
+                 thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
-                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES):
+                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None):
         if check_replicas not in replicas.CHECK_MODES:
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
-        self.path = os.fspath(path)
+        self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
@@ -87,6 +93,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self.inner_chunk_bytes = inner_chunk_bytes
         self.check_replicas = check_replicas
         self.replica_check_bytes = int(replica_check_bytes)
+        self.retry = retry
+        # One for every storage this writer opens: whether the store has answered yet decides whether a refused
+        # connection is retried (retry.py).
+        self._retrying = Retrying(retry)
         WriterStaging.__init__(self, cache_staged_state_dict)
         self.save_id: str | None = None
         self.is_coordinator = False
@@ -102,6 +112,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.save_started()  # with checkpoint_id=, DCP's first call in a save, in the thread that runs it
         if checkpoint_id:
+            if self.store is not None:
+                raise ValueError(f"ZarrWriter(store=...) saves into its store; checkpoint_id={checkpoint_id!r} cannot "
+                                 "name another place: make a writer per store, or pass paths instead")
             self.path = os.fspath(checkpoint_id)
         self.save_id = None
 
@@ -111,14 +124,16 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def storage_meta(self) -> StorageMeta | None:
         self.save_started()  # the first call in a save without checkpoint_id=
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self._target(), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        if not self.path:
-            raise ValueError("ZarrWriter needs a path: pass one, or checkpoint_id= to dcp.save")
+        if not self.path and self.store is None:
+            raise ValueError("ZarrWriter needs a path or a store: pass path or store=, or checkpoint_id= to dcp.save")
         self.is_coordinator = is_coordinator
-        if is_coordinator:
-            commit.check_target(self.path, self.storage_options, self.overwrite)
+        if is_coordinator and self.store is not None:
+            commit.check_stored(self._open(""), self.overwrite)
+        elif is_coordinator:
+            commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:
@@ -132,17 +147,18 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
         self._nodes = nodes = node_paths(plans)
-        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=is_local(self.path))
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=self.store is None and is_local(self.path))
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
-        self._staging = commit.staging_location(self.path, self.save_id)
-        commit.prepare_staging(open_storage(self._staging, self.storage_options))
+        # A store object is written in place, by each rank through its own store: the location is only a name.
+        self._staging = self._target() if self.store is not None else commit.staging_location(self.path, self.save_id)
+        commit.prepare_staging(self._open(self._staging))
         return [dataclasses.replace(plan, storage_data=assignment)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
-        storage = open_storage(assignment.staging_location, self.storage_options, sync_files=self.sync_files)
+        storage = self._open(assignment.staging_location)
         results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
         jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
         chunk_keys: list[str] = []
@@ -198,7 +214,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage = open_storage(self._staging, self.storage_options, sync_files=self.sync_files)
+        storage = self._open(self._staging)
         results, digests = replicas.split_results(results)
         try:
             replicas.compare_checksums(digests)
@@ -228,6 +244,14 @@ class ZarrWriter(StorageWriter, WriterStaging):
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
+
+    def _open(self, location: str) -> Storage:
+        if self.store is not None:
+            return store_objects.open_store(self.store, self._retrying)
+        return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self._retrying)
+
+    def _target(self) -> str:
+        return store_objects.label(self.store) if self.store is not None else self.path
 
     def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a

@@ -25,10 +25,11 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_zarr import ZarrReader
+from dcp_zarr import RetryPolicy as PublicRetryPolicy
+from dcp_zarr import ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.storage import open_storage, retry
 from dcp_zarr.storage import zarr_store
-from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, call_with_retry, is_transient
+from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, Retrying, call_with_retry, is_transient
 from tests.distributed import assert_state_equal
 from tests.fault_tools import causes, crash_state, load_full, save_plain
 
@@ -199,7 +200,7 @@ def proxy(s3, monkeypatch, caplog):
     s3.reset()
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries of timeouts and dropped connections
     monkeypatch.setattr(retry, "DEFAULT_POLICY", FAST)
-    caplog.set_level(logging.WARNING, logger="dcp_zarr.storage")
+    caplog.set_level(logging.DEBUG, logger="dcp_zarr.storage")  # retries are logged at DEBUG
     yield s3
     s3.reset()
 
@@ -283,6 +284,61 @@ def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
     for n, delay in enumerate(delays, 1):
         ceiling = min(FAST.max_delay, FAST.initial_delay * FAST.multiplier ** (n - 1))
         assert ceiling * (1 - FAST.jitter) - 1e-3 <= delay <= ceiling + 1e-3, (n, delays)
+
+
+def test_retries_are_logged_at_debug_and_nothing_reaches_stderr(proxy, caplog, capfd):
+    rule = proxy.inject("503", times=6, per_key=2)
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    assert rule["served"] == 6
+    retried = [r for r in caplog.records if r.name == "dcp_zarr.storage"]
+    assert len(retried) >= 6 and {r.levelno for r in retried} == {logging.DEBUG}, [r.levelname for r in retried]
+    assert "attempt" not in capfd.readouterr().err, "a retry that succeeded printed something"
+
+
+# -- a writer's and a reader's own retry policy ------------------------------------------------------------------------
+
+TWO = PublicRetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.01)  # the fixture's process-wide policy makes 6
+
+
+def _attempts_on(proxy, key_pattern: str, method: str) -> int:
+    return sum(1 for m, p, a in proxy.log if m == method and re.search(key_pattern, p) and a == "503")
+
+
+def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
+    key = r"/ckpt\.zarr/optim/step/c$"
+    proxy.inject("503", path=key, times=float("inf"))
+    url, opts = fresh_url(), options(proxy)
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(STATE, storage_writer=ZarrWriter(url, storage_options=opts, retry=TWO, **WRITER))
+    cause = causes(info.value)[0]
+    assert isinstance(cause, ObjectStoreError) and "gave up after 2 attempts" in str(cause), cause
+    assert _attempts_on(proxy, key, "PUT") == 2
+
+
+def test_a_readers_retry_policy_is_used_for_its_calls(proxy):
+    url, opts = fresh_url(), options(proxy)
+    save_plain(STATE, url, storage_options=opts, **WRITER)
+    key = r"/ckpt\.zarr/optim/step/c$"
+    proxy.inject("503", methods=("GET",), path=key, times=float("inf"))
+    with pytest.raises(CheckpointException, match="gave up after 2 attempts"):
+        load_full(url, STATE, storage_options=opts, retry=TWO)
+    assert _attempts_on(proxy, key, "GET") == 2
+    proxy.log.clear()
+    with pytest.raises(ObjectStoreError, match="gave up after 3 attempts"):
+        open_checkpoint(url, opts, retry=RetryPolicy(attempts=3, initial_delay=0.01)).read("optim.step")
+    assert _attempts_on(proxy, key, "GET") == 3
+    proxy.log.clear()
+    with pytest.raises(CheckpointException, match=f"gave up after {FAST.attempts} attempts"):
+        load_full(url, STATE, storage_options=opts)  # no retry=: the process-wide policy
+    assert _attempts_on(proxy, key, "GET") == FAST.attempts
+
+
+def test_a_retry_option_that_is_not_a_policy_is_refused():
+    with pytest.raises(TypeError, match="retry=.*RetryPolicy"):
+        ZarrWriter("s3://b/x.zarr", retry=3)
+    with pytest.raises(ValueError, match="attempts=0"):
+        RetryPolicy(attempts=0)
 
 
 # -- permanent faults and exhausted retries: the save fails at once, nothing is committed --------------------------
@@ -404,6 +460,52 @@ def test_errors_are_classified_as_transient_or_permanent():
                  OSError(errno.ENOSPC, "full"), OSError(errno.EINVAL, "bad")]
     assert [e for e in transient if not is_transient(e)] == []
     assert [e for e in permanent if is_transient(e)] == []
+
+
+def _refused() -> Exception:
+    """What s3fs raises for a refused connection: botocore's EndpointConnectionError over aiohttp's connector error."""
+    from types import SimpleNamespace
+
+    from aiohttp import ClientConnectorError
+    from botocore.exceptions import EndpointConnectionError
+
+    key = SimpleNamespace(host="127.0.0.1", port=9, ssl=False)
+    try:
+        try:
+            raise ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed"))
+        except ClientConnectorError as inner:
+            raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b/k", error=inner) from inner
+    except EndpointConnectionError as outer:
+        return outer
+
+
+def test_a_refused_connection_fails_at_once_until_the_store_has_answered_then_it_is_retried():
+    slept, calls = [], []
+
+    def refused():
+        calls.append(1)
+        raise _refused()
+
+    retrying = Retrying(FAST)
+    with pytest.raises(ObjectStoreError, match=r"s3://b/x: cannot reach the object store at http://127\.0\.0\.1:9 "
+                                                r"\(connection refused\) to read 'k'") as info:
+        retrying.call(refused, what="read", key="k", url="s3://b/x", sleep=slept.append)
+    assert len(calls) == 1 and slept == [] and "\n" not in str(info.value) and "Errno" not in str(info.value)
+    assert retrying.call(lambda: "ok", what="read", key="k", url="s3://b/x") == "ok"  # the store answers
+    calls.clear()
+    with pytest.raises(ObjectStoreError, match=f"gave up after {FAST.attempts} attempts"):
+        retrying.call(refused, what="read", key="k", url="s3://b/x", sleep=slept.append)
+    assert len(calls) == FAST.attempts, "a store that answered before and now refuses may be restarting"
+    patient = Retrying(RetryPolicy(attempts=6, unreachable_attempts=3, initial_delay=0.01))
+    calls.clear()
+    with pytest.raises(ObjectStoreError, match="cannot reach"):
+        patient.call(refused, what="read", key="k", url="s3://b/x", sleep=slept.append)
+    assert len(calls) == 3
+
+
+def test_s3_error_codes_that_botocore_retries_are_transient_whatever_the_status():
+    assert is_transient(_client_error(400, "RequestTimeout"))  # S3 sends it as a 400
+    assert is_transient(_client_error(400, "SlowDown")) and not is_transient(_client_error(400, "InvalidArgument"))
 
 
 def test_the_default_policy_backs_off_exponentially_to_a_cap():

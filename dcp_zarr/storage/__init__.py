@@ -6,6 +6,7 @@ import os
 
 from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.local import LocalStorage
+from dcp_zarr.storage.retry import RetryPolicy, Retrying
 
 __all__ = ["Storage", "LocalStorage", "is_local", "local_path", "open_storage"]
 
@@ -21,8 +22,11 @@ def local_path(location: str | os.PathLike) -> str:
 
 
 def open_storage(location: str | os.PathLike, storage_options: dict | None = None, *, sync_files: bool = True,
-                 read_only: bool = False) -> Storage:
-    """The backend for a path or URL; ``storage_options`` go to fsspec (credentials, endpoint_url, ...)."""
+                 read_only: bool = False, retry: RetryPolicy | Retrying | None = None) -> Storage:
+    """The backend for a path or URL; ``storage_options`` go to fsspec (credentials, endpoint_url, ...).
+
+    ``retry``: the policy of object-store calls, or a writer's or reader's ``Retrying`` to share (local paths have
+    none)."""
     if is_local(location):
         return LocalStorage(local_path(location), sync_files=sync_files)
     from zarr.storage import FsspecStore
@@ -30,14 +34,21 @@ def open_storage(location: str | os.PathLike, storage_options: dict | None = Non
     from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 
     url = os.fspath(location)
-    store = FsspecStore.from_url(url, storage_options=_with_connection_pool(url, storage_options),
-                                 read_only=read_only)
-    return ZarrStoreStorage(store, url)
+    store = FsspecStore.from_url(url, storage_options=_s3_client_options(url, storage_options), read_only=read_only)
+    return ZarrStoreStorage(store, url, as_retrying(retry))
 
 
-def _with_connection_pool(url: str, storage_options: dict | None) -> dict | None:
-    """s3fs's HTTP connection pool (botocore's default: 10) caps the requests in flight; make room for
-    ``REQUESTS_IN_FLIGHT`` unless the caller chose a size (``config_kwargs={"max_pool_connections": N}``)."""
+def as_retrying(retry: RetryPolicy | Retrying | None) -> Retrying:
+    return retry if isinstance(retry, Retrying) else Retrying(retry)
+
+
+def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
+    """Two botocore defaults changed for ``s3://``, each unless the caller set it in ``config_kwargs``:
+
+    * the HTTP connection pool (default 10) caps the requests in flight: make room for ``REQUESTS_IN_FLIGHT``;
+    * botocore's own retries (5 attempts, backing off up to 20 s) would multiply dcp_zarr's (retry.py), and made a
+      refused endpoint take 7-8 s per call before dcp_zarr saw the error: one attempt, so retry.py is the one layer.
+    """
     if not url.startswith(("s3://", "s3a://")):
         return storage_options
     from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
@@ -45,5 +56,6 @@ def _with_connection_pool(url: str, storage_options: dict | None) -> dict | None
     options = dict(storage_options or {})
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("max_pool_connections", REQUESTS_IN_FLIGHT)
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     options["config_kwargs"] = config
     return options

@@ -2,8 +2,13 @@
 capped exponential backoff; anything else fails at once, re-raised naming the store and key.
 
 Every call wrapped here is idempotent (a whole-key put, a get, an existence check, a prefix delete), so repeating
-one after a fault whose outcome is unknown is safe. The client libraries retry a little themselves (botocore: up to
-5 attempts on 5xx; s3fs: 5 on timeouts); this layer bounds the whole operation no matter which backend fsspec picked.
+one after a fault whose outcome is unknown is safe. This is meant to be the one retry layer: ``open_storage`` turns
+botocore's own retries off unless the caller configured them (s3fs still retries a few timeouts itself).
+
+A connection that could not be made at all (refused, a host name that does not resolve, a connect timeout) to a
+store that has never answered this writer or reader is a wrong endpoint, not a fault that passes: it fails at once
+(``RetryPolicy.unreachable_attempts``), in one line naming the store and the endpoint. Once the store has answered,
+the same errors are retried like any other transient fault (a server restarting, a load balancer failing over).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from dcp_zarr.errors import ZarrCheckpointError
 
@@ -24,6 +30,10 @@ T = TypeVar("T")
 
 class ObjectStoreError(ZarrCheckpointError, OSError):
     """An object-store call failed permanently (or kept failing transiently); ``__cause__`` is the client's error."""
+
+    def __str__(self) -> str:
+        # The message alone: OSError's "[Errno 5] ..." prefix says nothing (the errno is a stand-in for most faults).
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,13 @@ class RetryPolicy:
     max_delay: float = 10.0
     multiplier: float = 2.0
     jitter: float = 0.5
+    # Attempts when no connection can be made to a store that has not answered yet (see the module docstring).
+    unreachable_attempts: int = 1
+
+    def __post_init__(self):
+        if self.attempts < 1 or self.unreachable_attempts < 1:
+            raise ValueError(f"RetryPolicy: attempts={self.attempts} and unreachable_attempts="
+                             f"{self.unreachable_attempts} must be at least 1")
 
     def delay(self, failed_attempts: int, rng: random.Random | None = None) -> float:
         base = min(self.max_delay, self.initial_delay * self.multiplier ** (failed_attempts - 1))
@@ -52,6 +69,20 @@ _TRANSIENT_NAMES = frozenset({
     "TimeoutError", "ConnectionError", "HTTPClientError", "ClientConnectionError", "ClientPayloadError",
     "ServerTimeoutError", "ResponseParserError", "IncompleteRead", "FSTimeoutError", "RemoteDisconnected",
 })
+# Error codes in an S3 response body that botocore would retry (its throttling and transient lists): S3 sends
+# RequestTimeout as a 400, so the status alone would call it permanent.
+_TRANSIENT_CODES = frozenset({
+    "RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete", "Throttling", "ThrottlingException",
+    "ThrottledException", "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown",
+})
+# No connection was made: aiohttp's connector errors (DNS failures are a subclass), botocore's wrappers of them,
+# urllib3's, and the OS errors underneath. Matched by name, like _TRANSIENT_NAMES.
+_NO_CONNECTION_NAMES = frozenset({
+    "ClientConnectorError", "EndpointConnectionError", "ConnectTimeoutError", "ConnectionTimeoutError",
+    "NewConnectionError", "NameResolutionError", "ConnectionRefusedError", "gaierror",
+})
+_NO_CONNECTION_ERRNOS = frozenset({errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 _TRANSIENT_ERRNOS = frozenset({
     errno.EBUSY,  # s3fs: 503 ServiceUnavailable / SlowDown
     getattr(errno, "EREMOTEIO", errno.EIO),  # s3fs: 500 InternalError
@@ -85,8 +116,21 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+def error_code(exc: BaseException) -> str | None:
+    """The error code of an S3-style response behind ``exc`` (botocore ClientError: ``SlowDown``), if any."""
+    for link in _chain(exc):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if isinstance(code, str):
+                return code
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether trying the same call again may succeed."""
+    if error_code(exc) in _TRANSIENT_CODES:
+        return True
     status = http_status(exc)
     if status is not None:
         return status >= 500 or status in _TRANSIENT_STATUS
@@ -98,24 +142,96 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
+def no_connection(exc: BaseException) -> str | None:
+    """Why no connection could be made (``"connection refused"``, ...), if that is what ``exc`` is; else None."""
+    if http_status(exc) is not None:
+        return None  # something answered
+    found = None
+    for link in _chain(exc):
+        names = {cls.__name__ for cls in type(link).__mro__}
+        if "ClientConnectorDNSError" in names or "gaierror" in names or "NameResolutionError" in names:
+            return "the host name does not resolve"
+        if "ConnectionRefusedError" in names or getattr(link, "errno", None) == errno.ECONNREFUSED:
+            return "connection refused"
+        if names & {"ConnectTimeoutError", "ConnectionTimeoutError"}:
+            return "connecting timed out"
+        if names & _NO_CONNECTION_NAMES or getattr(link, "errno", None) in _NO_CONNECTION_ERRNOS:
+            found = found or "no connection could be made"
+    return found
+
+
+def endpoint_of(exc: BaseException) -> str | None:
+    """The endpoint a failed connection was for: botocore's ``endpoint_url``, or aiohttp's host and port."""
+    for link in _chain(exc):
+        url = getattr(link, "kwargs", {}).get("endpoint_url") if isinstance(getattr(link, "kwargs", None), dict) else None
+        if isinstance(url, str):
+            parts = urlsplit(url)
+            return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
+        host, port = getattr(link, "host", None), getattr(link, "port", None)
+        if isinstance(host, str) and isinstance(port, int):
+            return f"{host}:{port}"
+    return None
+
+
+class Retrying:
+    """The retries of one writer or reader: its policy (None: ``DEFAULT_POLICY`` at the time of each call), and
+    whether the store has answered any of its calls yet. Shared by every Storage that writer or reader opens."""
+
+    def __init__(self, policy: RetryPolicy | None = None):
+        if policy is not None and not isinstance(policy, RetryPolicy):
+            raise TypeError(f"retry={policy!r}: expected a dcp_zarr.RetryPolicy")
+        self.policy = policy
+        self.answered = False  # a bool set from several threads: each write is atomic, and only ever sets True
+
+    def __repr__(self) -> str:
+        return f"Retrying({self.policy!r})"
+
+    def call(self, operation: Callable[[], T], *, what: str, key: str, url: str,
+             sleep: Callable[[float], None] = time.sleep) -> T:
+        """``operation()``, retried while it fails transiently; ``ObjectStoreError`` naming ``key`` when it cannot
+        succeed. Retries are logged at DEBUG: a retry that succeeds is nothing the user has to act on."""
+        policy = self.policy or DEFAULT_POLICY
+        attempt = 1
+        while True:
+            try:
+                result = operation()
+                self.answered = True
+                return result
+            except Exception as exc:
+                unreachable = no_connection(exc)
+                if unreachable is None:
+                    self.answered = True  # an HTTP error, or any other outcome of a request that got through
+                if unreachable is not None and not self.answered:
+                    if attempt >= policy.unreachable_attempts:
+                        endpoint = endpoint_of(exc)
+                        raise ObjectStoreError(
+                            getattr(exc, "errno", None) or errno.EHOSTUNREACH,
+                            f"{url}: cannot reach the object store{f' at {endpoint}' if endpoint else ''} "
+                            f"({unreachable}) to {what} {key!r}; not retried, since it has not answered yet: check "
+                            f"the URL and endpoint_url ({type(exc).__name__}: {_one_line(exc)})",
+                        ) from exc
+                    transient = True
+                else:
+                    transient = is_transient(exc)
+                if not transient or attempt >= policy.attempts:
+                    why = f"gave up after {attempt} attempts" if transient else "not retried: the error is permanent"
+                    raise ObjectStoreError(
+                        getattr(exc, "errno", None) or errno.EIO,
+                        f"{url}: {what} {key!r} failed ({why}): {type(exc).__name__}: {_one_line(exc)}",
+                    ) from exc
+                delay = policy.delay(attempt)
+                log.debug("%s: %s %r failed (%s: %s); attempt %d of %d in %.2f s",
+                          url, what, key, type(exc).__name__, exc, attempt + 1, policy.attempts, delay)
+                sleep(delay)
+                attempt += 1
+
+
+def _one_line(exc: BaseException) -> str:
+    # obstore appends a multi-line "Debug source:" dump after a blank line: the first paragraph says it all
+    return " ".join(str(exc).split("\n\n")[0].split())
+
+
 def call_with_retry(operation: Callable[[], T], *, what: str, key: str, url: str, policy: RetryPolicy | None = None,
-                    sleep: Callable[[float], None] = time.sleep) -> T:
-    """``operation()``, retried while it fails transiently; ``ObjectStoreError`` naming ``key`` when it cannot succeed."""
-    policy = policy or DEFAULT_POLICY
-    attempt = 1
-    while True:
-        try:
-            return operation()
-        except Exception as exc:
-            transient = is_transient(exc)
-            if not transient or attempt >= policy.attempts:
-                why = f"gave up after {attempt} attempts" if transient else "not retried: the error is permanent"
-                raise ObjectStoreError(
-                    getattr(exc, "errno", None) or errno.EIO,
-                    f"{url}: {what} {key!r} failed ({why}): {type(exc).__name__}: {exc}",
-                ) from exc
-            delay = policy.delay(attempt)
-            log.warning("%s: %s %r failed (%s: %s); attempt %d of %d in %.2f s",
-                        url, what, key, type(exc).__name__, exc, attempt + 1, policy.attempts, delay)
-            sleep(delay)
-            attempt += 1
+                    sleep: Callable[[float], None] = time.sleep, retrying: Retrying | None = None) -> T:
+    """``operation()`` with retries: through ``retrying`` (a writer's or reader's), else a fresh one with ``policy``."""
+    return (retrying or Retrying(policy)).call(operation, what=what, key=key, url=url, sleep=sleep)

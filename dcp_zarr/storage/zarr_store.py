@@ -9,7 +9,7 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from dcp_zarr.storage.base import Storage
-from dcp_zarr.storage.retry import call_with_retry
+from dcp_zarr.storage.retry import Retrying, call_with_retry
 
 
 # Requests an object store keeps in flight per rank, at least: each waits mostly on the network (tens of ms a
@@ -27,19 +27,22 @@ class ZarrStoreStorage(Storage):
     def requests_in_flight(self, thread_count: int) -> int:
         return max(thread_count, REQUESTS_IN_FLIGHT)
 
-    def __init__(self, store: Store, url: str):
+    def __init__(self, store: Store, url: str, retrying: Retrying | None = None):
         self.store = store
         self.url = url
+        self.retrying = retrying or Retrying()
         self._prototype = default_buffer_prototype()
+
+    def _call(self, operation, what: str, key: str):
+        return call_with_retry(operation, what=what, key=key, url=self.url, retrying=self.retrying)
 
     def write(self, key: str, buffers: Sequence) -> None:
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         buffer = self._prototype.buffer.from_bytes(data)
-        call_with_retry(lambda: sync(self.store.set(key, buffer)), what="write", key=key, url=self.url)
+        self._call(lambda: sync(self.store.set(key, buffer)), "write", key)
 
     def _get(self, key: str, byte_range=None) -> bytes:
-        buffer = call_with_retry(lambda: sync(self.store.get(key, self._prototype, byte_range)),
-                                 what="read", key=key, url=self.url)
+        buffer = self._call(lambda: sync(self.store.get(key, self._prototype, byte_range)), "read", key)
         if buffer is None:
             raise FileNotFoundError(f"{self.url}: no key {key!r}")
         return buffer.to_bytes()
@@ -54,10 +57,10 @@ class ZarrStoreStorage(Storage):
         return self._get(key, SuffixByteRequest(length))
 
     def exists(self, key: str) -> bool:
-        return call_with_retry(lambda: sync(self.store.exists(key)), what="look up", key=key, url=self.url)
+        return self._call(lambda: sync(self.store.exists(key)), "look up", key)
 
     def remove(self, key: str) -> None:
-        call_with_retry(lambda: sync(self.store.delete(key)), what="delete", key=key, url=self.url)
+        self._call(lambda: sync(self.store.delete(key)), "delete", key)
 
     def remove_all(self) -> None:
-        call_with_retry(lambda: sync(self.store.delete_dir("")), what="delete everything under", key="", url=self.url)
+        self._call(lambda: sync(self.store.delete_dir("")), "delete everything under", "")
