@@ -25,7 +25,7 @@ from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.errors import NotACheckpointError
 from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntry, TensorEntry, read_manifest
 from dcp_zarr.manifest import Entry as ManifestEntry
-from dcp_zarr.prefixes import explain_missing_name
+from dcp_zarr.wrapper_names import explain_missing_name
 from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage
