@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from dcp_zarr.dtypes import tensor_as_numpy
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
 from dcp_zarr.manifest import TENSOR, VALUE
 from dcp_zarr.offline import Checkpoint, Entry, region_box, open_checkpoint, set_by_path
@@ -57,7 +58,7 @@ class DcpCheckpoint:
                 itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
                 self.entries[fqn] = Entry(
                     fqn=fqn, path=path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
-                    dtype=md.properties.dtype, shape=shape,
+                    dtype_name=str(md.properties.dtype), shape=shape,
                     saved_shards=sum(1 for c in md.chunks if all(c.sizes)))
             else:
                 self.entries[fqn] = Entry(fqn=fqn, path=path, kind=VALUE, node=node, nbytes=0)
@@ -88,6 +89,10 @@ class DcpCheckpoint:
         offsets, sizes, squeeze = region_box(tuple(tensor.shape), region, entry.fqn)
         part = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         return part.reshape([n for n, drop in zip(sizes, squeeze) if not drop])
+
+    def read_array(self, name: str | Entry, region=None):
+        """``read_tensor`` as a numpy view (what ``diff`` compares, as it does for zarr stores)."""
+        return tensor_as_numpy(self.read_tensor(name, region))
 
     def read_value(self, name: str | Entry):
         return self._values()[self.entry(name).fqn]

@@ -2,21 +2,20 @@
 
 Tensor entries get a ``RegionReader`` only after their array's ``zarr.json`` agrees with the manifest; value
 entries decode their tagged JSON; object entries (``torch.save`` bytes) load with ``weights_only=True`` only.
+Only that last step imports torch: everything else here serves ``inspect``, ``verify`` and ``diff`` without it.
 """
 
 from __future__ import annotations
 
 import io
 
-import torch
-
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
 from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError
+from dcp_zarr.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
+from dcp_zarr.zarr_dtypes import STORED_DTYPES
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20
@@ -44,16 +43,16 @@ def tensor_reader(storage: Storage, entry: Entry, fqn: str) -> RegionReader:
         raise MalformedMetadataError(
             f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
             f"{layout.inner_rows} rows, but the manifest says {list(entry.chunk_shape)} and {entry.inner_chunk_rows}")
-    dtype = torch_dtype_from_name(entry.dtype)
+    np_dtype, zarr_name = STORED_DTYPES[entry.dtype]  # a name the manifest checked (manifest.stored_numpy_dtype)
     # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
     # compression, no checksums) would be misread, so it is refused by name instead.
-    expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
+    expected = array_metadata(layout, zarr_name, np_dtype.itemsize)
     for field in ("data_type", "codecs", "chunk_key_encoding"):
         if array_doc.get(field) != expected[field]:
             raise MalformedMetadataError(
                 f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
                 f"but a {entry.dtype} entry is stored with {expected[field]!r}")
-    return RegionReader(storage, node, layout, numpy_dtype(dtype))
+    return RegionReader(storage, node, layout, np_dtype)
 
 
 def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, how_to_allow: str):
@@ -62,6 +61,26 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
     if isinstance(entry, ValueEntry):
         return decode_value(entry.value)  # checked when the manifest was read
+    payload = stored_object_bytes(storage, entry, fqn)
+    try:
+        import torch  # here, not above: only decoding torch.save bytes needs it
+    except ImportError as exc:
+        raise TorchNotImportableError(
+            f"{storage.url}: entry {fqn!r} is stored as torch.save bytes; decoding them needs torch, which cannot be "
+            f"imported here ({exc})") from None
+    try:
+        with torch.serialization.safe_globals(safe_globals):
+            return torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as exc:
+        raise MalformedMetadataError(
+            f"{storage.url}: entry {fqn!r} is stored as torch.save bytes that do not load with "
+            f"torch.load(weights_only=True) ({_unpickling_reason(exc)}). If you trust the types it holds, pass them "
+            f"as {how_to_allow}") from None
+
+
+def stored_object_bytes(storage: Storage, entry: ObjectEntry, fqn: str) -> bytes:
+    """The ``torch.save`` bytes of an object entry, their size checked against the manifest and their crc32c
+    verified; nothing is unpickled (so no torch)."""
     where = f"array {entry.node!r} chunk {entry.chunk}"
     stored_bytes = entry.nbytes + CHECKSUM_BYTES
     try:
@@ -72,15 +91,7 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
         size = f"more than {stored_bytes}" if len(raw) > stored_bytes else str(len(raw))
         raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} holds {size} bytes; the manifest says "
                                 f"{stored_bytes}")
-    payload = bytes(verify_plain(raw, where))
-    try:
-        with torch.serialization.safe_globals(safe_globals):
-            return torch.load(io.BytesIO(payload), weights_only=True)
-    except Exception as exc:
-        raise MalformedMetadataError(
-            f"{storage.url}: entry {fqn!r} is stored as torch.save bytes that do not load with "
-            f"torch.load(weights_only=True) ({_unpickling_reason(exc)}). If you trust the types it holds, pass them "
-            f"as {how_to_allow}") from None
+    return bytes(verify_plain(raw, where))
 
 
 def _unpickling_reason(exc: Exception) -> str:
