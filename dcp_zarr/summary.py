@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from dcp_zarr.errors import TorchNotImportableError
 from dcp_zarr.layout import ChunkLayout
 from dcp_zarr.manifest import TENSOR
 from dcp_zarr.offline import Checkpoint, Entry
@@ -17,7 +18,10 @@ def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
               and (e.kind != TENSOR or (e.shape is not None and _numel(e.shape) == 1))]
 
     def read(entry: Entry):
-        value = ckpt.read(entry)
+        try:  # numpy for tensors, so inspect needs no torch
+            value = ckpt.read_array(entry) if entry.kind == TENSOR else ckpt.read_value(entry)
+        except TorchNotImportableError:  # a step saved as torch.save bytes: shown where torch can decode it
+            return entry.fqn, None
         if hasattr(value, "item"):
             value = value.item()
         return entry.fqn, value
@@ -40,7 +44,7 @@ def summarize(ckpt: Checkpoint) -> dict:
         row = {"fqn": entry.fqn, "path": list(entry.path), "node": entry.node, "kind": entry.kind, "nbytes": entry.nbytes}
         if entry.kind == TENSOR:
             row.update(
-                dtype=str(entry.dtype).removeprefix("torch."), shape=list(entry.shape),
+                dtype=entry.dtype_name.removeprefix("torch."), shape=list(entry.shape),
                 chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
                 inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
                 saved_shards=entry.saved_shards, source=entry.source)
