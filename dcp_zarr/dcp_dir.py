@@ -24,15 +24,17 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from dcp_zarr.dtypes import tensor_as_numpy
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
 from dcp_zarr.manifest import TENSOR, VALUE
-from dcp_zarr.offline import Checkpoint, Entry, region_box, open_checkpoint, set_by_path
-from dcp_zarr.storage import is_local, local_path
-
-METADATA_FILE = ".metadata"
-
-
-def is_dcp_directory(path: str | os.PathLike) -> bool:
-    location = os.fspath(path)
-    return is_local(location) and os.path.isfile(os.path.join(local_path(location), METADATA_FILE))
+from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
+from dcp_zarr.offline import (
+    Checkpoint,
+    Entry,
+    is_dcp_directory,
+    open_checkpoint,
+    refuse_a_file,
+    region_box,
+    set_by_path,
+)
+from dcp_zarr.storage import local_path
 
 
 class DcpCheckpoint:
@@ -41,6 +43,7 @@ class DcpCheckpoint:
     def __init__(self, path: str | os.PathLike):
         self.path = local_path(os.fspath(path))
         self.url = self.path
+        refuse_a_file(self.path)
         if not is_dcp_directory(self.path):
             raise NotACheckpointError(f"{self.path} is not a torch.distributed.checkpoint directory (no {METADATA_FILE})")
         try:

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 # object store busy, few enough that a local read is not dominated by scheduling.
 _READ_BLOCK_BYTES = 16 << 20
 
+# torch's own checkpoint directories hold this file (dcp_dir.py reads them; noticing one needs no torch).
+DCP_METADATA_FILE = ".metadata"
+
 # A region is basic indexing with step 1: a tuple of slices, ints and at most one Ellipsis (``(slice(0, 8), 3)``).
 Region = tuple
 
@@ -272,12 +275,26 @@ def open_checkpoint(path: str | os.PathLike, storage_options: dict | None = None
         local = local_path(location)
         if not os.path.exists(local):
             raise NotACheckpointError(f"{local} does not exist")
-        if os.path.isfile(os.path.join(local, ".metadata")):
+        refuse_a_file(local)
+        if is_dcp_directory(local):
             raise NotACheckpointError(
                 f"{local} is a torch.distributed.checkpoint directory (.metadata + .distcp files), not a zarr store; "
                 f"convert it with: dcp-zarr convert {location} OUT.zarr --to zarr")
     storage = open_storage(location, storage_options, read_only=True)
     return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
+
+
+def is_dcp_directory(path: str | os.PathLike) -> bool:
+    """A local torch.distributed.checkpoint directory (``.metadata`` + ``.distcp`` files)?"""
+    location = os.fspath(path)
+    return is_local(location) and os.path.isfile(os.path.join(local_path(location), DCP_METADATA_FILE))
+
+
+def refuse_a_file(local: str) -> None:
+    """One clear line for a checkpoint path that is a file (``model.pt``), where reading ``FILE/zarr.json`` would
+    fail with "[Errno 20] Not a directory"."""
+    if os.path.isfile(local):
+        raise NotACheckpointError(f"{local} is a file, not a checkpoint directory (a zarr store or a DCP directory)")
 
 
 def set_by_path(root: dict, path: Sequence, value) -> None:
