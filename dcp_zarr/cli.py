@@ -69,7 +69,7 @@ def _inspect(args) -> int:
     from dcp_zarr.offline import open_checkpoint
     from dcp_zarr.summary import format_summary, summarize
 
-    summary = summarize(open_checkpoint(args.path, args.storage_options))
+    summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return OK
 
@@ -200,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", parents=[common], help="entries, shapes, dtypes, chunk layout, saving context")
     p.add_argument("path", help="checkpoint directory or URL (s3://bucket/ckpt.zarr)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--filter", action="append", type=_glob, metavar="PATTERN",
+                   help="list only entries whose whole name matches this shell-style glob, e.g. '*.exp_avg' "
+                        "(* matches dots too); repeatable: any of them")
+    p.add_argument("--depth", type=_positive_int, metavar="N",
+                   help="instead of every entry, groups of names by their first N dot-separated components, with "
+                        "entry counts and bytes (like du --max-depth)")
     p.set_defaults(run=_inspect)
 
     p = commands.add_parser("verify", parents=[common], help="complete, every chunk present and its crc32c intact?")
@@ -234,6 +240,25 @@ def _parser() -> argparse.ArgumentParser:
 def _finish_args(args):
     args.storage_options = dict(args.storage_options) if args.storage_options else None
     return args
+
+
+def _glob(text: str) -> str:
+    from dcp_zarr.listing import check_glob
+
+    try:
+        return check_glob(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad glob pattern: {exc}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of name components, got {text!r}")
+    return value
 
 
 def _storage_option(text: str) -> tuple[str, object]:
