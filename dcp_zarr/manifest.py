@@ -27,7 +27,7 @@ from dcp_zarr.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, che
 from dcp_zarr.optim_keys import OptimizerTable
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
-from dcp_zarr.zarr_dtypes import STORED_DTYPES
+from dcp_zarr.stored_dtypes import STORED_DTYPES
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 3  # 3: chunk keys with "." (c.0.1); 1 and 2 used "/" (layout.CHUNK_KEY_SEPARATOR)

@@ -15,7 +15,7 @@ from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotI
 from dcp_zarr.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
-from dcp_zarr.zarr_dtypes import STORED_DTYPES
+from dcp_zarr.stored_dtypes import STORED_DTYPES
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20

@@ -21,6 +21,7 @@ from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 BIN = os.path.dirname(sys.executable)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_and_save_both(rank, world_size, zarr_path, dcp_path):
@@ -74,7 +75,8 @@ def test_the_console_script_and_python_m_both_run_the_command(saved):
 def _save_looking_set(root):
     """Two small stores that differ in a bfloat16 tensor and an object entry, their DCP directory, a corrupt copy."""
     def state(scale, size):
-        return {"model": {"w": torch.ones(3, 4, dtype=torch.bfloat16) * scale, "f8": torch.ones(2, dtype=torch.float8_e4m3fn)},
+        return {"model": {"w": torch.ones(3, 4, dtype=torch.bfloat16) * scale,
+                          "f8": torch.ones(2, dtype=torch.float8_e4m3fn)},
                 "extra": {"size": torch.Size(size), "same": torch.Size([1])}, "lr": 0.1}
 
     _save(root / "a.zarr", state(1.0, [2, 3]))
@@ -91,7 +93,8 @@ def _save_looking_set(root):
 
 
 def _without_torch(root, *argv) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "no-torch"), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    path = [str(root / "no-torch"), REPO, *filter(None, [os.environ.get("PYTHONPATH")])]  # this checkout's dcp_zarr
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     return subprocess.run([sys.executable, "-m", "dcp_zarr", *map(str, argv)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=120)
 
@@ -244,7 +247,8 @@ def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
     path.write_bytes(b"not a checkpoint")
     line = f"{path} is a file, not a checkpoint directory (a zarr store or a DCP directory)\n"
 
-    for command, *rest in (["inspect"], ["verify"], ["diff", saved[0]], ["convert", tmp_path / "o.zarr", "--to", "zarr"],
+    for command, *rest in (["inspect"], ["verify"], ["diff", saved[0]],
+                           ["convert", tmp_path / "o.zarr", "--to", "zarr"],
                            ["convert", tmp_path / "o.safetensors", "--to", "safetensors"]):
         code, _, err = run(capsys, command, path, *rest)
         assert (code, err) == (2, f"dcp-zarr {command}: error: {line}")
