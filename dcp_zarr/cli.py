@@ -2,6 +2,10 @@
 
 Exit status: 0 success; 1 the check failed (``verify`` found problems, ``diff`` found differences); 2 the command
 could not run (bad path, not a checkpoint, unreachable store, refused overwrite, bad arguments).
+
+Nothing here imports torch at module level, and ``inspect``, ``verify`` and ``diff`` of zarr stores never do: they
+start in a fraction of a second and run where torch is not installed. ``convert`` and reading DCP directories need
+it; without it they fail with one line saying so.
 """
 
 from __future__ import annotations
@@ -13,7 +17,12 @@ import os
 import re
 import sys
 
-from dcp_zarr.errors import IncompleteCheckpointError, MalformedMetadataError, ZarrCheckpointError
+from dcp_zarr.errors import (
+    IncompleteCheckpointError,
+    MalformedMetadataError,
+    TorchNotImportableError,
+    ZarrCheckpointError,
+)
 
 OK, FAILED, ERROR = 0, 1, 2
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
@@ -40,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         # traceback. Anything else is a bug and keeps its traceback.
         print(f"dcp-zarr {args.command}: error: {exc}", file=sys.stderr)
         return ERROR
+    except ImportError as exc:
+        if _torch_importable():  # some other missing module: a broken install, keep the traceback
+            raise
+        print(f"dcp-zarr {args.command}: error: this needs torch, which cannot be imported here ({exc})",
+              file=sys.stderr)
+        return ERROR
     except BaseException as exc:
         if type(exc).__name__ == "CheckpointException":  # DCP's wrapper (a BaseException) around per-rank errors
             print(f"dcp-zarr {args.command}: error: {_checkpoint_exception_reason(exc)}", file=sys.stderr)
@@ -54,7 +69,7 @@ def _inspect(args) -> int:
     from dcp_zarr.offline import open_checkpoint
     from dcp_zarr.summary import format_summary, summarize
 
-    summary = summarize(open_checkpoint(args.path, args.storage_options))
+    summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return OK
 
@@ -92,14 +107,14 @@ def _emit_verify(args, document: dict, text: str) -> None:
 
 
 def _convert(args) -> int:
-    from dcp_zarr.convert import convert
+    from dcp_zarr.convert import DEFAULT_SAFETENSORS_SHARD_BYTES, convert
 
     options = {}
     if args.to == "safetensors":
-        options["max_shard_bytes"] = args.max_shard_size
+        options["max_shard_bytes"] = args.max_shard_size or DEFAULT_SAFETENSORS_SHARD_BYTES
         if args.prefix is not None:
             options["prefix"] = tuple(p for p in args.prefix.split("/") if p)
-    elif args.prefix is not None or args.max_shard_size_given:
+    elif args.prefix is not None or args.max_shard_size is not None:
         raise UsageError("--prefix and --max-shard-size apply to --to safetensors only")
     if args.to == "zarr":
         _note(args, f"reading {args.src} whole into memory, then writing {args.dst}")
@@ -111,11 +126,10 @@ def _convert(args) -> int:
 
 
 def _diff(args) -> int:
-    from dcp_zarr.dcp_dir import open_any_checkpoint
     from dcp_zarr.diff import EQUAL, diff_checkpoints
 
-    a = open_any_checkpoint(args.a, args.storage_options)
-    b = open_any_checkpoint(args.b, args.storage_options)
+    a = _open_any(args.a, args.storage_options)
+    b = _open_any(args.b, args.storage_options)
     report = diff_checkpoints(a, b, atol=args.atol, progress=args.progress)
     if args.json:
         entries = [{"fqn": e.fqn, "status": e.status, "detail": e.detail, "differing": e.differing,
@@ -131,6 +145,33 @@ def _diff(args) -> int:
         counts = ", ".join(f"{n} {status}" for status, n in report.counts().items() if n)
         print(f"{len(report.entries)} entries: {counts or 'none'}")
     return OK if report.same else FAILED
+
+
+def _open_any(path: str, storage_options: dict | None):
+    """A zarr store (torch-free) or a DCP directory (which only torch reads)."""
+    from dcp_zarr.offline import is_dcp_directory, open_checkpoint
+
+    if not is_dcp_directory(path):
+        return open_checkpoint(path, storage_options)
+    try:
+        from dcp_zarr.dcp_dir import DcpCheckpoint
+    except ImportError as exc:
+        if _torch_importable():
+            raise
+        raise TorchNotImportableError(
+            f"{path} is a torch.distributed.checkpoint directory (.metadata + .distcp files); reading it needs "
+            f"torch, which cannot be imported here ({exc})") from None
+    return DcpCheckpoint(path)
+
+
+def _torch_importable() -> bool:
+    # Asked only after an ImportError: trying the import itself is the one reliable test (torch may be installed
+    # but broken), and where torch imports, it is needed next anyway.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # -- arguments ----------------------------------------------------------------------------------------------------------
@@ -159,6 +200,12 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", parents=[common], help="entries, shapes, dtypes, chunk layout, saving context")
     p.add_argument("path", help="checkpoint directory or URL (s3://bucket/ckpt.zarr)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--filter", action="append", type=_glob, metavar="PATTERN",
+                   help="list only entries whose whole name matches this shell-style glob, e.g. '*.exp_avg' "
+                        "(* matches dots too); repeatable: any of them")
+    p.add_argument("--depth", type=_positive_int, metavar="N",
+                   help="instead of every entry, groups of names by their first N dot-separated components, with "
+                        "entry counts and bytes (like du --max-depth)")
     p.set_defaults(run=_inspect)
 
     p = commands.add_parser("verify", parents=[common], help="complete, every chunk present and its crc32c intact?")
@@ -192,13 +239,26 @@ def _parser() -> argparse.ArgumentParser:
 
 def _finish_args(args):
     args.storage_options = dict(args.storage_options) if args.storage_options else None
-    if getattr(args, "command", None) == "convert":
-        from dcp_zarr.convert import DEFAULT_SAFETENSORS_SHARD_BYTES
-
-        args.max_shard_size_given = args.max_shard_size is not None
-        if args.max_shard_size is None:
-            args.max_shard_size = DEFAULT_SAFETENSORS_SHARD_BYTES
     return args
+
+
+def _glob(text: str) -> str:
+    from dcp_zarr.listing import check_glob
+
+    try:
+        return check_glob(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad glob pattern: {exc}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of name components, got {text!r}")
+    return value
 
 
 def _storage_option(text: str) -> tuple[str, object]:

@@ -20,7 +20,7 @@ from dcp_zarr import commit
 from dcp_zarr.dcp_dir import DcpCheckpoint, is_dcp_directory, open_any_checkpoint
 from dcp_zarr.errors import CheckpointExistsError, ZarrCheckpointError
 from dcp_zarr.manifest import TENSOR
-from dcp_zarr.offline import Checkpoint
+from dcp_zarr.offline import Checkpoint, refuse_a_file
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import is_local, local_path
 from dcp_zarr.writer import ZarrWriter
@@ -41,6 +41,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, overwrit
     if to not in FORMATS:
         raise ConversionError(f"unknown target format {to!r}; expected one of {', '.join(FORMATS)}")
     if to == "zarr":
+        if is_local(src):
+            refuse_a_file(local_path(src))
         if not is_dcp_directory(src):
             raise ConversionError(
                 f"{os.fspath(src)} is not a DCP checkpoint directory (no .metadata file); --to zarr converts those")

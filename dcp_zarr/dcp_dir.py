@@ -21,17 +21,20 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from dcp_zarr.dtypes import tensor_as_numpy
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
 from dcp_zarr.manifest import TENSOR, VALUE
-from dcp_zarr.offline import Checkpoint, Entry, region_box, open_checkpoint, set_by_path
-from dcp_zarr.storage import is_local, local_path
-
-METADATA_FILE = ".metadata"
-
-
-def is_dcp_directory(path: str | os.PathLike) -> bool:
-    location = os.fspath(path)
-    return is_local(location) and os.path.isfile(os.path.join(local_path(location), METADATA_FILE))
+from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
+from dcp_zarr.offline import (
+    Checkpoint,
+    Entry,
+    is_dcp_directory,
+    open_checkpoint,
+    refuse_a_file,
+    region_box,
+    set_by_path,
+)
+from dcp_zarr.storage import local_path
 
 
 class DcpCheckpoint:
@@ -40,6 +43,7 @@ class DcpCheckpoint:
     def __init__(self, path: str | os.PathLike):
         self.path = local_path(os.fspath(path))
         self.url = self.path
+        refuse_a_file(self.path)
         if not is_dcp_directory(self.path):
             raise NotACheckpointError(f"{self.path} is not a torch.distributed.checkpoint directory (no {METADATA_FILE})")
         try:
@@ -57,7 +61,7 @@ class DcpCheckpoint:
                 itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
                 self.entries[fqn] = Entry(
                     fqn=fqn, path=path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
-                    dtype=md.properties.dtype, shape=shape,
+                    dtype_name=str(md.properties.dtype), shape=shape,
                     saved_shards=sum(1 for c in md.chunks if all(c.sizes)))
             else:
                 self.entries[fqn] = Entry(fqn=fqn, path=path, kind=VALUE, node=node, nbytes=0)
@@ -88,6 +92,10 @@ class DcpCheckpoint:
         offsets, sizes, squeeze = region_box(tuple(tensor.shape), region, entry.fqn)
         part = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
         return part.reshape([n for n, drop in zip(sizes, squeeze) if not drop])
+
+    def read_array(self, name: str | Entry, region=None):
+        """``read_tensor`` as a numpy view (what ``diff`` compares, as it does for zarr stores)."""
+        return tensor_as_numpy(self.read_tensor(name, region))
 
     def read_value(self, name: str | Entry):
         return self._values()[self.entry(name).fqn]

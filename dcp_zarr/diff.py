@@ -3,17 +3,23 @@
 Tensors are compared in row blocks, so two checkpoints larger than memory can be compared. "equal" means
 bit-identical; "close" means not bit-identical but numerically within ``atol`` (``-0.0`` vs ``0.0``, or a
 reduced-precision round trip with a tolerance); NaNs in the same places count as equal.
+
+Tensors are compared as numpy arrays (``read_array``; ml_dtypes' types for bfloat16 and float8), so comparing two
+zarr stores needs no torch. Values saved as ``torch.save`` bytes are equal when their stored bytes are; bytes that
+differ are decoded and compared as values, which needs torch: where it cannot be imported they are reported as
+different, saying that they were not decoded.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
-from dcp_zarr.errors import CorruptChunkError
-from dcp_zarr.manifest import TENSOR
+from dcp_zarr.errors import CorruptChunkError, TorchNotImportableError
+from dcp_zarr.manifest import OBJECT, TENSOR
 from dcp_zarr.offline import Entry
 from dcp_zarr.progress import progress_bar
 
@@ -73,13 +79,23 @@ def _diff_entry(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
     if (ea.kind == TENSOR) != (eb.kind == TENSOR):
         return EntryDiff(ea.fqn, MISMATCH, f"{_kind(ea)} vs {_kind(eb)}")
     if ea.kind != TENSOR:
-        va, vb = a.read_value(ea), b.read_value(eb)
-        if _same_value(va, vb):
-            return EntryDiff(ea.fqn, EQUAL)
-        return EntryDiff(ea.fqn, DIFFERENT, f"{_short(va)} vs {_short(vb)}")
-    if ea.dtype != eb.dtype or ea.shape != eb.shape:
+        return _diff_value(a, b, ea, eb)
+    if ea.dtype_name != eb.dtype_name or ea.shape != eb.shape:
         return EntryDiff(ea.fqn, MISMATCH, f"{_kind(ea)} vs {_kind(eb)}")
     return _diff_tensor(a, b, ea, eb, atol)
+
+
+def _diff_value(a, b, ea: Entry, eb: Entry) -> EntryDiff:
+    if ea.kind == eb.kind == OBJECT and a.read_object_bytes(ea) == b.read_object_bytes(eb):
+        return EntryDiff(ea.fqn, EQUAL)  # the same torch.save bytes load as the same value: nothing to unpickle
+    try:
+        va, vb = a.read_value(ea), b.read_value(eb)
+    except TorchNotImportableError:
+        what = "the stored torch.save bytes differ" if ea.kind == eb.kind else f"{_kind(ea)} vs {_kind(eb)}"
+        return EntryDiff(ea.fqn, DIFFERENT, f"{what}; not decoded to compare the values: torch cannot be imported")
+    if _same_value(va, vb):
+        return EntryDiff(ea.fqn, EQUAL)
+    return EntryDiff(ea.fqn, DIFFERENT, f"{_short(va)} vs {_short(vb)}")
 
 
 def _diff_tensor(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
@@ -94,12 +110,12 @@ def _diff_tensor(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
         blocks = [(slice(r, min(r + rows, ea.shape[0])),) for r in range(0, ea.shape[0], rows)]
     worst = 0.0
     for region in blocks:
-        ta, tb = a.read_tensor(ea, region), b.read_tensor(eb, region)
-        bits_a, bits_b = _bits(ta), _bits(tb)
-        if torch.equal(bits_a, bits_b):
+        xa, xb = a.read_array(ea, region), b.read_array(eb, region)
+        bits_a, bits_b = _bits(xa), _bits(xb)
+        if np.array_equal(bits_a, bits_b):
             continue
-        result.differing += int((bits_a != bits_b).any(dim=1).sum())
-        block_worst = _max_abs_diff(ta, tb)
+        result.differing += int((bits_a != bits_b).any(axis=1).sum())
+        block_worst = _max_abs_diff(xa, xb, ea.dtype_name)
         worst = float("nan") if math.isnan(worst) or math.isnan(block_worst) else max(worst, block_worst)
     if result.differing:
         result.max_abs_diff = worst
@@ -108,28 +124,32 @@ def _diff_tensor(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
     return result
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def _bits(x: np.ndarray) -> np.ndarray:
     """One row of raw bytes per element."""
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8).reshape(flat.numel(), -1)
+    flat = np.ascontiguousarray(x).reshape(-1)
+    return flat.view(np.uint8).reshape(flat.size, -1)
 
 
-def _max_abs_diff(ta: torch.Tensor, tb: torch.Tensor) -> float:
-    wide = torch.complex128 if ta.is_complex() else torch.float64
-    da, db = ta.to(wide), tb.to(wide)
-    diff = (da - db).abs()
-    same = (da == db) | (torch.isnan(da) & torch.isnan(db))  # equal infinities give inf - inf = nan
-    diff = torch.where(same, torch.zeros_like(diff), diff)
+def _max_abs_diff(xa: np.ndarray, xb: np.ndarray, dtype_name: str) -> float:
+    # By torch's name: numpy calls ml_dtypes' bfloat16 and float8 kind "V", not floating.
+    is_complex, is_float = "complex" in dtype_name, "float" in dtype_name
+    wide = np.complex128 if is_complex else np.float64
+    da, db = xa.astype(wide), xb.astype(wide)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and overflowing differences, handled below
+        diff = np.abs(da - db)
+        same = (da == db) | (np.isnan(da) & np.isnan(db))  # equal infinities give inf - inf = nan
+    diff = np.where(same, 0.0, diff)
     worst = float(diff.max())  # NaN when a NaN faces a number
-    if not (ta.is_floating_point() or ta.is_complex()):
+    if not (is_float or is_complex):
         worst = max(worst, 1.0)  # integers that differ differ by >= 1, even where float64 rounds (beyond 2**53)
     return worst
 
 
 def _same_value(x, y) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+    torch = sys.modules.get("torch")  # a value holding tensors was made by torch, so it is imported already
+    if torch is not None and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
         return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
-                and x.shape == y.shape and torch.equal(_bits(x), _bits(y)))
+                and x.shape == y.shape and torch.equal(_tensor_bits(x), _tensor_bits(y)))
     if type(x) is not type(y):
         return False
     if isinstance(x, dict):
@@ -144,10 +164,17 @@ def _same_value(x, y) -> bool:
         return repr(x) == repr(y)
 
 
+def _tensor_bits(t):
+    flat = t.contiguous().reshape(-1)
+    return flat.view(sys.modules["torch"].uint8).reshape(flat.numel(), -1)
+
+
 def _kind(entry: Entry) -> str:
+    if entry.kind == OBJECT:
+        return "torch.save bytes"
     if entry.kind != TENSOR:
         return "a non-tensor value"
-    return f"{str(entry.dtype).removeprefix('torch.')}[{', '.join(map(str, entry.shape))}]"
+    return f"{entry.dtype_name.removeprefix('torch.')}[{', '.join(map(str, entry.shape))}]"
 
 
 def _short(value) -> str:

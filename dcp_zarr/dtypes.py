@@ -80,6 +80,8 @@ def numpy_as_tensor(a: np.ndarray, torch_dtype: torch.dtype) -> torch.Tensor:
         if a.dtype.newbyteorder("<") != expected:
             raise UnsupportedDtypeError(f"array of dtype {a.dtype} does not hold {torch_dtype} (needs {expected})")
         a = a.astype(expected)  # a byte swap, exact
+    if a.size == 0:  # nothing to share, and numpy gives empty arrays 0 strides, which torch's .view() refuses
+        return torch.empty(a.shape, dtype=torch_dtype)
     if any(stride < 0 for stride in a.strides):
         a = a.copy()  # torch.from_numpy refuses negative strides
     bits_dtype = _BITS_AS.get(torch_dtype)

@@ -66,3 +66,8 @@ class ParamTableMismatchError(ZarrCheckpointError, ValueError):
 
 class OptimizerStepError(ZarrCheckpointError, AssertionError):
     """``assert_step_present`` found a parameter whose optimizer ``step`` is missing or disagrees."""
+
+
+class TorchNotImportableError(ZarrCheckpointError, ImportError):
+    """Something that needs torch (decoding ``torch.save`` bytes, making tensors) was asked for where torch cannot be
+    imported; the torch-free readers (``read_array``, ``inspect``, ``verify``, ``diff``) still work there."""

@@ -20,12 +20,14 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
-from dcp_zarr.dtypes import torch_dtype_from_name
+import numpy as np
+
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
 from dcp_zarr.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.optim_keys import OptimizerTable
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
+from dcp_zarr.stored_dtypes import STORED_DTYPES
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
@@ -252,8 +254,7 @@ def _location(fqn: str, raw: dict, url: str) -> tuple[tuple, str]:
 
 def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int) -> TensorEntry:
     shape = _index_list(raw["shape"], "shape")
-    dtype = torch_dtype_from_name(raw["dtype"])
-    itemsize = dtype.itemsize
+    itemsize = stored_numpy_dtype(raw["dtype"]).itemsize
     if math.prod(shape) * itemsize > _MAX_TENSOR_BYTES:
         raise ValueError(f"shape {list(shape)} of {raw['dtype']} is larger than any tensor can be")
     chunk_shape = raw.get("chunk_shape") if version == 1 else raw["chunk_shape"]
@@ -278,6 +279,14 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
             raise ValueError(f"saved_shards {saved_shards!r} is not a non-negative integer")
     return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,
                        source)
+
+
+def stored_numpy_dtype(name) -> np.dtype:
+    """The numpy dtype a tensor entry's data is stored as, from its torch dtype name ("torch.bfloat16"), without
+    importing torch; ValueError for a name dcp_zarr does not store."""
+    if not isinstance(name, str) or name not in STORED_DTYPES:
+        raise ValueError(f"torch dtype {name!r} is not supported by dcp_zarr")
+    return STORED_DTYPES[name][0]
 
 
 def _count_format1_boxes(boxes, shape: tuple[int, ...]) -> int:

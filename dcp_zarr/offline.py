@@ -7,6 +7,10 @@
 
 Everything goes through the same checked paths as ``ZarrReader`` (``chunk_io.RegionReader``): every chunk read is
 verified against its crc32c, and non-tensor values are only ever ``torch.load``-ed with ``weights_only=True``.
+
+Opening, listing and ``read_array`` (numpy) never import torch, so ``dcp-zarr inspect``, ``verify`` and ``diff`` run
+where torch is not installed, and start in well under a second where it is. Only what returns torch objects
+(``read_tensor``, ``load_full_state_dict``, ``Entry.dtype``, decoding ``torch.save`` values) imports it.
 """
 
 from __future__ import annotations
@@ -14,26 +18,42 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.errors import NotACheckpointError
-from dcp_zarr.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntry, TensorEntry, read_manifest
+from dcp_zarr.manifest import (
+    OBJECT,
+    TENSOR,
+    VALUE,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+    read_manifest,
+    stored_numpy_dtype,
+)
 from dcp_zarr.manifest import Entry as ManifestEntry
-from dcp_zarr.prefixes import explain_missing_name
-from dcp_zarr.stored import stored_value, tensor_reader
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
 from dcp_zarr.storage.retry import RetryPolicy, Retrying
+from dcp_zarr.stored import stored_object_bytes, stored_value, tensor_reader
+from dcp_zarr.wrapper_names import explain_missing_name
+
+if TYPE_CHECKING:
+    import torch
 
 # A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
 # object store busy, few enough that a local read is not dominated by scheduling.
 _READ_BLOCK_BYTES = 16 << 20
+
+# torch's own checkpoint directories hold this file (dcp_dir.py reads them; noticing one needs no torch).
+DCP_METADATA_FILE = ".metadata"
 
 # A region is basic indexing with step 1: a tuple of slices, ints and at most one Ellipsis (``(slice(0, 8), 3)``).
 Region = tuple
@@ -48,7 +68,7 @@ class Entry:
     kind: str  # "tensor", "value" (JSON held in the manifest) or "object" (torch.save bytes)
     node: str  # the zarr node, e.g. "optim/state/layers.0.w/exp_avg"
     nbytes: int
-    dtype: torch.dtype | None = None
+    dtype_name: str | None = None  # torch's name, "torch.bfloat16", as the manifest records it (no torch needed)
     shape: tuple[int, ...] | None = None
     chunk_shape: tuple[int, ...] | None = None
     inner_chunk_rows: int = 0
@@ -59,15 +79,29 @@ class Entry:
     def is_tensor(self) -> bool:
         return self.kind == TENSOR
 
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The torch dtype of a tensor entry (imports torch; ``dtype_name`` and ``numpy_dtype`` do not)."""
+        if self.dtype_name is None:
+            return None
+        from dcp_zarr.dtypes import torch_dtype_from_name
+
+        return torch_dtype_from_name(self.dtype_name)
+
+    @property
+    def numpy_dtype(self) -> np.dtype | None:
+        """The numpy dtype ``read_array`` returns (ml_dtypes' for bfloat16 and float8)."""
+        return None if self.dtype_name is None else stored_numpy_dtype(self.dtype_name)
+
     @classmethod
     def from_manifest(cls, stored: ManifestEntry) -> Entry:
         if not isinstance(stored, TensorEntry):
             nbytes = stored.nbytes if isinstance(stored, ObjectEntry) else 0
             return cls(fqn=stored.fqn, path=stored.path, kind=stored.kind, node=stored.node, nbytes=nbytes)
-        dtype = torch_dtype_from_name(stored.dtype)
         return cls(
             fqn=stored.fqn, path=stored.path, kind=TENSOR, node=stored.node,
-            nbytes=math.prod(stored.shape) * dtype.itemsize, dtype=dtype, shape=stored.shape,
+            nbytes=math.prod(stored.shape) * stored_numpy_dtype(stored.dtype).itemsize, dtype_name=stored.dtype,
+            shape=stored.shape,
             chunk_shape=stored.chunk_shape or stored.shape, inner_chunk_rows=stored.inner_chunk_rows,
             saved_shards=stored.saved_shards, source=dict(stored.source),
         )
@@ -137,12 +171,20 @@ class Checkpoint:
 
         Only the chunks (inner chunks, for large arrays) that intersect the region are fetched.
         """
+        from dcp_zarr.dtypes import numpy_as_tensor
+
+        entry = self.entry(name)
+        return numpy_as_tensor(self.read_array(entry, region), entry.dtype)  # shares the array's memory: no copy
+
+    def read_array(self, name: str | Entry, region: Region | None = None) -> np.ndarray:
+        """As ``read_tensor``, as a new numpy array and without torch: bfloat16 and float8 come as ml_dtypes' types
+        (``Entry.numpy_dtype``), bit-exact."""
         entry = self.entry(name)
         if entry.kind != TENSOR:
             raise TypeError(f"{self.url}: entry {entry.fqn!r} is a {entry.kind}, not a tensor; use read_value")
         offsets, sizes, squeeze = region_box(entry.shape, region, entry.fqn)
-        out = torch.empty(sizes, dtype=entry.dtype)
-        if out.numel() or out.dim() == 0:
+        out = np.empty(sizes, dtype=entry.numpy_dtype)
+        if out.size or out.ndim == 0:
             self._read_box(entry, offsets, out)
         return out.reshape([n for n, drop in zip(sizes, squeeze) if not drop]) if any(squeeze) else out
 
@@ -152,6 +194,14 @@ class Checkpoint:
         if entry.kind in (VALUE, OBJECT):
             return self._stored_value(entry)
         raise TypeError(f"{self.url}: entry {entry.fqn!r} is a tensor; use read_tensor")
+
+    def read_object_bytes(self, name: str | Entry) -> bytes:
+        """The ``torch.save`` bytes of an object entry, crc32c-checked and not decoded (no torch): what ``diff``
+        compares where torch cannot be imported."""
+        entry = self.entry(name)
+        if entry.kind != OBJECT:
+            raise TypeError(f"{self.url}: entry {entry.fqn!r} is a {entry.kind}, not torch.save bytes")
+        return stored_object_bytes(self.storage, self.manifest.entries[entry.fqn], entry.fqn)
 
     def read(self, name: str | Entry):
         entry = self.entry(name)
@@ -190,15 +240,14 @@ class Checkpoint:
                                                               entry.fqn)
         return reader
 
-    def _read_box(self, entry: Entry, offsets: list[int], out: torch.Tensor) -> None:
+    def _read_box(self, entry: Entry, offsets: list[int], out: np.ndarray) -> None:
         reader = self.region_reader(entry)
-        target = tensor_as_numpy(out)
-        if out.dim() == 0:
-            reader.read_into(offsets, target)
+        if out.ndim == 0:
+            reader.read_into(offsets, out)
             return
         # Row blocks aligned to the stored (inner) chunks, so no chunk is fetched by two blocks.
         step = reader.layout.inner_chunk_shape[0]
-        row_bytes = max(1, out[0].numel() * out.element_size())
+        row_bytes = max(1, out[0].nbytes)
         step *= max(1, _READ_BLOCK_BYTES // (step * row_bytes))
         start, stop = offsets[0], offsets[0] + out.shape[0]
         cuts = [start, *range((start // step + 1) * step, stop, step), stop]
@@ -206,7 +255,7 @@ class Checkpoint:
 
         def read_block(block):
             a, b = block
-            reader.read_into([a, *offsets[1:]], target[a - start : b - start])
+            reader.read_into([a, *offsets[1:]], out[a - start : b - start])
 
         if len(blocks) == 1:
             read_block(blocks[0])
@@ -234,12 +283,26 @@ def open_checkpoint(path: str | os.PathLike | None = None, storage_options: dict
         local = local_path(location)
         if not os.path.exists(local):
             raise NotACheckpointError(f"{local} does not exist")
-        if os.path.isfile(os.path.join(local, ".metadata")):
+        refuse_a_file(local)
+        if is_dcp_directory(local):
             raise NotACheckpointError(
                 f"{local} is a torch.distributed.checkpoint directory (.metadata + .distcp files), not a zarr store; "
                 f"convert it with: dcp-zarr convert {location} OUT.zarr --to zarr")
     storage = open_storage(location, storage_options, read_only=True, retry=retry)
     return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
+
+
+def is_dcp_directory(path: str | os.PathLike) -> bool:
+    """A local torch.distributed.checkpoint directory (``.metadata`` + ``.distcp`` files)?"""
+    location = os.fspath(path)
+    return is_local(location) and os.path.isfile(os.path.join(local_path(location), DCP_METADATA_FILE))
+
+
+def refuse_a_file(local: str) -> None:
+    """One clear line for a checkpoint path that is a file (``model.pt``), where reading ``FILE/zarr.json`` would
+    fail with "[Errno 20] Not a directory"."""
+    if os.path.isfile(local):
+        raise NotACheckpointError(f"{local} is a file, not a checkpoint directory (a zarr store or a DCP directory)")
 
 
 def set_by_path(root: dict, path: Sequence, value) -> None:
@@ -289,7 +352,7 @@ def region_box(shape: tuple[int, ...], region: Region | None, fqn: str):
             offsets.append(start)
             sizes.append(max(0, stop - start))
             squeeze.append(False)
-        elif isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0):
+        elif isinstance(index, int) or _is_torch_scalar(index):
             i = int(index)
             if not -n <= i < n:
                 raise IndexError(f"{fqn}: index {i} is out of range for a dimension of size {n}")
@@ -299,3 +362,9 @@ def region_box(shape: tuple[int, ...], region: Region | None, fqn: str):
         else:
             raise IndexError(f"{fqn}: region entries must be slices or ints, got {index!r}")
     return offsets, sizes, squeeze
+
+
+def _is_torch_scalar(index) -> bool:
+    # A 0-d tensor index can only come from a program that has imported torch: never import it to ask.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(index, torch.Tensor) and index.dim() == 0

@@ -2,6 +2,7 @@
 
 Tensor entries get a ``RegionReader`` only after their array's ``zarr.json`` agrees with the manifest; value
 entries decode their tagged JSON; object entries (``torch.save`` bytes) load with ``weights_only=True`` only.
+Only that last step imports torch: everything else here serves ``inspect``, ``verify`` and ``diff`` without it.
 """
 
 from __future__ import annotations
@@ -14,15 +15,13 @@ import io
 import pathlib
 import uuid
 
-import torch
-
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import numpy_dtype, torch_dtype_from_name, zarr_dtype_name
 from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, UntrustedTypeError
-from dcp_zarr.manifest import Entry, TensorEntry, ValueEntry
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError, UntrustedTypeError
+from dcp_zarr.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
 from dcp_zarr.values import decode_value
+from dcp_zarr.stored_dtypes import STORED_DTYPES
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20
@@ -50,16 +49,16 @@ def tensor_reader(storage: Storage, entry: Entry, fqn: str) -> RegionReader:
         raise MalformedMetadataError(
             f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
             f"{layout.inner_rows} rows, but the manifest says {list(entry.chunk_shape)} and {entry.inner_chunk_rows}")
-    dtype = torch_dtype_from_name(entry.dtype)
+    np_dtype, zarr_name = STORED_DTYPES[entry.dtype]  # a name the manifest checked (manifest.stored_numpy_dtype)
     # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
     # compression, no checksums) would be misread, so it is refused by name instead.
-    expected = array_metadata(layout, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize)
+    expected = array_metadata(layout, zarr_name, np_dtype.itemsize)
     for field in ("data_type", "codecs", "chunk_key_encoding"):
         if array_doc.get(field) != expected[field]:
             raise MalformedMetadataError(
                 f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
                 f"but a {entry.dtype} entry is stored with {expected[field]!r}")
-    return RegionReader(storage, node, layout, numpy_dtype(dtype))
+    return RegionReader(storage, node, layout, np_dtype)
 
 
 def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, how_to_allow: str):
@@ -68,17 +67,13 @@ def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, h
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is a tensor, but a non-tensor value was requested")
     if isinstance(entry, ValueEntry):
         return decode_value(entry.value)  # checked when the manifest was read
-    where = f"array {entry.node!r} chunk {entry.chunk}"
-    stored_bytes = entry.nbytes + CHECKSUM_BYTES
+    payload = stored_object_bytes(storage, entry, fqn)
     try:
-        raw = storage.read_range(f"{entry.node}/{entry.chunk}", 0, stored_bytes + 1)  # bounded by the manifest
-    except FileNotFoundError:
-        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
-    if len(raw) != stored_bytes:
-        size = f"more than {stored_bytes}" if len(raw) > stored_bytes else str(len(raw))
-        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} holds {size} bytes; the manifest says "
-                                f"{stored_bytes}")
-    payload = bytes(verify_plain(raw, where))
+        import torch  # here, not above: only decoding torch.save bytes needs it
+    except ImportError as exc:
+        raise TorchNotImportableError(
+            f"{storage.url}: entry {fqn!r} is stored as torch.save bytes; decoding them needs torch, which cannot be "
+            f"imported here ({exc})") from None
     try:
         with torch.serialization.safe_globals([*STANDARD_SAFE_GLOBALS, *safe_globals]):
             return torch.load(io.BytesIO(payload), weights_only=True)
@@ -114,12 +109,30 @@ _STANDARD_NAMES = {_qualified_name(t) for t in STANDARD_SAFE_GLOBALS}
 
 def untrusted_types(payload: bytes, safe_globals: list = ()) -> list[str]:
     """The globals of ``torch.save`` bytes that neither the standard list nor ``safe_globals`` trusts."""
+    import torch
+
     trusted = _STANDARD_NAMES | {_qualified_name(t) for t in safe_globals if hasattr(t, "__qualname__")}
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload))
     except Exception:  # not a torch.save archive at all: the caller reports it as malformed
         return []
     return sorted(name for name in found if name not in trusted)
+
+
+def stored_object_bytes(storage: Storage, entry: ObjectEntry, fqn: str) -> bytes:
+    """The ``torch.save`` bytes of an object entry, their size checked against the manifest and their crc32c
+    verified; nothing is unpickled (so no torch)."""
+    where = f"array {entry.node!r} chunk {entry.chunk}"
+    stored_bytes = entry.nbytes + CHECKSUM_BYTES
+    try:
+        raw = storage.read_range(f"{entry.node}/{entry.chunk}", 0, stored_bytes + 1)  # bounded by the manifest
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} is missing from the store") from None
+    if len(raw) != stored_bytes:
+        size = f"more than {stored_bytes}" if len(raw) > stored_bytes else str(len(raw))
+        raise CorruptChunkError(f"{storage.url}: {where} of entry {fqn!r} holds {size} bytes; the manifest says "
+                                f"{stored_bytes}")
+    return bytes(verify_plain(raw, where))
 
 
 def _unpickling_reason(exc: Exception) -> str:

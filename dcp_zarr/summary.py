@@ -1,11 +1,14 @@
 """What ``dcp-zarr inspect`` shows: every entry with its shape, dtype, size and chunk layout, and the save's context
-(world size, meshes, state_dict_type, optimizer steps). Built from the manifest; only step scalars are read."""
+(world size, meshes, state_dict_type, optimizer steps). Built from the manifest; only step scalars are read.
+Which entries are listed, in what order and how grouped (``--filter``, ``--depth``) is ``listing.py``'s."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from dcp_zarr.errors import TorchNotImportableError
 from dcp_zarr.layout import ChunkLayout
+from dcp_zarr.listing import depth_groups, matches, natural_key, node_key
 from dcp_zarr.manifest import TENSOR
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.values import decode_value
@@ -17,14 +20,18 @@ def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
               and (e.kind != TENSOR or (e.shape is not None and _numel(e.shape) == 1))]
 
     def read(entry: Entry):
-        value = ckpt.read(entry)
+        try:  # numpy for tensors, so inspect needs no torch
+            value = ckpt.read_array(entry) if entry.kind == TENSOR else ckpt.read_value(entry)
+        except TorchNotImportableError:  # a step saved as torch.save bytes: shown where torch can decode it
+            return entry.fqn, None
         if hasattr(value, "item"):
             value = value.item()
         return entry.fqn, value
 
     with ThreadPoolExecutor(ckpt.thread_count) as pool:
         found = dict(pool.map(read, chosen))
-    return {fqn: value for fqn, value in found.items() if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {fqn: found[fqn] for fqn in sorted(found, key=natural_key)
+            if isinstance(found[fqn], (int, float)) and not isinstance(found[fqn], bool)}
 
 
 def chunk_count(entry: Entry) -> int:
@@ -33,14 +40,19 @@ def chunk_count(entry: Entry) -> int:
     return ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows).chunk_count
 
 
-def summarize(ckpt: Checkpoint) -> dict:
-    """A JSON-serialisable description of the checkpoint (what ``inspect --json`` prints)."""
+def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int | None = None) -> dict:
+    """A JSON-serialisable description of the checkpoint (what ``inspect --json`` prints).
+
+    ``entries`` lists those whose names match one of ``patterns`` (globs; all when None), in natural order of their
+    nodes; with ``depth``, ``groups`` replaces ``entries`` (``listing.depth_groups``). The header (counts, bytes,
+    steps) always describes the whole checkpoint.
+    """
     entries = []
-    for entry in ckpt:
+    for entry in sorted((e for e in ckpt if matches(e.fqn, patterns)), key=lambda e: node_key(e.node)):
         row = {"fqn": entry.fqn, "path": list(entry.path), "node": entry.node, "kind": entry.kind, "nbytes": entry.nbytes}
         if entry.kind == TENSOR:
             row.update(
-                dtype=str(entry.dtype).removeprefix("torch."), shape=list(entry.shape),
+                dtype=entry.dtype_name.removeprefix("torch."), shape=list(entry.shape),
                 chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
                 inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
                 saved_shards=entry.saved_shards, source=entry.source)
@@ -48,6 +60,14 @@ def summarize(ckpt: Checkpoint) -> dict:
             row["value"] = ckpt.manifest.entries[entry.fqn].value
         entries.append(row)
     tensors = [e for e in ckpt if e.kind == TENSOR]
+    listing: dict = {"entries": entries}
+    if patterns:
+        listing = {"filter": list(patterns), "matched_count": len(entries),
+                   "matched_bytes": sum(row["nbytes"] for row in entries), **listing}
+    if depth is not None:
+        listing["depth"] = depth
+        listing["groups"] = depth_groups(entries, depth)
+        del listing["entries"]
     return {
         "path": ckpt.url,
         "format_version": ckpt.manifest.format_version,
@@ -60,7 +80,7 @@ def summarize(ckpt: Checkpoint) -> dict:
         "tensor_bytes": sum(e.nbytes for e in tensors),
         "entry_count": len(ckpt),
         "steps": step_values(ckpt),
-        "entries": entries,
+        **listing,
     }
 
 
@@ -78,8 +98,15 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  entries: {summary['entry_count']} ({_plural(summary['tensor_count'], 'tensor')}, "
                  f"{human_bytes(summary['tensor_bytes'])}; {_plural(others, 'other value')})")
     lines.append(f"  steps: {_format_steps(summary['steps'])}")
+    if "filter" in summary:
+        globs = " or ".join(map(repr, summary["filter"]))
+        lines.append(f"  matching {globs}: {_plural(summary['matched_count'], 'entry', 'entries')}, "
+                     f"{human_bytes(summary['matched_bytes'])}")
     lines.append("")
-    lines.extend(_tree_lines(summary["entries"]))
+    if "groups" in summary:
+        lines.extend(_group_lines(summary["groups"], summary["depth"]))
+    else:
+        lines.extend(_tree_lines(summary["entries"]))
     return "\n".join(lines)
 
 
@@ -95,10 +122,19 @@ def _format_steps(steps: dict) -> str:
     return ", ".join(f"{_number(v)} x{len(f)}" for v, f in sorted(distinct.items()))
 
 
+def _group_lines(groups: list[dict], depth: int) -> list[str]:
+    header = f"first {_plural(depth, 'name component')}"
+    width = max([len(header)] + [len(g["name"]) for g in groups])
+    lines = [f"{header.ljust(width)}  {'entries':>7}  {'tensors':>7}  {'bytes':>10}"]
+    for g in groups:
+        lines.append(f"{g['name'].ljust(width)}  {g['entries']:>7}  {g['tensors']:>7}  {human_bytes(g['nbytes']):>10}")
+    return lines
+
+
 def _tree_lines(entries: list[dict]) -> list[str]:
     rows = []
     opened: list[str] = []
-    for row in sorted(entries, key=lambda r: r["node"].split("/")):
+    for row in sorted(entries, key=lambda r: node_key(r["node"])):
         *groups, leaf = row["node"].split("/")
         common = 0
         while common < min(len(groups), len(opened)) and groups[common] == opened[common]:
@@ -150,5 +186,5 @@ def _numel(shape) -> int:
     return n
 
 
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+def _plural(n: int, noun: str, nouns: str | None = None) -> str:
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"

@@ -3,7 +3,9 @@
 Named as TensorStore names them, which TensorStore reads and writes. zarr-python finds them through the
 ``zarr.data_type`` entry points this package declares, so any program that has dcp-zarr installed opens these
 arrays without importing dcp_zarr. That is why this module imports neither torch nor the rest of dcp_zarr: zarr
-loads it while it resolves an array's data type.
+loads it while it resolves an array's data type. (The one exception, ``stored_dtypes``, imports only numpy and
+ml_dtypes. It holds the table of stored dtypes, re-exported here, apart from zarr: importing zarr costs a quarter
+of a second, and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import ClassVar, SupportsFloat, SupportsIndex
 import ml_dtypes
 import numpy as np
 from zarr.dtype import ZDType, data_type_registry
+
+from dcp_zarr.stored_dtypes import STORED_DTYPES  # noqa: F401 (re-exported)
 
 try:  # its home from zarr 3.4 on (importing it from zarr.dtype is deprecated there)
     from zarr.errors import DataTypeValidationError
@@ -159,26 +163,3 @@ def register() -> None:
 
 register()  # on import: how zarr < 3.4 gets them (see pyproject.toml), and a source tree that was never installed
 
-
-# Every dtype dcp_zarr stores, by the name torch gives it (as the manifest records it): (numpy dtype, zarr v3
-# data_type). Little-endian: that is what every writer here produces. Plain strings, so tools that never import torch
-# (inspect, verify, diff) can size and read any array; dtypes.py maps torch.dtype objects onto this table.
-STORED_DTYPES: dict[str, tuple[np.dtype, str]] = {
-    "torch.float64": (np.dtype("<f8"), "float64"),
-    "torch.float32": (np.dtype("<f4"), "float32"),
-    "torch.float16": (np.dtype("<f2"), "float16"),
-    "torch.bfloat16": (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
-    "torch.float8_e4m3fn": (np.dtype(ml_dtypes.float8_e4m3fn), "float8_e4m3fn"),
-    "torch.float8_e5m2": (np.dtype(ml_dtypes.float8_e5m2), "float8_e5m2"),
-    "torch.int8": (np.dtype("i1"), "int8"),
-    "torch.int16": (np.dtype("<i2"), "int16"),
-    "torch.int32": (np.dtype("<i4"), "int32"),
-    "torch.int64": (np.dtype("<i8"), "int64"),
-    "torch.uint8": (np.dtype("u1"), "uint8"),
-    "torch.uint16": (np.dtype("<u2"), "uint16"),
-    "torch.uint32": (np.dtype("<u4"), "uint32"),
-    "torch.uint64": (np.dtype("<u8"), "uint64"),
-    "torch.bool": (np.dtype("?"), "bool"),
-    "torch.complex64": (np.dtype("<c8"), "complex64"),
-    "torch.complex128": (np.dtype("<c16"), "complex128"),
-}

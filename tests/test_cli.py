@@ -21,6 +21,7 @@ from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 BIN = os.path.dirname(sys.executable)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_and_save_both(rank, world_size, zarr_path, dcp_path):
@@ -68,6 +69,85 @@ def test_the_console_script_and_python_m_both_run_the_command(saved):
     assert module.returncode == 2 and "does not exist" in module_err and "Traceback" not in module_err
 
 
+# -- without torch ----------------------------------------------------------------------------------------------------
+
+
+def _save_looking_set(root):
+    """Two small stores that differ in a bfloat16 tensor and an object entry, their DCP directory, a corrupt copy."""
+    def state(scale, size):
+        return {"model": {"w": torch.ones(3, 4, dtype=torch.bfloat16) * scale,
+                          "f8": torch.ones(2, dtype=torch.float8_e4m3fn)},
+                "extra": {"size": torch.Size(size), "same": torch.Size([1])}, "lr": 0.1}
+
+    _save(root / "a.zarr", state(1.0, [2, 3]))
+    _save(root / "b.zarr", state(1.5, [2, 4]))
+    dcp.save(state(1.0, [2, 3]), storage_writer=FileSystemWriter(root / "a-dcp"), no_dist=True)
+    shutil.copytree(root / "a.zarr", root / "bad.zarr")
+    for chunk in (root / "bad.zarr" / "model" / "w" / "c.0.0", root / "bad.zarr" / "extra" / "size" / "c.0"):
+        data = bytearray(chunk.read_bytes())
+        data[1] ^= 0x01
+        chunk.write_bytes(bytes(data))
+    blocker = root / "no-torch" / "torch"  # first on sys.path: `import torch` fails as if it were not installed
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is blocked for this test')\n")
+
+
+def _without_torch(root, *argv) -> subprocess.CompletedProcess:
+    path = [str(root / "no-torch"), REPO, *filter(None, [os.environ.get("PYTHONPATH")])]  # this checkout's dcp_zarr
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    return subprocess.run([sys.executable, "-m", "dcp_zarr", *map(str, argv)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_help_inspect_verify_and_diff_of_zarr_stores_run_where_torch_cannot_be_imported(tmp_path):
+    _save_looking_set(tmp_path)
+
+    assert _without_torch(tmp_path, "--help").returncode == 0
+    done = _without_torch(tmp_path, "inspect", "a.zarr")
+    assert done.returncode == 0, done.stderr
+    assert "bfloat16" in done.stdout and "object  " in done.stdout and "(torch.save bytes)" in done.stdout
+    done = _without_torch(tmp_path, "inspect", "a.zarr", "--json")
+    assert done.returncode == 0 and {e["fqn"] for e in json.loads(done.stdout)["entries"]} >= {"model.w", "extra.size"}
+
+    done = _without_torch(tmp_path, "verify", "a.zarr")
+    assert done.returncode == 0 and done.stdout.startswith("OK: "), done.stderr
+    done = _without_torch(tmp_path, "verify", "bad.zarr")  # every crc32c is still checked, objects' too
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "array 'model/w' chunk c.0.0" in done.stdout and "array 'extra/size' chunk c.0" in done.stdout
+
+    done = _without_torch(tmp_path, "diff", "a.zarr", "b.zarr", "--all")
+    assert done.returncode == 1, done.stderr
+    assert "different  model.w  (max abs diff 0.5, 12 of 12 elements differ)" in done.stdout  # bf16, in numpy
+    assert "equal      model.f8" in done.stdout and "equal      extra.same" in done.stdout  # same torch.save bytes
+    assert "different  extra.size  (the stored torch.save bytes differ; not decoded" in done.stdout
+    done = _without_torch(tmp_path, "diff", "a.zarr", "a.zarr")
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "5 entries: 5 equal"
+
+    # What does need torch says so in one line.
+    done = _without_torch(tmp_path, "diff", "a-dcp", "a.zarr")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "a-dcp is a torch.distributed.checkpoint directory" in done.stderr and "needs torch" in done.stderr
+    done = _without_torch(tmp_path, "convert", "a.zarr", "full.pt", "--to", "torch")
+    assert done.returncode == 2 and done.stderr.startswith("dcp-zarr convert: error: this needs torch")
+    assert done.stderr.count("\n") == 1 and not (tmp_path / "full.pt").exists()
+
+
+def test_with_torch_diff_decodes_differing_torch_save_bytes(tmp_path, capsys):
+    _save_looking_set(tmp_path)
+
+    code, out, _ = run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr")
+
+    assert code == 1 and "different  extra.size  (torch.Size([2, 3]) vs torch.Size([2, 4]))" in out
+
+
+def test_the_looking_modules_do_not_import_torch():
+    script = ("import sys, dcp_zarr.cli, dcp_zarr.offline, dcp_zarr.summary, dcp_zarr.verify, dcp_zarr.diff; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+
+    assert done.stdout.strip() == "[]"
+
+
 # -- inspect ----------------------------------------------------------------------------------------------------------
 
 
@@ -91,6 +171,89 @@ def test_inspect_json_is_machine_readable(saved, capsys):
     assert summary["steps"]["optim.state.head.weight.step"] == 2.0
     embed = next(e for e in summary["entries"] if e["fqn"] == "model.embed.weight")
     assert (embed["shape"], embed["dtype"], embed["chunk_shape"], embed["chunks"]) == ([17, 13], "float32", [18, 13], 1)
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory):
+    """Names whose digit runs sort differently as text (layers.10 < layers.2) than as numbers; saved out of order."""
+    path = tmp_path_factory.mktemp("layered") / "layers.zarr"
+    model = {f"layers.{i}.{p}": torch.zeros(4 if p == "w" else 2) for i in (10, 2, 1) for p in ("w", "b")}
+    optim = {f"layers.{i}.w": {"exp_avg": torch.zeros(4), "step": torch.tensor(3.0)} for i in (10, 2, 1)}
+    _save(path, {"model": model, "optim": {"state": optim}, "lr": 0.5})
+    return path
+
+
+def _listed(out: str) -> list[str]:
+    return [line.split()[0] for line in out.splitlines() if line.startswith("  layers.")]
+
+
+def test_inspect_sorts_names_naturally_in_the_tree_and_the_json(layered, capsys):
+    code, out, _ = run(capsys, "inspect", layered)
+
+    assert code == 0
+    assert _listed(out)[:6] == ["layers.1.b", "layers.1.w", "layers.2.b", "layers.2.w", "layers.10.b", "layers.10.w"]
+    assert out.index("  layers.2.w/") < out.index("  layers.10.w/")  # optim's groups too
+    code, out, _ = run(capsys, "inspect", layered, "--json")
+    summary = json.loads(out)
+    model = [e["fqn"] for e in summary["entries"] if e["path"][0] == "model"]
+    assert model == [f"model.layers.{i}.{p}" for i in (1, 2, 10) for p in ("b", "w")]
+    assert list(summary["steps"]) == [f"optim.state.layers.{i}.w.step" for i in (1, 2, 10)]
+
+
+def test_inspect_filter_lists_only_entries_matching_a_glob(layered, capsys):
+    code, out, _ = run(capsys, "inspect", layered, "--filter", "*.exp_avg", "--filter", "lr")
+
+    assert code == 0 and "  entries: 13 (" in out  # the header still describes the whole checkpoint
+    assert "  matching '*.exp_avg' or 'lr': 4 entries, 48 B" in out
+    assert _listed(out) == [] and "exp_avg" in out and "lr  " in out and "step" not in out.split("matching")[1]
+    code, out, _ = run(capsys, "inspect", layered, "--json", "--filter", "model.layers.?.w")
+    summary = json.loads(out)
+    assert [e["fqn"] for e in summary["entries"]] == ["model.layers.1.w", "model.layers.2.w"]
+    assert (summary["filter"], summary["matched_count"], summary["matched_bytes"]) == (["model.layers.?.w"], 2, 32)
+    code, out, _ = run(capsys, "inspect", layered, "--json", "--filter", "nothing.*")
+    assert code == 0 and json.loads(out)["entries"] == [] and json.loads(out)["matched_count"] == 0
+
+
+def test_inspect_depth_groups_names_by_their_first_components(layered, capsys):
+    code, out, _ = run(capsys, "inspect", layered, "--depth", "3")
+
+    rows = [line.split() for line in out.split("\n\n", 1)[1].splitlines()]
+    assert code == 0 and rows[0][:4] == ["first", "3", "name", "components"]
+    assert [r[0] for r in rows[1:]] == ["lr", "model.layers.1", "model.layers.2", "model.layers.10",
+                                        "optim.state.layers"]
+    assert rows[2] == ["model.layers.1", "2", "2", "24", "B"]  # w (16 B) and b (8 B)
+    code, out, _ = run(capsys, "inspect", layered, "--depth", "1", "--json", "--filter", "*.w")
+    summary = json.loads(out)
+    assert "entries" not in summary and summary["depth"] == 1
+    assert summary["groups"] == [{"name": "model", "entries": 3, "tensors": 3, "nbytes": 48}]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--filter", "layers.[12"], "argument --filter: bad glob pattern: 'layers.[12' has an unclosed '['"),
+    (["--filter", ""], "argument --filter: bad glob pattern: the pattern is empty"),
+    (["--depth", "0"], "argument --depth: expected a positive number of name components, got '0'"),
+    (["--depth", "-2"], "argument --depth: expected a positive number of name components, got '-2'"),
+    (["--depth", "two"], "argument --depth: expected a positive number of name components, got 'two'"),
+])
+def test_bad_filter_patterns_and_depths_exit_2_naming_the_option(layered, capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", str(layered), *argv])
+
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a checkpoint")
+    line = f"{path} is a file, not a checkpoint directory (a zarr store or a DCP directory)\n"
+
+    for command, *rest in (["inspect"], ["verify"], ["diff", saved[0]],
+                           ["convert", tmp_path / "o.zarr", "--to", "zarr"],
+                           ["convert", tmp_path / "o.safetensors", "--to", "safetensors"]):
+        code, _, err = run(capsys, command, path, *rest)
+        assert (code, err) == (2, f"dcp-zarr {command}: error: {line}")
+    code, _, err = run(capsys, "diff", saved[0], path)
+    assert (code, err) == (2, f"dcp-zarr diff: error: {line}")
 
 
 # -- verify -----------------------------------------------------------------------------------------------------------

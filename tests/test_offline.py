@@ -88,6 +88,20 @@ def test_entries_describe_every_saved_key_from_the_manifest_alone(copy_of):
     assert "model/embed.weight" in ckpt and "model.embed.weight" in ckpt
 
 
+def test_read_array_gives_the_same_bits_as_read_tensor_in_numpy_types(saved):
+    path, state = saved
+    ckpt = open_checkpoint(path)
+
+    for name, tensor in state["model"].items():
+        array = ckpt.read_array(f"model.{name}")
+        assert array.dtype == ckpt.entries[f"model.{name}"].numpy_dtype and array.shape == tuple(tensor.shape)
+        assert array.tobytes() == tensor.contiguous().view(torch.uint8).numpy().tobytes(), name
+    assert str(ckpt.read_array("model.norm.bias").dtype) == "bfloat16"  # ml_dtypes', not raw bits
+    assert ckpt.read_array("model.embed.weight", region=(slice(10, 14), 3)).tolist() == \
+        state["model"]["embed.weight"][10:14, 3].tolist()
+    assert ckpt.read_array("optim.state.embed.weight.step").item() == 7.0
+
+
 def test_read_tensor_returns_the_saved_bits_for_every_dtype(saved):
     path, state = saved
     ckpt = open_checkpoint(path)
