@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from dcp_zarr.errors import (
     CheckpointExistsError,
+    CheckpointRootBusyError,
     CorruptChunkError,
     IncompleteCheckpointError,
     InvalidEntryError,
@@ -24,6 +25,7 @@ from dcp_zarr.errors import (
     OptimizerStepError,
     ParamTableMismatchError,
     ReplicaMismatchError,
+    StepNotFoundError,
     UnsafeFileError,
     UntrustedTypeError,
     UntrustedTypeWarning,
@@ -35,6 +37,7 @@ from dcp_zarr.version import __version__
 # it opens a bfloat16 array, and the CLI only looks at stores; neither should pay for importing torch.
 _LAZY = {
     "assert_step_present": "dcp_zarr.checks",
+    "CheckpointManager": "dcp_zarr.manager",
     "ZarrLoadPlanner": "dcp_zarr.load_planner",
     "Checkpoint": "dcp_zarr.offline",
     "open_checkpoint": "dcp_zarr.offline",
@@ -50,6 +53,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from dcp_zarr.checks import assert_step_present
+    from dcp_zarr.manager import CheckpointManager
     from dcp_zarr.load_planner import ZarrLoadPlanner
     from dcp_zarr.offline import Checkpoint, open_checkpoint
     from dcp_zarr.prefixes import (
@@ -77,6 +81,9 @@ def __dir__():
 
 
 __all__ = [
+    "CheckpointManager",
+    "StepNotFoundError",
+    "CheckpointRootBusyError",
     "ZarrWriter",
     "ZarrReader",
     "ZarrLoadPlanner",

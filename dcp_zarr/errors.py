@@ -71,3 +71,11 @@ class OptimizerStepError(ZarrCheckpointError, AssertionError):
 class TorchNotImportableError(ZarrCheckpointError, ImportError):
     """Something that needs torch (decoding ``torch.save`` bytes, making tensors) was asked for where torch cannot be
     imported; the torch-free readers (``read_array``, ``inspect``, ``verify``, ``diff``) still work there."""
+
+
+class CheckpointRootBusyError(ZarrCheckpointError, RuntimeError):
+    """Another live ``CheckpointManager`` holds the checkpoint root (its lease is fresh)."""
+
+
+class StepNotFoundError(ZarrCheckpointError, FileNotFoundError):
+    """``CheckpointManager.load`` asked for a step (or the latest) that has no complete checkpoint under the root."""

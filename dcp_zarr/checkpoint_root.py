@@ -1,0 +1,203 @@
+"""The directory (or object-store prefix) a ``CheckpointManager`` owns: one store per step, and its own records.
+
+::
+
+    root/
+      step-00000003.zarr/                      a checkpoint (complete once its root zarr.json is there)
+      .step-00000004.zarr.dcp-zarr-partial-*   a local save in progress, or the leftover of a killed one
+      .step-00000001.zarr.dcp-zarr-deleting-*  a local store being deleted (renamed away first: atomic)
+      .dcp-zarr/lease.json                     which manager holds the root (lease.py)
+      .dcp-zarr/saving-00000004.json           a save was started (object stores write in place: only this
+                                               record says an incomplete step store is ours to remove)
+      .dcp-zarr/deleting-00000001.json         an object-store deletion was started
+
+Only names of these forms are ever removed, so foreign files beside the stores are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+
+from dcp_zarr.commit import STAGING_MARK
+from dcp_zarr.errors import ZarrCheckpointError
+from dcp_zarr.manifest import ROOT_KEY, read_manifest
+from dcp_zarr.storage import is_local, local_path, open_storage
+
+RECORDS = ".dcp-zarr"
+DELETING_MARK = ".dcp-zarr-deleting-"
+_STEP_NAME = re.compile(r"^step-(\d+)\.zarr$")
+_HIDDEN_STEP = re.compile(r"^\.(step-\d+\.zarr)(" + re.escape(STAGING_MARK) + "|" + re.escape(DELETING_MARK) + r")")
+_RECORD = re.compile(r"^(saving|deleting)-(\d+)\.json$")
+STEP_DIGITS = 8
+
+
+def step_name(step: int) -> str:
+    """``step-00000042.zarr``: names sort by step up to 10**8 (larger steps still parse)."""
+    return f"step-{step:0{STEP_DIGITS}d}.zarr"
+
+
+def parse_step(name: str) -> int | None:
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class StepStore:
+    step: int
+    name: str
+    complete: bool
+
+
+class CheckpointRoot:
+    """Listing, records and crash-safe deletion under ``root`` (a local directory or an fsspec URL)."""
+
+    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None):
+        self.url = os.fspath(root).rstrip("/") or "/"
+        self.storage_options = storage_options
+        self.local = is_local(self.url)
+        self.path = local_path(self.url) if self.local else self.url
+        if self.local:
+            if os.path.exists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(f"checkpoint root {self.path} is a file, not a directory")
+            os.makedirs(self.path, exist_ok=True)
+        self._storage = open_storage(self.url, storage_options)
+
+    def location(self, name: str) -> str:
+        return os.path.join(self.path, name) if self.local else f"{self.url}/{name}"
+
+    # -- what is there ---------------------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """The names directly under the root (directories and objects, one level)."""
+        if self.local:
+            return sorted(os.listdir(self.path))
+        from zarr.core.sync import sync
+
+        self._forget_listings()
+
+        async def listing():
+            return [name async for name in self._storage.store.list_dir("")]
+
+        return sorted(n.rstrip("/") for n in sync(listing()))
+
+    def step_stores(self) -> list[StepStore]:
+        """Every ``step-N.zarr`` under the root, ascending by step, with whether it is a complete checkpoint."""
+        found = []
+        for name in self.names():
+            step = parse_step(name)
+            if step is not None:
+                found.append(StepStore(step, name, self.is_complete(name)))
+        return sorted(found, key=lambda s: s.step)
+
+    def is_complete(self, name: str) -> bool:
+        try:
+            read_manifest(open_storage(self.location(name), self.storage_options, read_only=True))
+        except (ZarrCheckpointError, OSError):
+            return False
+        return True
+
+    def size(self, name: str) -> int:
+        """Bytes stored under ``name``."""
+        if self.local:
+            total = 0
+            for dirpath, _, filenames in os.walk(self.location(name)):
+                total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in filenames)
+            return total
+        from zarr.core.sync import sync
+
+        return int(sync(self._storage.store.getsize_prefix(name)))
+
+    def leftovers(self) -> list[str]:
+        """Local staging and deleting directories of step stores (``.step-N.zarr.dcp-zarr-partial-*``)."""
+        if not self.local:
+            return []
+        return [name for name in self.names() if _HIDDEN_STEP.match(name)]
+
+    def _forget_listings(self) -> None:
+        """fsspec file systems cache listings (s3fs does); other processes write here, so list afresh each time."""
+        invalidate = getattr(getattr(self._storage.store, "fs", None), "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
+    # -- records ---------------------------------------------------------------------------------------------------
+
+    def records(self) -> list[tuple[str, int]]:
+        """``("saving" | "deleting", step)`` for every record in ``.dcp-zarr/``."""
+        found = []
+        for name in self._record_names():
+            match = _RECORD.match(name)
+            if match:
+                found.append((match.group(1), int(match.group(2))))
+        return found
+
+    def _record_names(self) -> list[str]:
+        if self.local:
+            directory = os.path.join(self.path, RECORDS)
+            return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+        from zarr.core.sync import sync
+
+        self._forget_listings()
+
+        async def listing():
+            return [name async for name in self._storage.store.list_dir(RECORDS)]
+
+        return sorted(n.rstrip("/") for n in sync(listing()))
+
+    def write_record(self, kind: str, step: int, document: dict) -> None:
+        key = f"{RECORDS}/{kind}-{step:0{STEP_DIGITS}d}.json"
+        self.write_json(key, document)
+
+    def remove_record(self, kind: str, step: int) -> None:
+        self._storage.remove(f"{RECORDS}/{kind}-{step:0{STEP_DIGITS}d}.json")
+
+    def write_json(self, key: str, document: dict) -> None:
+        if self.local:
+            os.makedirs(os.path.dirname(os.path.join(self.path, key)), exist_ok=True)
+        self._storage.write_json(key, document)
+
+    def read_json(self, key: str) -> dict | None:
+        try:
+            document = self._storage.read_json(key, max_bytes=1 << 16)
+        except FileNotFoundError:
+            return None
+        except (ValueError, ZarrCheckpointError):
+            return {}  # unreadable (torn by a crash): present, but says nothing
+        return document if isinstance(document, dict) else {}
+
+    def remove_key(self, key: str) -> None:
+        self._storage.remove(key)
+
+    # -- removing --------------------------------------------------------------------------------------------------
+
+    def delete_step(self, step: int) -> None:
+        """Delete ``step-N.zarr`` so that no crash leaves it looking complete: locally it is first renamed to a hidden
+        name (atomic: it is gone from the listing at once); on an object store a record is written, then the commit
+        marker deleted, then the rest, then the record."""
+        name = step_name(step)
+        if self.local:
+            source = self.location(name)
+            if not os.path.lexists(source):
+                return
+            aside = os.path.join(self.path, f".{name}{DELETING_MARK}{uuid.uuid4().hex[:12]}")
+            os.rename(source, aside)
+            shutil.rmtree(aside)
+            return
+        self.write_record("deleting", step, {"step": step})
+        self._remove_remote_store(name)
+        self.remove_record("deleting", step)
+
+    def remove_incomplete(self, name: str) -> None:
+        """Remove a store that is not a complete checkpoint (the caller knows it is ours and nothing writes it)."""
+        if self.local:
+            shutil.rmtree(self.location(name), ignore_errors=True)
+            return
+        self._remove_remote_store(name)
+
+    def _remove_remote_store(self, name: str) -> None:
+        storage = open_storage(self.location(name), self.storage_options)
+        storage.remove(ROOT_KEY)  # the commit marker first
+        storage.remove_all()

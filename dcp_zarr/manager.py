@@ -1,0 +1,270 @@
+"""``CheckpointManager``: the loop every training job writes around DCP, once.
+
+    mgr = CheckpointManager("ckpts", keep_last=3)
+    start = mgr.load(state) + 1 if mgr.latest_step() is not None else 0   # resume at any world size
+    for step in range(start, steps):
+        train_one_step()
+        mgr.save(step, state, async_save=True)                           # blocks only while staging
+    mgr.close()
+
+One store per step under ``root`` (checkpoint_root.py). Only complete checkpoints count: a save killed at any
+moment is never listed or loaded, the previous one is. Retention runs after a save is complete and never deletes
+the newest complete checkpoint, one being written, or one this manager is loading. Rank 0's manager holds the
+root's lease (lease.py), so it alone applies retention and removes what killed saves left behind.
+
+Collective: in a process group every rank builds its manager, and calls ``save``, ``load``, ``wait`` and ``close``
+together, as with ``dcp.save``/``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import threading
+import time
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_zarr.checkpoint_root import CheckpointRoot, StepStore, step_name
+from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
+from dcp_zarr.lease import DEFAULT_TIMEOUT_S, Lease
+from dcp_zarr.load_planner import ZarrLoadPlanner
+from dcp_zarr.reader import ZarrReader
+from dcp_zarr.writer import ZarrWriter
+
+
+class CheckpointManager:
+    """Saves, finds, resumes, keeps and cleans the checkpoints of one training job under ``root``.
+
+    Args:
+        root: a local directory (created if missing) or an fsspec URL (``s3://bucket/run-7``).
+        keep_last: after each complete save, keep only the newest ``keep_last`` complete checkpoints (None: all).
+        keep_every: also keep, forever, every checkpoint whose step is a multiple of ``keep_every``.
+        storage_options: for fsspec URLs (credentials, ``endpoint_url``, ...).
+        reader_options: passed to each ``ZarrReader`` (``safe_globals``, ``thread_count``, ``retry``).
+        lease_timeout_s: a manager that stops refreshing its lease for this long is presumed gone (lease.py).
+        **writer_options: passed to each ``ZarrWriter`` (``thread_count``, ``sync_files``, ``overwrite``, ...).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
+                 storage_options: dict | None = None, reader_options: dict | None = None,
+                 lease_timeout_s: float = DEFAULT_TIMEOUT_S, **writer_options):
+        self.keep_last = _positive_or_none("keep_last", keep_last)
+        self.keep_every = _positive_or_none("keep_every", keep_every)
+        self.storage_options = storage_options
+        self.reader_options = dict(reader_options or {})
+        self.writer_options = writer_options
+        if "path" in writer_options or "store" in writer_options:
+            raise TypeError("CheckpointManager: the manager chooses each step's path; do not pass path= or store=")
+        ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
+        self.root = CheckpointRoot(root, storage_options)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self._rank = dist.get_rank() if self._distributed else 0
+        self._lock = threading.Lock()
+        self._pending: tuple[int, object] | None = None  # (step, future) of the async save in flight
+        self._async_group = None
+        self._in_use: set[int] = set()
+        self._lease: Lease | None = None
+        self._closed = False
+        failure = None
+        if self._rank == 0:
+            try:
+                lease = Lease(self.root, timeout_s=lease_timeout_s)
+                lease.acquire()
+                self._lease = lease
+                self._clean()
+            except Exception as exc:  # every rank must hear of it, or the others would wait for rank 0 forever
+                failure = exc
+        message = self._from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise CheckpointRootBusyError(f"rank 0's CheckpointManager failed: {message}")
+
+    # -- finding -------------------------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps that have a complete checkpoint, ascending."""
+        return [s.step for s in self.root.step_stores() if s.complete]
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> str:
+        """The store of ``step`` (a path, or a URL under an fsspec root); it need not exist."""
+        return self.root.location(step_name(_checked_step(step, self.root.url)))
+
+    # -- saving --------------------------------------------------------------------------------------------------------
+
+    def save(self, step: int, state_dict: dict, *, async_save: bool = False):
+        """Save ``state_dict`` as ``step``. A save still in flight is waited for first (its error raised here), so
+        at most one is ever running. With ``async_save`` this returns once the state is staged, with the Future of
+        the rest (``dcp.async_save``'s thread executor, on a process group of its own); else None, once complete
+        and retention has run."""
+        self._check_open()
+        step = _checked_step(step, self.root.url)
+        self.wait()
+        if self._lease is not None:
+            self._lease.check()
+            # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
+            self.root.write_record("saving", step, {"step": step, "manager": self._lease.id, "time": time.time()})
+        writer = ZarrWriter(self.path(step), storage_options=self.storage_options, **self.writer_options)
+        try:
+            if async_save:
+                future = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group_for_async())
+                self._pending = (step, future)
+                return future
+            dcp.save(state_dict, storage_writer=writer)
+        except BaseException:
+            self._after_failure()
+            raise
+        self._after_save(step)
+        return None
+
+    def wait(self) -> None:
+        """Wait for the async save in flight, if any; raise its error; then apply retention."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, future = pending
+        try:
+            future.result()
+        except BaseException:
+            self._after_failure()
+            raise
+        self._after_save(step)
+
+    # -- loading -------------------------------------------------------------------------------------------------------
+
+    def load(self, state_dict: dict, step: int | None = None, planner=None) -> int:
+        """Load the latest complete checkpoint (or ``step``) into ``state_dict`` in place, at any world size; returns
+        the step. ``planner`` defaults to ``ZarrLoadPlanner`` (any optimizer key form loads)."""
+        self._check_open()
+        stores = self.root.step_stores() if self._rank == 0 else []
+        if step is None:
+            complete = [s.step for s in stores if s.complete]
+            step = self._from_rank0(complete[-1] if complete else None)  # every rank loads the one rank 0 found
+            if step is None:
+                raise StepNotFoundError(f"no complete checkpoint under {self.root.url} to load{_seen(stores)}")
+        else:
+            step = _checked_step(step, self.root.url)
+            found = self._from_rank0(any(s.step == step and s.complete for s in stores))
+            if not found:
+                raise StepNotFoundError(f"{self.root.url} has no complete checkpoint of step {step}; complete steps: "
+                                        f"{', '.join(str(s.step) for s in stores if s.complete) or 'none'}"
+                                        f"{_seen(stores)}")
+        with self._lock:
+            self._in_use.add(step)
+        try:
+            reader = ZarrReader(self.path(step), storage_options=self.storage_options, **self.reader_options)
+            dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else ZarrLoadPlanner())
+        finally:
+            with self._lock:
+                self._in_use.discard(step)
+        return step
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight, then give up the root's lease. Safe to call twice."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._lease is not None:
+                self._lease.release()
+            if self._async_group is not None:
+                dist.destroy_process_group(self._async_group)
+                self._async_group = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ZarrCheckpointError(f"CheckpointManager({self.root.url!r}) is closed")
+
+    def _from_rank0(self, value):
+        """``value`` as rank 0 has it, on every rank (itself when not distributed)."""
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _group_for_async(self):
+        """DCP's async save runs its collectives on a background thread; on the training's own group they would
+        interleave with the training's collectives, so it gets a gloo group of its own (made once, collectively)."""
+        if not self._distributed:
+            return None
+        if self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
+        return self._async_group
+
+    def _after_save(self, step: int) -> None:
+        if self._lease is None:
+            return
+        self.root.remove_record("saving", step)
+        self._apply_retention()
+
+    def _after_failure(self) -> None:
+        if self._lease is not None:
+            self._clean()  # nothing of this manager's is in flight now: what the failed save left can go
+
+    def _apply_retention(self) -> None:
+        if self.keep_last is None:
+            return
+        complete = [s.step for s in self.root.step_stores() if s.complete]
+        if not complete:
+            return
+        keep = set(complete[-self.keep_last:]) | {complete[-1]}
+        if self.keep_every is not None:
+            keep |= {s for s in complete if s % self.keep_every == 0}
+        with self._lock:
+            keep |= self._in_use
+        for step in complete:
+            if step not in keep:
+                self._lease.check()
+                self.root.delete_step(step)
+
+    def _clean(self) -> None:
+        """Remove what saves and deletions that are no longer running left behind (the lease says none is)."""
+        for name in self.root.leftovers():
+            self.root.remove_incomplete(name)
+        by_step: dict[int, StepStore] = {s.step: s for s in self.root.step_stores()}
+        for kind, step in self.root.records():
+            store = by_step.get(step)
+            if kind == "deleting":
+                self.root.delete_step(step)  # finishes it, record last
+                continue
+            if store is not None and not store.complete:
+                self.root.remove_incomplete(store.name)
+            self.root.remove_record("saving", step)
+
+
+def _positive_or_none(name: str, value):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"CheckpointManager: {name}={value!r} must be a positive int or None")
+    return int(value)
+
+
+def _checked_step(step, root: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"{root}: step {step!r} must be an int >= 0")
+    return int(step)
+
+
+def _seen(stores: list[StepStore]) -> str:
+    incomplete = [s.name for s in stores if not s.complete]
+    return f" (incomplete, never loaded: {', '.join(incomplete)})" if incomplete else ""

@@ -1,0 +1,414 @@
+"""CheckpointManager: steps, retention, the root's lease, cleanup of killed saves, async saves and resume at another
+world size, on local paths and the loopback S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError
+from dcp_zarr.checkpoint_root import RECORDS, CheckpointRoot, step_name
+from dcp_zarr.commit import STAGING_MARK
+from dcp_zarr.lease import LEASE_KEY
+from tests.distributed import assert_state_equal, run_ranks
+from tests.fault_tools import Zygote, blank_like, causes, crash_state, load_full, managed_save_program
+from tests.s3_server import S3Server
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+
+WORLD_SIZE = 2
+TRIAL_SEED = 20261201
+TEMPLATE = crash_state(0)
+TRIAL_OPTIONS = {"keep_last": 2, "thread_count": 2, "inner_chunk_bytes": 2048}
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((4, 3), float(step)), "meta": {"step": step, "name": f"run-{step}"}}
+
+
+def saved_step(manager: CheckpointManager, step: int) -> int:
+    target = {"w": torch.zeros(4, 3), "meta": {"step": -1, "name": ""}}
+    assert manager.load(target, step=step) == step
+    assert torch.equal(target["w"], torch.full((4, 3), float(step))) and target["meta"]["step"] == step
+    return target["meta"]["step"]
+
+
+# -- steps and retention -------------------------------------------------------------------------------------------
+
+
+def test_keep_last_and_keep_every_delete_only_what_they_no_longer_keep(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "notes.txt").write_text("mine")  # foreign files: never touched
+    (root / "other.zarr").mkdir()
+    with CheckpointManager(root, keep_last=2, keep_every=4) as manager:
+        for step in range(11):
+            manager.save(step, state(step))
+        assert manager.steps() == [0, 4, 8, 9, 10]
+        assert manager.latest_step() == 10
+        assert [saved_step(manager, s) for s in manager.steps()] == [0, 4, 8, 9, 10]
+    assert sorted(os.listdir(root)) == sorted([RECORDS, "notes.txt", "other.zarr"] + [step_name(s) for s in (0, 4, 8, 9, 10)])
+    assert os.listdir(root / RECORDS) == [], "the lease is given back at close, and no record is left"
+
+
+def test_without_keep_last_every_checkpoint_stays_and_steps_sort_numerically(tmp_path):
+    with CheckpointManager(tmp_path) as manager:
+        for step in (3, 100_000_000, 20):  # past the padded width too
+            manager.save(step, state(step))
+        assert manager.steps() == [3, 20, 100_000_000]
+        assert manager.path(20) == str(tmp_path / "step-00000020.zarr")
+
+
+def test_loading_the_latest_resumes_and_returns_its_step(tmp_path):
+    with CheckpointManager(tmp_path, keep_last=1) as manager:
+        manager.save(1, state(1))
+        manager.save(2, state(2))
+        target = {"w": torch.zeros(4, 3), "meta": {"step": 0, "name": ""}}
+        assert manager.load(target) == 2 and target["meta"] == {"step": 2, "name": "run-2"}
+
+
+def test_an_async_save_is_waited_for_by_the_next_save_and_retention_follows_it(tmp_path):
+    with CheckpointManager(tmp_path, keep_last=1) as manager:
+        first = manager.save(1, state(1), async_save=True)
+        second = manager.save(2, state(2), async_save=True)  # waits for the first
+        assert first.done()
+        manager.wait()
+        assert second.done() and manager.steps() == [2]
+
+
+def test_an_async_save_error_is_raised_by_wait(tmp_path):
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state(1))
+        manager.save(1, state(1), async_save=True)  # step 1 exists and overwrite is off
+        with pytest.raises(BaseException, match="Checkpoint already exists"):
+            manager.wait()
+        assert manager.steps() == [1] and saved_step(manager, 1) == 1
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3", None])
+def test_a_step_that_is_not_an_int_of_zero_or_more_is_refused_naming_the_root(tmp_path, step):
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(ValueError, match=f"{tmp_path}.*step {step!r} must be an int >= 0"):
+            manager.save(step, state(0))
+
+
+def test_loading_a_missing_step_names_the_root_and_the_steps_there_are(tmp_path):
+    with CheckpointManager(tmp_path) as manager:
+        with pytest.raises(StepNotFoundError, match=f"no complete checkpoint under {tmp_path}"):
+            manager.load(state(0))
+        manager.save(2, state(2))
+        manager.save(5, state(5))
+        with pytest.raises(StepNotFoundError, match=r"no complete checkpoint of step 3; complete steps: 2, 5"):
+            manager.load(state(0), step=3)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"keep_last": 0}, "keep_last=0 must be a positive int"),
+    ({"keep_every": -2}, "keep_every=-2 must be a positive int"),
+    ({"thread_cnt": 4}, "thread_cnt"),
+    ({"path": "x"}, "do not pass path= or store="),
+])
+def test_bad_manager_options_are_refused_by_name(tmp_path, options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        CheckpointManager(tmp_path, **options)
+
+
+def test_a_root_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        CheckpointManager(tmp_path / "file")
+
+
+# -- the lease -----------------------------------------------------------------------------------------------------
+
+
+def test_a_second_manager_on_a_live_root_is_refused_and_takes_over_once_the_first_closes(tmp_path):
+    first = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointRootBusyError, match=f"{tmp_path} is held by manager .*pid {os.getpid()}"):
+        CheckpointManager(tmp_path)
+    first.close()
+    CheckpointManager(tmp_path).close()
+
+
+_HOLD_AND_WAIT = """
+import sys, time
+from dcp_zarr import CheckpointManager
+manager = CheckpointManager(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_lease_of_a_killed_process_on_this_host_is_stale_at_once(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointRootBusyError, match=f"pid {holder.pid}"):
+            CheckpointManager(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    CheckpointManager(tmp_path).close()
+
+
+def _write_lease(root, host: str, age_s: float) -> None:
+    (root / RECORDS).mkdir(exist_ok=True)
+    record = {"holder": "elsewhere", "host": host, "pid": 1, "heartbeat": time.time() - age_s, "timeout_s": 60}
+    (root / LEASE_KEY).write_text(json.dumps(record))
+
+
+def test_a_lease_from_another_host_holds_until_its_heartbeat_is_older_than_its_timeout(tmp_path):
+    _write_lease(tmp_path, "node-17", age_s=5)
+    with pytest.raises(CheckpointRootBusyError, match="host node-17.*5.0 s ago"):
+        CheckpointManager(tmp_path)
+    _write_lease(tmp_path, "node-17", age_s=61)
+    CheckpointManager(tmp_path).close()
+    assert socket.gethostname() != "node-17"
+
+
+def test_the_holder_refreshes_its_lease(tmp_path):
+    with CheckpointManager(tmp_path, lease_timeout_s=0.4):
+        first = json.loads((tmp_path / LEASE_KEY).read_text())["heartbeat"]
+        time.sleep(0.5)
+        assert json.loads((tmp_path / LEASE_KEY).read_text())["heartbeat"] > first
+        with pytest.raises(CheckpointRootBusyError):
+            CheckpointManager(tmp_path, lease_timeout_s=0.4)  # refreshed: still live
+
+
+# -- cleanup -------------------------------------------------------------------------------------------------------
+
+
+def test_cleanup_removes_the_leftovers_of_saves_that_are_gone_and_nothing_else(tmp_path):
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state(1))
+    staging = tmp_path / f".{step_name(2)}{STAGING_MARK}abc"  # a killed save of step 2
+    (staging / "w").mkdir(parents=True)
+    (staging / "w" / "c.0.0").write_bytes(b"\0" * 64)
+    deleting = tmp_path / f".{step_name(0)}.dcp-zarr-deleting-xyz"  # a deletion killed halfway
+    deleting.mkdir()
+    foreign = [tmp_path / ".hidden-notes", tmp_path / "step-7.zarr.bak", tmp_path / ".other.zarr.dcp-zarr-partial-1"]
+    for path in foreign:
+        path.write_text("not ours")
+
+    with CheckpointManager(tmp_path) as manager:
+        assert not staging.exists() and not deleting.exists()
+        assert all(path.exists() for path in foreign)
+        assert manager.steps() == [1]
+
+
+# -- killed saves: SIGKILL of one rank or all, at random moments ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def _own_names(root: str) -> list[str]:
+    """What the root holds besides the complete checkpoints and the foreign files the trials put there."""
+    return sorted(n for n in os.listdir(root) if n not in ("notes.txt", "step-99999999.zarr")
+                  and not (n.startswith("step-") and n.endswith(".zarr")))
+
+
+def _check_after_kill(root: str, previous: int | None, step: int, label: str, storage_options=None,
+                      cleaned: list | None = None) -> int | None:
+    """The next manager's view after a killed trial: the previous or the new step is the latest (never an
+    incomplete one), every complete step loads bit-exact as what was saved under it, and nothing of the dead save
+    is left once that manager has cleaned up (what there was to clean is appended to ``cleaned``)."""
+    before = CheckpointRoot(root, storage_options)
+    found = before.leftovers() + [f"{kind} record" for kind, _ in before.records()]
+    found += [s.name for s in before.step_stores() if not s.complete and s.step != 99999999]
+    if cleaned is not None and found:
+        cleaned.append(found)
+    manager = CheckpointManager(root, storage_options=storage_options)
+    try:
+        latest = manager.latest_step()
+        assert latest in {previous, step}, f"{label}: latest step {latest}, expected {previous} or {step}"
+        if previous is not None:
+            assert manager.steps(), f"{label}: no complete checkpoint is left"
+        for kept in manager.steps():
+            loaded = load_full(manager.path(kept), TEMPLATE, storage_options=storage_options)
+            assert_state_equal(loaded, crash_state(1000 + kept))
+        assert set(manager.steps()) <= {s for s in range(step + 1)}
+        leftovers = manager.root.leftovers() + [f"{kind}-{s}" for kind, s in manager.root.records()]
+        assert not leftovers, f"{label}: left behind after cleanup: {leftovers}"
+        incomplete = [s.name for s in manager.root.step_stores() if not s.complete and s.step != 99999999]
+        assert not incomplete, f"{label}: incomplete stores left: {incomplete}"
+    finally:
+        manager.close()
+    return latest
+
+
+def _run_kill_trials(zygote, root: str, trials: int, rng: random.Random, storage_options=None) -> dict:
+    options = dict(TRIAL_OPTIONS, storage_options=storage_options)
+    launch = zygote.launch(managed_save_program, WORLD_SIZE, root, 0, 1000, options)
+    assert launch.wait_reported("saving", 60, ranks=[0])
+    started = time.monotonic()
+    assert all(o == ("ok", "saved") for o in launch.wait(120).values())
+    clean = time.monotonic() - started  # from "saving" to the end: the span the kills below are spread over
+    previous = _check_after_kill(root, None, 0, "clean save", storage_options)
+    outcomes = {"previous": 0, "new": 0}
+    cleaned: list = []
+    for trial in range(1, trials + 1):
+        ranks = None if rng.random() < 0.5 else [rng.randrange(WORLD_SIZE)]
+        launch = zygote.launch(managed_save_program, WORLD_SIZE, root, trial, 1000 + trial, options)
+        assert launch.wait_reported("saving", 60, ranks=[0]), f"trial {trial}: rank 0 never started saving"
+        time.sleep(rng.uniform(0, clean))
+        launch.kill(ranks)
+        launch.wait(60)
+        label = f"trial {trial}: {'all ranks' if ranks is None else f'rank {ranks[0]}'} killed"
+        latest = _check_after_kill(root, previous, trial, label, storage_options, cleaned)
+        outcomes["new" if latest == trial else "previous"] += 1
+        previous = latest if latest == trial else previous
+    outcomes["leftovers cleaned"] = len(cleaned)
+    assert cleaned, "no trial left anything to clean: the cleanup was never exercised"
+    return outcomes
+
+
+def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_latest(zygote, tmp_path):
+    root = str(tmp_path / "run")
+    os.makedirs(os.path.join(root, "step-99999999.zarr"))  # foreign, though named like ours: never removed
+    with open(os.path.join(root, "notes.txt"), "w") as f:
+        f.write("not ours")
+    outcomes = _run_kill_trials(zygote, root, 30, random.Random(TRIAL_SEED))
+    print(f"\nmanaged save killed at random moments, local: {outcomes}")
+    assert outcomes["new"] > 0 and outcomes["previous"] > 0, "the trials did not straddle the commit"
+    assert os.path.isdir(os.path.join(root, "step-99999999.zarr"))
+    assert open(os.path.join(root, "notes.txt")).read() == "not ours"
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    server.make_bucket("runs")
+    yield server
+    server.stop()
+
+
+def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, monkeypatch):
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    outcomes = _run_kill_trials(zygote, "s3://runs/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
+    print(f"\nmanaged save killed at random moments, S3: {outcomes}")
+    assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
+
+
+def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, tmp_path):
+    """A kill that surely lands mid-save: rank 1 dies at its first write of step 1."""
+    root = str(tmp_path / "run")
+    launch = zygote.launch(managed_save_program, WORLD_SIZE, root, 0, 1000, TRIAL_OPTIONS)
+    assert all(o == ("ok", "saved") for o in launch.wait(120).values())
+    kill = {"rank": 1, "event": 1, "kind": "write", "torn": False}
+    outcome = zygote.launch(managed_save_program, WORLD_SIZE, root, 1, 1001, TRIAL_OPTIONS, kill).wait(60)
+    assert outcome[1][0] == "died" and outcome[0][0] != "ok", outcome
+    assert _check_after_kill(root, 0, 1, "rank 1 killed at the start of its save") == 0
+
+
+# -- a training job: save every step on 2 ranks, resume on 3 -------------------------------------------------------
+
+
+class _Loader:
+    """A dataloader position as a Stateful (torchtitan keeps its dataloader state this way)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class _Rng:
+    """torch's CPU RNG as a Stateful."""
+
+    def state_dict(self):
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(state["cpu"])
+
+
+class _TrainState:
+    """Model + optimizer through get_state_dict/set_state_dict, as torchtitan's ModelWrapper/OptimizersContainer."""
+
+    def __init__(self, model, optim):
+        self.model, self.optim = model, optim
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+
+
+def _app_state(world_size: int, seed: int):
+    from tests.distributed import build
+
+    model, optim = build("fsdp2", world_size, seed)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    loader = _Loader()
+    return model, optim, scheduler, loader, {"train": _TrainState(model, optim), "lr_scheduler": scheduler,
+                                             "dataloader": loader, "rng": _Rng()}
+
+
+def _train_and_save_every_step(rank, world_size, root):
+    from tests.distributed import full_state, train_steps
+
+    model, optim, scheduler, loader, app = _app_state(world_size, seed=0)
+    manager = CheckpointManager(root, keep_last=2)
+    for step in range(1, 4):
+        train_steps(model, optim, 1, first_batch=step)
+        scheduler.step()
+        loader.position += 8
+        manager.save(step, app, async_save=True)
+    manager.wait()
+    manager.close()
+    return full_state(model, optim), scheduler.state_dict(), loader.position, torch.get_rng_state()
+
+
+def _resume(rank, world_size, root):
+    from tests.distributed import full_state, prime_optimizer
+
+    model, optim, scheduler, loader, app = _app_state(world_size, seed=1)
+    prime_optimizer(model, optim)
+    manager = CheckpointManager(root)
+    step = manager.load(app)
+    steps = manager.steps()
+    manager.close()
+    return step, steps, full_state(model, optim), scheduler.state_dict(), loader.position, torch.get_rng_state()
+
+
+def test_a_job_saving_asynchronously_every_step_on_2_ranks_resumes_on_3(tmp_path):
+    root = str(tmp_path / "job")
+    saved = run_ranks(_train_and_save_every_step, 2, root)[0]
+    resumed = run_ranks(_resume, 3, root)[0]
+
+    step, steps, full, scheduler, position, rng = resumed
+    assert step == 3 and steps == [2, 3]
+    assert_state_equal(full, saved[0])
+    assert scheduler == saved[1] and scheduler["last_epoch"] == 3
+    assert position == saved[2] == 24
+    assert torch.equal(rng, saved[3])
