@@ -26,6 +26,7 @@ from dcp_zarr.errors import (
     ParamTableMismatchError,
     ReplicaMismatchError,
     StepNotFoundError,
+    TorchNotImportableError,
     UnsafeFileError,
     UntrustedTypeError,
     UntrustedTypeWarning,
@@ -70,7 +71,10 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}")
+        try:  # ``import dcp_zarr; dcp_zarr.offline...`` worked when this package imported everything eagerly
+            return importlib.import_module(f"dcp_zarr.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # found once, then an ordinary attribute
     return value
@@ -82,8 +86,6 @@ def __dir__():
 
 __all__ = [
     "CheckpointManager",
-    "StepNotFoundError",
-    "CheckpointRootBusyError",
     "ZarrWriter",
     "ZarrReader",
     "ZarrLoadPlanner",
@@ -109,6 +111,9 @@ __all__ = [
     "ParamTableMismatchError",
     "ReplicaMismatchError",
     "UnsafeFileError",
+    "TorchNotImportableError",
+    "StepNotFoundError",
+    "CheckpointRootBusyError",
     "UntrustedTypeError",
     "UntrustedTypeWarning",
     "OptimizerStepError",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 
 from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
@@ -19,6 +20,10 @@ from dcp_zarr.manifest import ROOT_KEY, read_manifest
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 
 STAGING_MARK = ".dcp-zarr-partial-"
+# What an interrupted save leaves on an object store: zarr.json documents and chunk keys (c, c.0.1; c/0/1 in formats
+# 1 and 2). The first this many keys are checked before a save clears a prefix (a bound on the listing).
+_SAVE_KEY = re.compile(r"(^|/)(zarr\.json|c(\.\d+)*|c(/\d+)+)$")
+_KEYS_CHECKED = 100_000
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
@@ -49,7 +54,15 @@ def check_stored(storage: Storage, overwrite: bool, target: str | None = None) -
     target = target or storage.url
     local = isinstance(storage, LocalStorage)
     if not local and not storage.exists(ROOT_KEY):
-        return  # nothing committed there: leftovers of an interrupted save are cleared before writing
+        # Nothing committed there. Leftovers of an interrupted save are cleared before writing; anything else (a
+        # bucket's other data, when the store is rooted at the bucket) must never be, overwrite or not.
+        foreign = [key for key in storage.first_keys(_KEYS_CHECKED) if not _SAVE_KEY.search(key)]
+        if foreign:
+            raise CheckpointExistsError(
+                f"{target} holds data that is neither a dcp_zarr checkpoint nor an interrupted save "
+                f"({', '.join(map(repr, sorted(foreign)[:3]))}); a save there would delete it, so it is refused. "
+                "Point the writer at a prefix of its own")
+        return
     try:
         read_manifest(storage)
     except NotACheckpointError as exc:

@@ -12,6 +12,7 @@ different, saying that they were not decoded.
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, TorchNotImportableError
-from dcp_zarr.manifest import OBJECT, TENSOR
+from dcp_zarr.manifest import OBJECT, TENSOR, VALUE
 from dcp_zarr.offline import Entry
 from dcp_zarr.progress import progress_bar
 
@@ -86,6 +87,8 @@ def _diff_entry(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
 
 
 def _diff_value(a, b, ea: Entry, eb: Entry) -> EntryDiff:
+    if ea.kind == eb.kind == VALUE and _stored_json(a, ea) == _stored_json(b, eb) is not None:
+        return EntryDiff(ea.fqn, EQUAL)  # the same tagged JSON: exact, and nothing to decode
     if ea.kind == eb.kind == OBJECT and a.read_object_bytes(ea) == b.read_object_bytes(eb):
         return EntryDiff(ea.fqn, EQUAL)  # the same torch.save bytes load as the same value: nothing to unpickle
     try:
@@ -145,6 +148,12 @@ def _max_abs_diff(xa: np.ndarray, xb: np.ndarray, dtype_name: str) -> float:
     return worst
 
 
+def _stored_json(ckpt, entry: Entry):
+    """The tagged JSON document of a value entry of a zarr checkpoint (None for a DCP directory's)."""
+    manifest = getattr(ckpt, "manifest", None)
+    return None if manifest is None else manifest.entries[entry.fqn].value
+
+
 def _same_value(x, y) -> bool:
     torch = sys.modules.get("torch")  # a value holding tensors was made by torch, so it is imported already
     if torch is not None and (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)):
@@ -152,6 +161,10 @@ def _same_value(x, y) -> bool:
                 and x.shape == y.shape and torch.equal(_tensor_bits(x), _tensor_bits(y)))
     if type(x) is not type(y):
         return False
+    if isinstance(x, (np.ndarray, np.generic)):  # by their bits: == is elementwise, and NaN != NaN
+        return x.dtype == y.dtype and np.shape(x) == np.shape(y) and x.tobytes() == y.tobytes()
+    if isinstance(x, io.BytesIO):
+        return x.getvalue() == y.getvalue()
     if isinstance(x, dict):
         return x.keys() == y.keys() and all(_same_value(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)):
@@ -160,8 +173,8 @@ def _same_value(x, y) -> bool:
         return True
     try:
         return bool(x == y)
-    except Exception:  # a type whose == is not a truth value: compare by representation
-        return repr(x) == repr(y)
+    except Exception:  # a type whose == is not a truth value: not known to be equal
+        return False
 
 
 def _tensor_bits(t):

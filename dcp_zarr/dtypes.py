@@ -8,6 +8,7 @@ import torch
 
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.zarr_dtypes import STORED_DTYPES  # importing it registers the zarr data types
+from dcp_zarr.zarr_dtypes import BFloat16, Float8E4M3FN, Float8E5M2  # noqa: F401  (where they used to live)
 
 
 class UnsupportedDtypeError(ZarrCheckpointError, TypeError):

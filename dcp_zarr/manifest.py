@@ -170,8 +170,9 @@ def _check_paths_form_one_tree(entries: dict[str, Entry], url: str) -> None:
     hostile index of 10**12 would otherwise allocate a list that long when the state dict is rebuilt)."""
     leaves: set[tuple] = set()
     inner: dict[tuple, type] = {}  # a container's path -> the type of its keys (int: a list)
-    # Items that are empty containers have no entry, so a list may be longer than the entries in it; not this much.
-    positions = len(entries) + (1 << 16)
+    # Items that are empty containers have no entry, so a list may be longer than the entries in it: the bound is
+    # only against absurd lengths (a list of 2**24 Nones is 128 MiB).
+    positions = max(len(entries), 1 << 24)
     for fqn, entry in entries.items():
         path = entry.path
         for depth, part in enumerate(path):

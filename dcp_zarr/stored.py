@@ -94,24 +94,48 @@ def _qualified_name(obj) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-# Value types of the standard library that DCP's own reader (torch.load(weights_only=False)) brings back and whose
-# unpickling only builds a value: trusted by default, so that such state loads without extra options. Anything else
-# (your own classes, enums, dataclasses) needs ``safe_globals``; numpy values and BytesIO are JSON (values.py).
-STANDARD_SAFE_GLOBALS = [
-    datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone,
-    decimal.Decimal, fractions.Fraction, uuid.UUID,
-    pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath,
-    slice, range, collections.Counter,  # (torch's weights_only unpickler cannot fill a defaultdict or a deque)
-    io.BytesIO,  # a BytesIO inside a value that is not JSON (the JSON ones need no unpickling)
-]
-_STANDARD_NAMES = {_qualified_name(t) for t in STANDARD_SAFE_GLOBALS}
+# Value types that DCP's own reader (torch.load(weights_only=False)) brings back and whose unpickling only builds a
+# value of bounded cost: trusted by default, so that such state loads without extra options. (Not Fraction: it
+# unpickles from a string, and Fraction("1e20000000") computes 10**20000000.) Anything else (your own classes,
+# enums, dataclasses) needs ``safe_globals``. Small numpy values and BytesIO are JSON (values.py); larger ones land
+# here, hence numpy's array globals (they rebuild an ndarray of a dtype; object arrays unpickle their items through
+# this same allow-list).
+def _standard_safe_globals() -> list:
+    import numpy as np
+
+    paths = [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath]
+    return [
+        datetime.date, datetime.time, datetime.datetime, datetime.timedelta, datetime.timezone, decimal.Decimal,
+        uuid.UUID, slice, range, collections.Counter,  # (torch's weights_only unpickler fills no defaultdict, deque)
+        io.BytesIO, *paths,
+        # Python 3.13 moved the pathlib classes to pathlib._local; pickles written by 3.11/3.12 name them "pathlib.X"
+        *[(cls, f"pathlib.{cls.__name__}") for cls in paths if cls.__module__ != "pathlib"],
+        np.ndarray, np.dtype, _numpy_reconstruct(np),
+        *{type(np.dtype(code)) for code in "?bhilqBHILQefdgFDG"},
+    ]
+
+
+def _numpy_reconstruct(np):
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    return core.multiarray._reconstruct
+
+
+STANDARD_SAFE_GLOBALS = _standard_safe_globals()
+
+
+def _trusted_name(entry) -> str:
+    return entry[1] if isinstance(entry, tuple) else _qualified_name(entry)
+
+
+_STANDARD_NAMES = {_trusted_name(t) for t in STANDARD_SAFE_GLOBALS}
 
 
 def untrusted_types(payload: bytes, safe_globals: list = ()) -> list[str]:
     """The globals of ``torch.save`` bytes that neither the standard list nor ``safe_globals`` trusts."""
     import torch
 
-    trusted = _STANDARD_NAMES | {_qualified_name(t) for t in safe_globals if hasattr(t, "__qualname__")}
+    trusted = _STANDARD_NAMES | {_trusted_name(t) for t in safe_globals
+                                 if isinstance(t, tuple) or hasattr(t, "__qualname__")}
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(payload))
     except Exception:  # not a torch.save archive at all: the caller reports it as malformed

@@ -4,6 +4,7 @@ Which entries are listed, in what order and how grouped (``--filter``, ``--depth
 
 from __future__ import annotations
 
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_zarr.errors import TorchNotImportableError
@@ -152,7 +153,8 @@ def _tree_lines(entries: list[dict]) -> list[str]:
 
 def _describe(row: dict) -> str:
     if row["kind"] == "value":
-        text = repr(decode_value(row["value"]))
+        value = decode_value(row["value"])
+        text = f"BytesIO of {value.getbuffer().nbytes} bytes" if isinstance(value, io.BytesIO) else repr(value)
         return f"value  {text if len(text) <= 60 else text[:57] + '...'}"
     if row["kind"] == "object":
         return f"object  {human_bytes(row['nbytes'])} (torch.save bytes)"

@@ -26,10 +26,13 @@ FROZENSET_TAG = "__frozenset__"
 BYTESIO_TAG = "__bytesio__"  # base64 of the buffer's whole contents; it loads positioned at 0
 NDARRAY_TAG = "__ndarray__"  # {"dtype": "<f4", "shape": [...], "data": base64 of the C-order bytes}
 NUMPY_SCALAR_TAG = "__numpy_scalar__"  # {"dtype": "<i8", "data": base64}
-# Since format 4. A reader of format 3 would return these documents as dicts, so they are in no store it accepts.
-NEW_IN_FORMAT_4 = (BYTESIO_TAG, NDARRAY_TAG, NUMPY_SCALAR_TAG)
-# numpy dtypes stored by value: booleans, integers, floats and complex numbers, as numpy names them.
-_NUMPY_KINDS = "biufc"
+# (The last three since format 4: a format-3 reader would hand them back as dicts, so it refuses format 4.)
+# Bytes, BytesIO and numpy arrays larger than this are not JSON: the root zarr.json, which every reader fetches
+# and parses whole, stays small; they are stored as torch.save bytes instead, whose types load by default.
+MAX_JSON_BLOB_BYTES = 64 << 10
+# numpy dtypes stored by value: booleans, integers, floats and complex numbers of the sizes every platform has
+# (x86's 16-byte long double is no dtype on ARM: one such value would make a manifest unreadable there).
+_NUMPY_ITEMSIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
 
 
 class NotJSONError(TypeError):
@@ -47,11 +50,11 @@ def encode_value(value):
         return [encode_value(v) for v in value]
     if kind is tuple:
         return {TUPLE_TAG: [encode_value(v) for v in value]}
-    if kind is bytes:
+    if kind is bytes and len(value) <= MAX_JSON_BLOB_BYTES:
         return {BYTES_TAG: _b64(value)}
-    if kind is io.BytesIO:
+    if kind is io.BytesIO and value.getbuffer().nbytes <= MAX_JSON_BLOB_BYTES:
         return {BYTESIO_TAG: _b64(value.getvalue())}
-    if kind is np.ndarray and _plain_numpy(value.dtype):
+    if kind is np.ndarray and _plain_numpy(value.dtype) and value.nbytes <= MAX_JSON_BLOB_BYTES:
         return {NDARRAY_TAG: {"dtype": value.dtype.str, "shape": list(value.shape),
                               "data": _b64(np.ascontiguousarray(value).tobytes())}}
     if isinstance(value, np.generic) and _plain_numpy(value.dtype):
@@ -110,13 +113,16 @@ def _unb64(body) -> bytes:
 
 def _plain_numpy(dtype: np.dtype) -> bool:
     """A dtype whose ``.str`` names it exactly (not object, structured, datetime or ml_dtypes' bfloat16, '<V2')."""
-    return dtype.kind in _NUMPY_KINDS and np.dtype(dtype.str) == dtype
+    return dtype.itemsize in _NUMPY_ITEMSIZES.get(dtype.kind, ()) and np.dtype(dtype.str) == dtype
 
 
 def _numpy_value(body, tag: str) -> np.ndarray:
     if not isinstance(body, dict) or not isinstance(body.get("dtype"), str):
         raise ValueError(f"a {tag} needs a dtype string, got {body!r:.80}")
-    dtype = np.dtype(body["dtype"])
+    try:
+        dtype = np.dtype(body["dtype"])
+    except TypeError:
+        raise ValueError(f"a {tag} has dtype {body['dtype']!r}, which numpy does not know here") from None
     if not _plain_numpy(dtype):
         raise ValueError(f"a {tag} has dtype {body['dtype']!r}, not a plain numeric one")
     return np.frombuffer(_unb64(body.get("data")), dtype=dtype)

@@ -147,7 +147,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
         self._nodes = nodes = node_paths(plans)
-        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=self.store is None and is_local(self.path))
+        array_shards = self.store is None and is_local(self.path)  # several ranks writing one file: local files only
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=array_shards)
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
         # A store object is written in place, by each rank through its own store: the location is only a name.

@@ -233,6 +233,7 @@ def test_a_resharded_load_reads_at_most_a_tenth_more_than_it_needs(tmp_path):
     ({"a": ["m", 0], "b": ["m", "w"]}, "both by names and by list positions"),
     ({"a": ["m", -1]}, "list position -1"),
     ({"a": ["m", 10**12]}, "list position 1000000000000"),
+    ({"a": ["m", 1 << 24]}, f"list position {1 << 24}"),
     ({"a": ["m", "w"], "b": ["m", "w"]}, "which another entry also uses"),
 ])
 def test_entry_paths_that_cannot_form_one_state_dict_are_refused(paths, why):

@@ -170,10 +170,33 @@ def test_bytesio_and_numpy_values_are_json_and_load_with_default_options(tmp_pat
     assert entries["train.loader"]["value"] == {"__bytesio__": "AHBvc2l0aW9uPTE3/w=="}
 
 
+def test_large_blobs_and_arrays_stay_out_of_the_manifest_and_still_load_with_default_options(tmp_path):
+    big = np.random.default_rng(3).permutation(100_000)  # 800 KB: kept out of the root zarr.json
+    sd = {"state": {"perm": big, "blob": bytes(range(256)) * 400, "buffer": io.BytesIO(b"x" * 70_000),
+                    "small": np.arange(4, dtype=np.float16), "wide": np.float64(2.5)}}
+    path = str(tmp_path / "big.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntrustedTypeWarning)
+        save(sd, path)
+    back = load(blank_like(sd), path)["state"]
+
+    assert np.array_equal(back["perm"], big) and back["perm"].dtype == big.dtype
+    assert back["blob"] == sd["state"]["blob"] and back["buffer"].getvalue() == b"x" * 70_000
+    entries = zarr.open_group(path, mode="r").attrs["dcp_zarr"]["entries"]
+    assert [entries[f"state.{k}"]["kind"] for k in ("perm", "blob", "buffer", "small", "wide")] == \
+        ["object", "object", "object", "value", "value"]
+    assert os.path.getsize(os.path.join(path, "zarr.json")) < 20_000
+
+
+def test_a_fraction_is_not_trusted_by_default_because_unpickling_one_can_cost_unbounded_time(tmp_path):
+    with pytest.warns(UntrustedTypeWarning, match="fractions.Fraction"):
+        save({"f": fractions.Fraction(1, 3)}, str(tmp_path / "f.zarr"))
+
+
 def test_standard_library_values_load_with_default_options(tmp_path):
     """Types DCP's own reader brings back (it unpickles freely) that only build a value: trusted by default."""
     sd = {"meta": {"when": datetime.datetime(2026, 12, 1, 14, 0, tzinfo=datetime.timezone.utc),
-                   "took": datetime.timedelta(seconds=3.5), "lr": decimal.Decimal("0.001"), "frac": fractions.Fraction(1, 3),
+                   "took": datetime.timedelta(seconds=3.5), "lr": decimal.Decimal("0.001"),
                    "run": uuid.UUID(int=5), "out": pathlib.PurePosixPath("/ckpt/step-3"), "window": slice(2, 9, 3),
                    "epochs": range(0, 10, 2)}}
     path = str(tmp_path / "std.zarr")

@@ -143,3 +143,29 @@ def test_a_store_that_is_not_one_or_is_read_only_is_refused_by_name():
         ZarrWriter(store={})
     with pytest.raises(ValueError, match=r"read-only"):
         ZarrWriter(store=MemoryStore(read_only=True))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_store_holding_other_data_is_refused_and_the_data_kept(overwrite):
+    """A store rooted at a whole bucket (the usual obstore idiom) must not lose the bucket's other data to a save."""
+    store = MemoryStore()
+    buffer = zarr.core.buffer.default_buffer_prototype().buffer.from_bytes(b"PAR1...")
+    zarr.core.sync.sync(store.set("datasets/train.parquet", buffer))
+
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=store, overwrite=overwrite))
+    cause = causes(info.value)[0]
+    assert isinstance(cause, CheckpointExistsError) and "'datasets/train.parquet'" in str(cause), repr(cause)
+    assert zarr.core.sync.sync(store.exists("datasets/train.parquet"))
+
+
+def test_the_leftovers_of_an_interrupted_save_are_cleared_before_a_save():
+    store = MemoryStore()
+    prototype = zarr.core.buffer.default_buffer_prototype()
+    for key in ("model/zarr.json", "model/w/zarr.json", "model/w/c.0.0", "optim/state/w/step/c", "legacy/w/c/0/1"):
+        zarr.core.sync.sync(store.set(key, prototype.buffer.from_bytes(b"{}")))
+
+    dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=store))
+
+    assert not zarr.core.sync.sync(store.exists("legacy/w/c/0/1"))
+    assert open_checkpoint(store=store).read_tensor("w").tolist() == [1.0, 1.0, 1.0]

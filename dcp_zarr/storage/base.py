@@ -69,6 +69,10 @@ class Storage(abc.ABC):
     def remove_all(self) -> None:
         """Delete every key under this root (the root itself may remain)."""
 
+    def first_keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` keys under this root, in no particular order."""
+        raise NotImplementedError(f"{self.url}: this store cannot list its keys")
+
     def read_json(self, key: str, max_bytes: int | None = None):
         """The JSON document at ``key``; one longer than ``max_bytes`` is refused before it is parsed."""
         if max_bytes is None:

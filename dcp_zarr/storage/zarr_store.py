@@ -64,3 +64,14 @@ class ZarrStoreStorage(Storage):
 
     def remove_all(self) -> None:
         self._call(lambda: sync(self.store.delete_dir("")), "delete everything under", "")
+
+    def first_keys(self, limit: int) -> list[str]:
+        async def collect():
+            found = []
+            async for key in self.store.list_prefix(""):
+                found.append(key)
+                if len(found) >= limit:
+                    break
+            return found
+
+        return self._call(lambda: sync(collect()), "list", "")
