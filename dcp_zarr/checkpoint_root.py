@@ -173,11 +173,11 @@ class CheckpointRoot:
 
     # -- removing --------------------------------------------------------------------------------------------------
 
-    def delete_step(self, step: int) -> None:
+    def delete_step(self, step: int, name: str | None = None) -> None:
         """Delete ``step-N.zarr`` so that no crash leaves it looking complete: locally it is first renamed to a hidden
         name (atomic: it is gone from the listing at once); on an object store a record is written, then the commit
-        marker deleted, then the rest, then the record."""
-        name = step_name(step)
+        marker deleted, then the rest, then the record. ``name``: the store's, if not the padded ``step_name``."""
+        name = name or step_name(step)
         if self.local:
             source = self.location(name)
             if not os.path.lexists(source):
@@ -197,7 +197,44 @@ class CheckpointRoot:
             return
         self._remove_remote_store(name)
 
+    def clean_leftovers(self, *, dry_run: bool = False) -> list[str]:
+        """Remove what saves and deletions that are no longer running left behind; the caller holds the lease, so
+        none is running. Returns what it removed (or would remove)."""
+        removed = []
+        for name in self.leftovers():
+            removed.append(name)
+            if not dry_run:
+                self.remove_incomplete(name)
+        by_step = {s.step: s for s in self.step_stores()}
+        for kind, step in self.records():
+            store = by_step.get(step)
+            if kind == "deleting":
+                removed.append(f"{step_name(step)} (a deletion that was interrupted)")
+                if not dry_run:
+                    self.delete_step(step)  # finishes it, its record last
+                continue
+            if store is not None and not store.complete:
+                removed.append(f"{store.name} (incomplete: its save was interrupted)")
+                if not dry_run:
+                    self.remove_incomplete(store.name)
+            if not dry_run:
+                self.remove_record("saving", step)
+        return removed
+
     def _remove_remote_store(self, name: str) -> None:
         storage = open_storage(self.location(name), self.storage_options)
         storage.remove(ROOT_KEY)  # the commit marker first
         storage.remove_all()
+
+
+def steps_to_delete(complete: list[int], keep_last: int | None, keep_every: int | None,
+                    protected: set[int] = frozenset()) -> list[int]:
+    """Which of the ``complete`` steps retention deletes: all but the newest ``keep_last`` (none without it), the
+    multiples of ``keep_every``, the newest one and ``protected``, oldest first."""
+    if keep_last is None or not complete:
+        return []
+    complete = sorted(complete)
+    keep = set(complete[-keep_last:]) | {complete[-1]} | set(protected)
+    if keep_every is not None:
+        keep |= {s for s in complete if s % keep_every == 0}
+    return [s for s in complete if s not in keep]

@@ -147,6 +147,32 @@ def _diff(args) -> int:
     return OK if report.same else FAILED
 
 
+def _list_root(args) -> int:
+    from dcp_zarr.root_report import format_root_list, list_root
+
+    listing = list_root(_checkpoint_root(args))
+    print(json.dumps(listing, indent=1) if args.json else format_root_list(listing))
+    return OK
+
+
+def _prune_root(args) -> int:
+    from dcp_zarr.root_report import format_prune, prune_root
+
+    result = prune_root(_checkpoint_root(args), args.keep_last, args.keep_every, args.dry_run)
+    print(json.dumps(result, indent=1) if args.json else format_prune(result))
+    return OK
+
+
+def _checkpoint_root(args):
+    from dcp_zarr.checkpoint_root import CheckpointRoot
+    from dcp_zarr.storage import is_local, local_path
+
+    if is_local(args.root) and not os.path.isdir(local_path(args.root)):
+        what = "is a file" if os.path.exists(local_path(args.root)) else "does not exist"
+        raise UsageError(f"{args.root} {what}; expected the directory a CheckpointManager saves into")
+    return CheckpointRoot(args.root, args.storage_options)
+
+
 def _open_any(path: str, storage_options: dict | None):
     """A zarr store (torch-free) or a DCP directory (which only torch reads)."""
     from dcp_zarr.offline import is_dcp_directory, open_checkpoint
@@ -191,7 +217,9 @@ def _parser() -> argparse.ArgumentParser:
     progress.add_argument("--no-progress", dest="progress", action="store_const", const=False)
 
     parser = argparse.ArgumentParser(
-        prog="dcp-zarr", description="Inspect, verify, convert and diff checkpoints without a process group.",
+        prog="dcp-zarr",
+        description="Inspect, verify, convert and diff checkpoints without a process group; list and prune the "
+                    "roots CheckpointManager saves into.",
         epilog="Exit status: 0 success; 1 verify found problems or diff found differences; 2 the command could not "
                "run (bad path, not a checkpoint, unreachable store, refused overwrite, bad arguments).")
     parser.add_argument("--version", action="version", version=f"dcp-zarr {__version__}")
@@ -233,6 +261,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="list equal entries too")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_diff)
+
+    p = commands.add_parser("list", parents=[common],
+                            help="a CheckpointManager root: its steps, sizes, complete or not, leftovers, who holds it")
+    p.add_argument("root", help="the directory or URL a CheckpointManager saves into")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_list_root)
+
+    p = commands.add_parser("prune", parents=[common],
+                            help="delete a CheckpointManager root's older checkpoints, as keep_last/keep_every would")
+    p.add_argument("root")
+    p.add_argument("--keep-last", type=_positive_int, required=True, metavar="N",
+                   help="keep the newest N complete checkpoints")
+    p.add_argument("--keep-every", type=_positive_int, default=None, metavar="K",
+                   help="also keep every checkpoint whose step is a multiple of K")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted; delete nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_prune_root)
 
     return parser
 

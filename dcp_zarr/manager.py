@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr.checkpoint_root import CheckpointRoot, StepStore, step_name
+from dcp_zarr.checkpoint_root import CheckpointRoot, StepStore, step_name, steps_to_delete
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
 from dcp_zarr.lease import DEFAULT_TIMEOUT_S, Lease
 from dcp_zarr.load_planner import ZarrLoadPlanner
@@ -221,34 +221,16 @@ class CheckpointManager:
             self._clean()  # nothing of this manager's is in flight now: what the failed save left can go
 
     def _apply_retention(self) -> None:
-        if self.keep_last is None:
-            return
-        complete = [s.step for s in self.root.step_stores() if s.complete]
-        if not complete:
-            return
-        keep = set(complete[-self.keep_last:]) | {complete[-1]}
-        if self.keep_every is not None:
-            keep |= {s for s in complete if s % self.keep_every == 0}
+        complete = {s.step: s.name for s in self.root.step_stores() if s.complete}
         with self._lock:
-            keep |= self._in_use
-        for step in complete:
-            if step not in keep:
-                self._lease.check()
-                self.root.delete_step(step)
+            doomed = steps_to_delete(list(complete), self.keep_last, self.keep_every, self._in_use)
+        for step in doomed:
+            self._lease.check()
+            self.root.delete_step(step, complete[step])
 
     def _clean(self) -> None:
         """Remove what saves and deletions that are no longer running left behind (the lease says none is)."""
-        for name in self.root.leftovers():
-            self.root.remove_incomplete(name)
-        by_step: dict[int, StepStore] = {s.step: s for s in self.root.step_stores()}
-        for kind, step in self.root.records():
-            store = by_step.get(step)
-            if kind == "deleting":
-                self.root.delete_step(step)  # finishes it, record last
-                continue
-            if store is not None and not store.complete:
-                self.root.remove_incomplete(store.name)
-            self.root.remove_record("saving", step)
+        self.root.clean_leftovers()
 
 
 def _positive_or_none(name: str, value):

@@ -412,3 +412,82 @@ def test_a_job_saving_asynchronously_every_step_on_2_ranks_resumes_on_3(tmp_path
     assert scheduler == saved[1] and scheduler["last_epoch"] == 3
     assert position == saved[2] == 24
     assert torch.equal(rng, saved[3])
+
+
+# -- dcp-zarr list / prune -----------------------------------------------------------------------------------------
+
+
+def _filled_root(root) -> None:
+    with CheckpointManager(root) as manager:
+        for step in (1, 2, 3, 4):
+            manager.save(step, state(step))
+    (root / f".{step_name(5)}{STAGING_MARK}dead").mkdir()  # a save that was killed
+
+
+def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, capsys):
+    from dcp_zarr.cli import main
+
+    _filled_root(tmp_path)
+    (tmp_path / "step-00000009.zarr").mkdir()  # not a checkpoint: listed, never counted
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["complete"]) for r in listing["steps"]] == [(1, True), (2, True), (3, True), (4, True),
+                                                                     (9, False)]
+    assert all(r["nbytes"] > 0 for r in listing["steps"][:4]) and listing["held"] is None
+    assert listing["leftovers"] == [f".{step_name(5)}{STAGING_MARK}dead"]
+    with CheckpointManager(tmp_path):
+        assert main(["list", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+    assert f"a manager holds it: held by manager" in out and "incomplete (never loaded)" in out
+
+
+def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tmp_path, capsys):
+    from dcp_zarr.cli import main
+
+    _filled_root(tmp_path)
+    before = sorted(os.listdir(tmp_path))
+    assert main(["prune", str(tmp_path), "--keep-last", "1", "--keep-every", "2", "--dry-run"]) == 0
+    assert "would delete 2 checkpoint(s)" in capsys.readouterr().out and sorted(os.listdir(tmp_path)) == before
+
+    assert main(["prune", str(tmp_path), "--keep-last", "1", "--keep-every", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["deleted"] == [1, 3] and result["kept"] == [2, 4]
+    assert result["leftovers_removed"] == [f".{step_name(5)}{STAGING_MARK}dead"]
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == [2, 4] and saved_step(manager, 2) == 2
+
+
+def test_prune_refuses_while_a_manager_holds_the_root(tmp_path, capsys):
+    from dcp_zarr.cli import main
+
+    _filled_root(tmp_path)
+    with CheckpointManager(tmp_path) as manager:
+        assert main(["prune", str(tmp_path), "--keep-last", "1"]) == 2
+        assert "is held by manager" in capsys.readouterr().err
+        assert manager.steps() == [1, 2, 3, 4]
+
+
+def test_list_and_prune_need_no_torch(tmp_path):
+    _filled_root(tmp_path)
+    script = ("import sys; sys.modules['torch'] = None\nfrom dcp_zarr.cli import main\n"
+              f"assert main(['list', {str(tmp_path)!r}]) == 0\n"
+              f"assert main(['prune', {str(tmp_path)!r}, '--keep-last', '2']) == 0\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "deleted 2 checkpoint(s)" in done.stdout
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["prune", "{root}", "--keep-last", "0"], "--keep-last"),
+    (["prune", "{root}"], "--keep-last"),
+    (["list", "{root}/missing"], "does not exist"),
+])
+def test_list_and_prune_refuse_bad_arguments_by_name(tmp_path, capsys, argv, match):
+    from dcp_zarr.cli import main
+
+    argv = [a.format(root=tmp_path) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    assert code == 2 and match in capsys.readouterr().err
