@@ -8,12 +8,12 @@ trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 failed=0
 for i in $(seq 1 "$runs"); do
-  if ! torchrun --nproc-per-node 2 "$(dirname "$0")/train_resume.py" --phase train --ckpt "$work/step-3.zarr" \
+  if ! torchrun --nproc-per-node 2 "$(dirname "$0")/train_resume.py" --phase train --root "$work/run" \
       > "$work/run.log" 2>&1 || grep -q "terminate called" "$work/run.log"; then
     failed=$((failed + 1))
     echo "run $i exited abnormally:"; grep -m 3 -E "terminate called|exitcode|Error" "$work/run.log"
   fi
-  rm -rf "$work/step-3.zarr"
+  rm -rf "$work/run"
 done
 echo "$((runs - failed)) of $runs runs exited cleanly"
 [ "$failed" -eq 0 ]

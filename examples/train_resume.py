@@ -1,10 +1,11 @@
-"""End-to-end example: train a small FSDP2 model, save with ZarrWriter, resume at another world size.
+"""End-to-end example: train a small FSDP2 model with a CheckpointManager saving every step, resume elsewhere.
 
-    torchrun --nproc-per-node 2 examples/train_resume.py --phase train  --ckpt /tmp/dcp-zarr-demo/step-3.zarr
-    torchrun --nproc-per-node 3 examples/train_resume.py --phase resume --ckpt /tmp/dcp-zarr-demo/step-3.zarr
+    torchrun --nproc-per-node 2 examples/train_resume.py --phase train  --root /tmp/dcp-zarr-demo
+    torchrun --nproc-per-node 3 examples/train_resume.py --phase resume --root /tmp/dcp-zarr-demo
 
-Runs on CPU with gloo. The resume phase loads the checkpoint at its own world size, checks every parameter and the
-optimizer's step against the saved store, trains on, and rank 0 prints the store's tree.
+Runs on CPU with gloo. The train phase saves asynchronously after every step (the manager keeps the last 2). The
+resume phase loads the latest complete checkpoint at its own world size, checks every parameter and the optimizer's
+step against the stored arrays, trains on, and rank 0 prints the steps kept and the latest store's tree.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import zarr
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr import CheckpointManager
 
 
 def build_model(world_size: int) -> nn.Module:
@@ -48,7 +48,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, first:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--phase", choices=["train", "resume"], required=True)
-    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--root", required=True, help="the directory the CheckpointManager saves into")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
 
@@ -56,27 +56,32 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = CheckpointManager(args.root, keep_last=2, overwrite=True)
 
     if args.phase == "train":
-        loss = train(model, optimizer, args.steps, first=0)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"step": args.steps}},
-                 storage_writer=ZarrWriter(args.ckpt, overwrite=True))
+        for step in range(1, args.steps + 1):
+            loss = train(model, optimizer, 1, first=step - 1)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            # Returns once the state is staged; the write overlaps the next step, and the next save waits for it.
+            manager.save(step, {"model": model_sd, "optim": optim_sd, "progress": {"step": step}}, async_save=True)
+        manager.wait()
         if rank == 0:
-            print(f"trained {args.steps} steps on {world_size} ranks (loss {loss:.4f}); saved {args.ckpt}")
+            print(f"trained {args.steps} steps on {world_size} ranks (loss {loss:.4f}), a checkpoint after each; "
+                  f"kept steps {manager.steps()} under {args.root}")
     else:
         train(model, optimizer, 1, first=-1)  # creates optimizer state to load into
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "progress": {"step": 0}}
-        dcp.load(state, storage_reader=ZarrReader(args.ckpt))
+        done = manager.load(state)  # the latest complete checkpoint, resharded to this world size
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        done = state["progress"]["step"]
-        _check_against_store(model, optimizer, args.ckpt, done)
+        assert state["progress"]["step"] == done
+        _check_against_store(model, optimizer, manager.path(done), done)
         loss = train(model, optimizer, args.steps, first=done)
         if rank == 0:
             print(f"resumed at step {done} on {world_size} ranks: weights and optimizer step match the store; "
                   f"trained to step {done + args.steps} (loss {loss:.4f})")
-            print(zarr.open_group(args.ckpt, mode="r").tree())
+            print(zarr.open_group(manager.path(done), mode="r").tree())
+    manager.close()
     dist.barrier()
     dist.destroy_process_group()
 

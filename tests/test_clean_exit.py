@@ -22,7 +22,7 @@ def test_the_examples_save_phase_never_aborts_at_exit(tmp_path):
     for run in range(RUNS):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-             "--phase", "train", "--ckpt", str(tmp_path / f"run{run}.zarr")],
+             "--phase", "train", "--root", str(tmp_path / f"run{run}")],
             env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (
             f"run {run + 1} of {RUNS} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
