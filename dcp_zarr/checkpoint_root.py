@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dcp_zarr.commit import STAGING_MARK
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.manifest import ROOT_KEY, read_manifest
+from dcp_zarr.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
 from dcp_zarr.storage import is_local, local_path, open_storage
 
 RECORDS = ".dcp-zarr"
@@ -94,11 +94,18 @@ class CheckpointRoot:
         return sorted(found, key=lambda s: s.step)
 
     def is_complete(self, name: str) -> bool:
+        """Whether ``name`` holds a committed dcp_zarr checkpoint: its root zarr.json carries a manifest marked
+        complete. Only that is read, not the whole manifest (a root of many steps is listed often); ``load`` checks
+        the rest."""
+        storage = open_storage(self.location(name), self.storage_options, read_only=True)
         try:
-            read_manifest(open_storage(self.location(name), self.storage_options, read_only=True))
-        except (ZarrCheckpointError, OSError):
+            root = storage.read_json(ROOT_KEY, max_bytes=MAX_MANIFEST_BYTES)
+        except (ZarrCheckpointError, OSError, ValueError, RecursionError):
             return False
-        return True
+        attributes = root.get("attributes") if isinstance(root, dict) else None
+        manifest = attributes.get(MANIFEST_ATTRIBUTE) if isinstance(attributes, dict) else None
+        return (isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+                and manifest.get("complete") is True)
 
     def size(self, name: str) -> int:
         """Bytes stored under ``name``."""
