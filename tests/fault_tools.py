@@ -176,16 +176,17 @@ def save_program(rank: int, world_size: int, report, target: str, seed: int, kil
 
 def managed_save_program(rank: int, world_size: int, report, root: str, step: int, seed: int, options: dict,
                          kill: dict | None = None):
-    """Rank program of a manager trial: one ``CheckpointManager.save`` of ``sharded_state(seed)`` as ``step``."""
+    """Rank program of a manager trial: one ``CheckpointManager.save`` of ``sharded_state(seed)`` as ``step``;
+    returns this rank's filesystem events from the save on (retention and ``close`` included), in order."""
     from dcp_zarr import CheckpointManager
 
     state = sharded_state(seed, world_size)
     manager = CheckpointManager(root, **options)
-    install_kill_hooks(kill if kill and kill["rank"] == rank else None)
+    counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
     report("saving", time.monotonic())
     manager.save(step, state)
     manager.close()
-    return "saved"
+    return counter.sequence
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -258,7 +259,7 @@ def _run_kill_trials(zygote, root: str, trials: int, rng: random.Random, storage
     launch = zygote.launch(managed_save_program, WORLD_SIZE, root, 0, 1000, options)
     assert launch.wait_reported("saving", 60, ranks=[0])
     started = time.monotonic()
-    assert all(o == ("ok", "saved") for o in launch.wait(120).values())
+    assert all(o[0] == "ok" for o in launch.wait(120).values())
     clean = time.monotonic() - started  # from "saving" to the end: the span the kills below are spread over
     previous = _check_after_kill(root, None, 0, "clean save", storage_options)
     outcomes = {"previous": 0, "new": 0}
@@ -312,11 +313,39 @@ def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, t
     """A kill that surely lands mid-save: rank 1 dies at its first write of step 1."""
     root = str(tmp_path / "run")
     launch = zygote.launch(managed_save_program, WORLD_SIZE, root, 0, 1000, TRIAL_OPTIONS)
-    assert all(o == ("ok", "saved") for o in launch.wait(120).values())
+    assert all(o[0] == "ok" for o in launch.wait(120).values())
     kill = {"rank": 1, "event": 1, "kind": "write", "torn": False}
     outcome = zygote.launch(managed_save_program, WORLD_SIZE, root, 1, 1001, TRIAL_OPTIONS, kill).wait(60)
     assert outcome[1][0] == "died" and outcome[0][0] != "ok", outcome
     assert _check_after_kill(root, 0, 1, "rank 1 killed at the start of its save") == 0
+
+
+def test_sigkill_during_retention_never_leaves_zero_complete_checkpoints(zygote, tmp_path):
+    """keep_last=1: the save of step 2 ends by deleting step 1. Rank 0 is killed at renames and unlinks spread over
+    its whole save (the commit, then the deletion: the rename aside and the files under it)."""
+    template = str(tmp_path / "template")
+    options = dict(TRIAL_OPTIONS, keep_last=1)
+    for step in (0, 1):
+        assert all(o[0] == "ok" for o in zygote.launch(managed_save_program, WORLD_SIZE, template, step, 1000 + step,
+                                                       options).wait(120).values())
+    probe = str(tmp_path / "probe")
+    shutil.copytree(template, probe)
+    outcome = zygote.launch(managed_save_program, WORLD_SIZE, probe, 2, 1002, options).wait(120)
+    sequence = outcome[0][1]
+    points = [i for i, kind in enumerate(sequence, 1) if kind in ("rename", "unlink")]
+    commit = next(i for i in points if sequence[i - 1] == "rename")  # the first rename: staging onto the target
+    chosen = sorted({commit, commit + 1, *points[-3:], *points[len(points) // 2:: max(1, len(points) // 8)]})
+    outcomes = {"previous": 0, "new": 0}
+    for n, event in enumerate(chosen):
+        root = str(tmp_path / f"trial{n}")
+        shutil.copytree(template, root)
+        kill = {"rank": 0, "event": event, "kind": sequence[event - 1], "torn": False}
+        result = zygote.launch(managed_save_program, WORLD_SIZE, root, 2, 1002, options, kill).wait(60)
+        assert result[0][0] == "died", f"event {event}: the kill point was never reached: {result}"
+        latest = _check_after_kill(root, 1, 2, f"rank 0 killed at event {event} ({kill['kind']})")
+        outcomes["new" if latest == 2 else "previous"] += 1
+    print(f"\nkilled during commit and retention: {len(chosen)} trials, {outcomes}")
+    assert outcomes["new"] > 0 and outcomes["previous"] > 0
 
 
 # -- a training job: save every step on 2 ranks, resume on 3 -------------------------------------------------------
