@@ -74,7 +74,7 @@ def shutdown() -> None:
 def exit_without_interpreter_teardown(code: int) -> None:
     """End the process, skipping Python's finalization: gloo's worker threads can still hold the tensors of the last
     collective, and releasing them in a finalizing interpreter aborts the process ("terminate called without an
-    active exception", pytorch #190489; README "Clean exits")."""
+    active exception", pytorch #190489; docs/usage.md "Clean exits")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the demo's 2-rank save phase N times (default 100) and count abnormal exits (README "Clean exits").
+# Run the demo's 2-rank save phase N times (default 100) and count abnormal exits (docs/usage.md "Clean exits").
 # Exit status 1 if any run exited non-zero or printed "terminate called".
 set -uo pipefail
 runs="${1:-100}"

@@ -102,7 +102,7 @@ def exit_without_interpreter_teardown(code: int = 0) -> None:
 
     gloo's worker threads can still hold the tensors of DCP's last collective when the script ends; releasing them
     takes the GIL, which a finalizing interpreter answers by ending the thread, and the process aborts with
-    "terminate called without an active exception" (pytorch #190489; README "Clean exits"). A barrier makes that
+    "terminate called without an active exception" (pytorch #190489; docs/usage.md "Clean exits"). A barrier makes that
     rarer; only not finalizing rules it out.
     """
     sys.stdout.flush()
