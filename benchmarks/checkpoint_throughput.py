@@ -41,7 +41,6 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-
 from ckpt_dist import Runtime, exit_without_interpreter_teardown, init_distributed, shutdown  # noqa: E402
 from ckpt_model import DTYPES, ModelConfig, build_sharded_state_dict, global_bytes, local_bytes  # noqa: E402
 from ckpt_report import SCHEMA_VERSION, plot_result, summary_lines, validate_result  # noqa: E402
@@ -66,12 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed repeats before the timed ones (default 1)")
     p.add_argument("--threads", type=int, default=4, help="thread count given to every writer and reader")
     p.add_argument("--kinds", default="zarr,fs,raw", help="writer kinds to measure (default: all)")
-    p.add_argument("--small-tensors", type=int, help=f"N for the small-tensor save, 0 to skip (default {DEFAULTS['small_tensors']})")
-    p.add_argument("--evict-cache", action="store_true", help="drop the checkpoint's pages from the page cache before each load")
-    p.add_argument("--save-only", metavar="DIR", help="save one checkpoint per DCP kind under DIR for --reshard-from, then exit")
+    p.add_argument("--small-tensors", type=int,
+                   help=f"N for the small-tensor save, 0 to skip (default {DEFAULTS['small_tensors']})")
+    p.add_argument("--evict-cache", action="store_true",
+                   help="drop the checkpoint's pages from the page cache before each load")
+    p.add_argument("--save-only", metavar="DIR",
+                   help="save one checkpoint per DCP kind under DIR for --reshard-from, then exit")
     p.add_argument("--reshard-from", metavar="DIR", help="also time loading the checkpoints of a --save-only run")
     p.add_argument("--no-staging-cache", action="store_true",
-                   help="async: a new ZarrWriter (new staging buffers) for every repeat, instead of one that keeps them")
+                   help="async: a new ZarrWriter (new staging buffers) for every repeat, "
+                        "instead of one that keeps them")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 repeats, 300 small tensors")
     p.add_argument("--out", help="result JSON (default benchmarks/results/checkpoint_throughput-<time>.json)")
     p.add_argument("--plot", help="result PNG (default: --out with .png)")
@@ -108,7 +111,8 @@ def filesystem_type(path: str) -> str:
         with open("/proc/mounts") as f:
             for line in f:
                 _, mount_point, kind = line.split()[:3]
-                if (path == mount_point or path.startswith(mount_point.rstrip("/") + "/")) and len(mount_point) > len(best):
+                under = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+                if under and len(mount_point) > len(best):
                     best, fstype = mount_point, kind
     except OSError:
         pass
@@ -134,7 +138,8 @@ def save_only(args: argparse.Namespace, rt: Runtime, state_dict: dict[str, Any])
 
 
 def default_out() -> str:
-    return str(Path(__file__).resolve().parent / "results" / f"checkpoint_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    name = f"checkpoint_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return str(Path(__file__).resolve().parent / "results" / name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
         workspace = Workspace(args.target, rt.rank)
         if rt.rank == 0 and shutil.disk_usage(workspace.path).free < 1.5 * total:
-            raise SystemExit(f"{workspace.path} has {shutil.disk_usage(workspace.path).free} bytes free, need ~{1.5 * total:.0f}")
+            free = shutil.disk_usage(workspace.path).free
+            raise SystemExit(f"{workspace.path} has {free} bytes free, need ~{1.5 * total:.0f}")
         try:
             result = Benchmark(args, rt, workspace, cfg, state_dict).run()
         finally:

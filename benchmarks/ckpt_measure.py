@@ -18,7 +18,6 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
-
 from ckpt_dist import synchronize
 
 

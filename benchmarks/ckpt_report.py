@@ -74,7 +74,8 @@ def async_entry(
 
 def memory_entry(extra_bytes: list[int], rank_bytes: list[int]) -> dict[str, Any]:
     fractions = [extra / max(1, b) for extra, b in zip(extra_bytes, rank_bytes)]
-    return {"rank_peak_extra_bytes": extra_bytes, "rank_fraction_of_state_bytes": fractions, "max_fraction": max(fractions)}
+    return {"rank_peak_extra_bytes": extra_bytes, "rank_fraction_of_state_bytes": fractions,
+            "max_fraction": max(fractions)}
 
 
 def compute_ratios(measurements: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -158,7 +159,8 @@ def validate_result(d: dict[str, Any]) -> dict[str, Any]:
     Which measurements are expected follows from the config (``kinds``, ``small_tensors``, ``reshard_from``).
     Memory deltas may be 0. Raises ValueError listing every problem; returns ``d`` when it is valid.
     """
-    problems = _missing(d, ("schema_version", "config", "state_dict", "measurements", "ratios", "memory", "footprint", "checks"), "result")
+    sections = ("schema_version", "config", "state_dict", "measurements", "ratios", "memory", "footprint", "checks")
+    problems = _missing(d, sections, "result")
     if problems:
         raise ValueError("; ".join(problems))
     config = d["config"]
@@ -193,7 +195,8 @@ def validate_result(d: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(passed, bool):
             problems.append(f"checks[{name!r}] is not a boolean")
 
-    for path, value in _numbers({k: d[k] for k in ("config", "state_dict", "measurements", "ratios", "memory", "footprint")}):
+    numeric = ("config", "state_dict", "measurements", "ratios", "memory", "footprint")
+    for path, value in _numbers({k: d[k] for k in numeric}):
         key = path.rsplit(".", 1)[-1].split("[", 1)[0]
         if not math.isfinite(value):
             problems.append(f"{path} = {value} is not finite")

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
 from ckpt_dist import Runtime, all_ranks_true, broadcast_from_rank0, gather
 from ckpt_measure import PeakRssSampler, RankTimes, read_chars, timed_async_save, timed_region
 from ckpt_model import (

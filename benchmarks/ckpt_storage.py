@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
 from ckpt_model import local_view, tensor_leaves
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 WRITER_KINDS = ("zarr", "fs", "raw")
 DCP_KINDS = ("zarr", "fs")  # kinds that are real DCP storage writers/readers

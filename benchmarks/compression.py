@@ -15,10 +15,9 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from ckpt_model import DTYPES, ModelConfig, build_sharded_state_dict
 from numcodecs import LZ4, Blosc, Zstd
 from torch.distributed.device_mesh import init_device_mesh
-
-from ckpt_model import DTYPES, ModelConfig, build_sharded_state_dict
 
 PIECE_BYTES = 1 << 20
 

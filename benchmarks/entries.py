@@ -38,6 +38,7 @@ from ckpt_runs import footprint  # noqa: E402
 
 from dcp_zarr import ZarrReader, ZarrWriter  # noqa: E402
 
+
 def build_state_dict(count: int, entry_bytes: int, mesh, owned: bool = False) -> dict[str, torch.Tensor]:
     """``count`` fp32 DTensors of about ``entry_bytes`` each (rows of 256 floats), sharded along dim 0; or, with
     ``owned``, plain 1-d tensors of ``entry_bytes`` each held by one rank (rank i % world size), distinct keys."""
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--zarr-threads", type=int, default=4)
     parser.add_argument("--fs-threads", default="1,2,4,8", help="FileSystemWriter thread counts (default 1,2,4,8)")
-    parser.add_argument("--target", default=None, help="directory for the checkpoints (default: a temp dir in /dev/shm)")
+    parser.add_argument("--target", default=None,
+                        help="directory for the checkpoints (default: a temp dir in /dev/shm)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--owned", action="store_true",
                         help="plain tensors, each held by one rank (the small-tensor case), not sharded DTensors")
@@ -166,12 +168,14 @@ def run(args, rt) -> dict:
     if rt.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     return {
-        "world_size": rt.world_size, "owned": args.owned, "count": args.count, "entry_bytes": args.entry_bytes, "bytes": nbytes,
+        "world_size": rt.world_size, "owned": args.owned, "count": args.count, "entry_bytes": args.entry_bytes,
+        "bytes": nbytes,
         "target": base, "torch": torch.__version__, "repeats": args.repeats, "medians_s": medians,
         "samples_s": times, "files": files,
         "save_speedup_zarr_vs_best_fs": best_fs["save"] / zarr["save"],
         # time each writer adds to dcp.save's own cost (the null writer's), and their ratio
-        "save_over_null_s": {"zarr": zarr["save"] - medians["save/null/1"], "fs": best_fs["save"] - medians["save/null/1"]},
+        "save_over_null_s": {"zarr": zarr["save"] - medians["save/null/1"],
+                             "fs": best_fs["save"] - medians["save/null/1"]},
         "save_over_null_speedup_zarr_vs_best_fs": ((best_fs["save"] - medians["save/null/1"])
                                                    / max(zarr["save"] - medians["save/null/1"], 1e-9)),
         "load_speedup_zarr_vs_best_fs": best_fs["load"] / zarr["load"],

@@ -81,8 +81,9 @@ def serve_and_launch(args) -> int:
     server._server._server.app = LatencyAndCounts(server._server._server.app)  # outermost: every request
     server.make_bucket(BUCKET)
     out = args.out or os.path.join(tempfile.gettempdir(), "s3_latency.json")
-    command = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__), "--rank-program",
-               "--endpoint", server.endpoint, "--latency-ms", args.latency_ms, "--repeats", str(args.repeats),
+    command = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__),
+               "--rank-program", "--endpoint", server.endpoint, "--latency-ms", args.latency_ms,
+               "--repeats", str(args.repeats),
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
                "--zarr-threads", str(args.zarr_threads), "--fsspec-threads", str(args.fsspec_threads),
                "--backends", args.backends, "--out", out] + (["--quick"] if args.quick else [])
@@ -108,10 +109,10 @@ def measure(args, rt) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
     from ckpt_measure import timed_region
     from ckpt_model import ModelConfig, build_sharded_state_dict, global_bytes, locally_equal, zeroed_copy
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
     from dcp_zarr import ZarrReader, ZarrWriter
     from tests.s3_server import CREDENTIALS
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import shutil
 import statistics
@@ -174,7 +173,8 @@ def loading_rank(tensors, work: str, repeats: int) -> dict:
     with open(os.path.join(work, "ckpt.zarr", "zarr.json")) as f:
         document = json.load(f)["attributes"]["dcp_zarr"]
     validate_s, _ = timed(lambda: Manifest.from_json(document, "scale"), cheap)
-    del zarr_md, document
+    # Release both for the GC (None, not del: pyflakes would read the lambdas above as using deleted names).
+    zarr_md = document = None
     gc.collect()
     fs_s, fs_md = timed(lambda: FileSystemReader(os.path.join(work, "dcp")).read_metadata(), repeats)
     fs_plan_s, fs_items = timed(lambda: plan(fs_md), repeats)
@@ -279,7 +279,8 @@ def plot(rows: list[dict], path: str) -> None:
     series = [
         ("metadata bytes", [("dcp_zarr manifest", "zarr_manifest_bytes"), ("DCP .metadata", "dcp_metadata_bytes")]),
         ("per-rank read + parse + load plan (s)",
-         [("dcp_zarr", ("zarr_read_metadata_s", "zarr_load_plan_s")), ("DCP", ("dcp_read_metadata_s", "dcp_load_plan_s"))]),
+         [("dcp_zarr", ("zarr_read_metadata_s", "zarr_load_plan_s")),
+          ("DCP", ("dcp_read_metadata_s", "dcp_load_plan_s"))]),
         ("coordinator save planning (s)", [("dcp_zarr prepare_global_plan (added)", "zarr_added_s"),
                                            ("DCP create_global_plan", "dcp_global_plan_s")]),
     ]
@@ -289,7 +290,7 @@ def plot(rows: list[dict], path: str) -> None:
             ax.plot(worlds, [sum(r[k] for k in keys) for r in fsdp], marker="o", label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("saving ranks (FSDP, %d entries)" % fsdp[0]["entries"])
+        ax.set_xlabel(f"saving ranks (FSDP, {fsdp[0]['entries']} entries)")
         ax.set_title(title)
         ax.legend()
     fig.tight_layout()
@@ -307,7 +308,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: 8 and 64 ranks, 300 and 1,000 entries")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/scale", help="directory for scale.json, scale.md, scale.png")
+    parser.add_argument("--out", default="benchmarks/results/scale",
+                        help="directory for scale.json, scale.md, scale.png")
     parser.add_argument("--interleaved-only", action="store_true",
                         help="only the round-robin timing of a loading rank's read_metadata + read items")
     args = parser.parse_args(argv)
@@ -330,13 +332,15 @@ def main(argv=None) -> int:
     for entries in entry_counts:
         rows.append(measure("fsdp", 64, entries, args.repeats))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    report = {"rows": rows, "format1_validation_s": {"boxes": boxes, "seconds": format1_validation(boxes, args.repeats)},
+    report = {"rows": rows,
+              "format1_validation_s": {"boxes": boxes, "seconds": format1_validation(boxes, args.repeats)},
               "torch": torch.__version__}
     if target:
         report["target"] = sampled_save_planning(*target)
     report["interleaved_load_planning_s"] = interleaved_load_planning(interleaved_worlds, 100, 51)
     text = table(rows)
-    text += (f"\n\nformat-1 entry of {boxes:,} boxes: Manifest.from_json {report['format1_validation_s']['seconds']:.2f} s")
+    text += (f"\n\nformat-1 entry of {boxes:,} boxes: "
+             f"Manifest.from_json {report['format1_validation_s']['seconds']:.2f} s")
     if target:
         t = report["target"]
         text += (f"\ncoordinator save planning at {t['world']} ranks x {t['entries']} tensors (measured on "

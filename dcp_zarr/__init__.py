@@ -54,8 +54,8 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from dcp_zarr.checks import assert_step_present
-    from dcp_zarr.manager import CheckpointManager
     from dcp_zarr.load_planner import ZarrLoadPlanner
+    from dcp_zarr.manager import CheckpointManager
     from dcp_zarr.offline import Checkpoint, open_checkpoint
     from dcp_zarr.prefixes import (
         PrefixTolerantLoadPlanner,

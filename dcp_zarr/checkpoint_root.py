@@ -20,12 +20,17 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dcp_zarr.commit import STAGING_MARK
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
 from dcp_zarr.storage import is_local, local_path, open_storage
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store
 
 RECORDS = ".dcp-zarr"
 DELETING_MARK = ".dcp-zarr-deleting-"
@@ -66,6 +71,14 @@ class CheckpointRoot:
             os.makedirs(self.path, exist_ok=True)
         self._storage = open_storage(self.url, storage_options)
 
+    @property
+    def _store(self) -> Store:
+        """The zarr store of a URL root; only the paths that are not local use it."""
+        from dcp_zarr.storage.zarr_store import ZarrStoreStorage  # imports zarr: not for local roots
+
+        assert isinstance(self._storage, ZarrStoreStorage), "a local root has no zarr store"
+        return self._storage.store
+
     def location(self, name: str) -> str:
         return os.path.join(self.path, name) if self.local else f"{self.url}/{name}"
 
@@ -80,7 +93,7 @@ class CheckpointRoot:
         self._forget_listings()
 
         async def listing():
-            return [name async for name in self._storage.store.list_dir("")]
+            return [name async for name in self._store.list_dir("")]
 
         return sorted(n.rstrip("/") for n in sync(listing()))
 
@@ -116,7 +129,7 @@ class CheckpointRoot:
             return total
         from zarr.core.sync import sync
 
-        return int(sync(self._storage.store.getsize_prefix(name)))
+        return int(sync(self._store.getsize_prefix(name)))
 
     def leftovers(self) -> list[str]:
         """Local staging and deleting directories of step stores (``.step-N.zarr.dcp-zarr-partial-*``)."""
@@ -126,7 +139,7 @@ class CheckpointRoot:
 
     def _forget_listings(self) -> None:
         """fsspec file systems cache listings (s3fs does); other processes write here, so list afresh each time."""
-        invalidate = getattr(getattr(self._storage.store, "fs", None), "invalidate_cache", None)
+        invalidate = getattr(getattr(self._store, "fs", None), "invalidate_cache", None)
         if invalidate is not None:
             invalidate()
 
@@ -150,7 +163,7 @@ class CheckpointRoot:
         self._forget_listings()
 
         async def listing():
-            return [name async for name in self._storage.store.list_dir(RECORDS)]
+            return [name async for name in self._store.list_dir(RECORDS)]
 
         return sorted(n.rstrip("/") for n in sync(listing()))
 
@@ -235,7 +248,7 @@ class CheckpointRoot:
 
 
 def steps_to_delete(complete: list[int], keep_last: int | None, keep_every: int | None,
-                    protected: set[int] = frozenset()) -> list[int]:
+                    protected: Iterable[int] = frozenset()) -> list[int]:
     """Which of the ``complete`` steps retention deletes: all but the newest ``keep_last`` (none without it), the
     multiples of ``keep_every``, the newest one and ``protected``, oldest first."""
     if keep_last is None or not complete:

@@ -41,7 +41,9 @@ def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequen
         yield layout.chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
 
 
-def chunks_of_box(layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray) -> Iterator[tuple[str, np.ndarray]]:
+def chunks_of_box(
+    layout: ChunkLayout, box_offsets: Sequence[int], local: np.ndarray
+) -> Iterator[tuple[str, np.ndarray]]:
     """``(chunk key, data)`` for every chunk of the box that ``local`` (a rank's shard at ``box_offsets``) covers;
     each ``data`` is a view of ``local`` (unpadded), ready for ``encode_chunk``."""
     for key, region in chunk_regions(layout, box_offsets, local.shape):
@@ -103,7 +105,7 @@ class RegionReader:
         self.node = node
         self.layout = layout
         self.dtype = dtype
-        self._indexes: dict[tuple[int, ...], np.ndarray | None] = {}
+        self._indexes: dict[tuple[int, ...], np.ndarray] = {}
         self._lock = threading.Lock()
 
     def read_into(self, offsets: Sequence[int], out: np.ndarray) -> int:
@@ -206,6 +208,7 @@ class RegionReader:
         fetched = shard_index_bytes(layout)
         row_slice, rest = inside[0], inside[1:]
         run: list[_Piece] = []
+        run_end = 0  # where the run's last piece ends in the shard
         for i in range(row_slice.start // inner, (row_slice.stop - 1) // inner + 1):
             lo = max(row_slice.start, i * inner)
             hi = min(row_slice.stop, (i + 1) * inner)
@@ -218,10 +221,11 @@ class RegionReader:
             piece = _Piece(int(offset), int(length), layout.inner_chunk_shape,
                            (slice(lo - i * inner, hi - i * inner), *rest),
                            target[lo - row_slice.start: hi - row_slice.start], name)
-            if run and run[-1].offset + run[-1].length != piece.offset:  # not back to back: a request of its own
+            if run and run_end != piece.offset:  # not back to back: a request of its own
                 fetched += self._read_run(key, run)
                 run = []
             run.append(piece)
+            run_end = int(offset) + int(length)
         if run:
             fetched += self._read_run(key, run)
         return fetched

@@ -20,7 +20,7 @@ from dcp_zarr import commit
 from dcp_zarr.dcp_dir import DcpCheckpoint, is_dcp_directory, open_any_checkpoint
 from dcp_zarr.errors import CheckpointExistsError, ZarrCheckpointError
 from dcp_zarr.manifest import TENSOR
-from dcp_zarr.offline import Checkpoint, refuse_a_file
+from dcp_zarr.offline import Checkpoint, Entry, refuse_a_file
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import is_local, local_path
 from dcp_zarr.writer import ZarrWriter
@@ -131,12 +131,12 @@ def to_safetensors(source: Checkpoint | DcpCheckpoint, dst: str | os.PathLike, *
     return sorted(os.path.join(target, name) for name in os.listdir(target))
 
 
-def _weights(source, prefix: Sequence | None) -> list[tuple[str, object]]:
+def _weights(source: Checkpoint | DcpCheckpoint, prefix: Sequence | None) -> list[tuple[str, Entry]]:
     """(name, entry) of every tensor under ``prefix``; the name is the state-dict path below it, dot-joined."""
     if prefix is None:
         prefix = ("model",) if any(e.path[:1] == ("model",) and e.kind == TENSOR for e in source) else ()
     prefix = tuple(prefix)
-    chosen = []
+    chosen: list[tuple[str, Entry]] = []
     for entry in source:
         if entry.kind == TENSOR and tuple(entry.path[: len(prefix)]) == prefix and len(entry.path) > len(prefix):
             chosen.append((".".join(map(str, entry.path[len(prefix):])), entry))
@@ -166,13 +166,15 @@ def _check_local_output(dst: str | os.PathLike, overwrite: bool) -> str:
             raise ConversionError(f"{target}: the parent directory does not exist")
         return target
     if not overwrite:
-        raise CheckpointExistsError(f"Checkpoint already exists: {target}; pass --overwrite (overwrite=True) to replace it")
+        raise CheckpointExistsError(
+            f"Checkpoint already exists: {target}; pass --overwrite (overwrite=True) to replace it")
     if os.path.isdir(target):
         # Only a directory holding nothing but a previous safetensors export is ours to replace.
         foreign = [n for n in os.listdir(target) if not (n.endswith(".safetensors") or n == SAFETENSORS_INDEX)]
         if foreign:
             raise CheckpointExistsError(
-                f"{target} is a directory holding other files ({', '.join(sorted(foreign)[:3])}); refusing to replace it")
+                f"{target} is a directory holding other files ({', '.join(sorted(foreign)[:3])}); "
+                "refusing to replace it")
     return target
 
 

@@ -45,7 +45,8 @@ class DcpCheckpoint:
         self.url = self.path
         refuse_a_file(self.path)
         if not is_dcp_directory(self.path):
-            raise NotACheckpointError(f"{self.path} is not a torch.distributed.checkpoint directory (no {METADATA_FILE})")
+            raise NotACheckpointError(
+                f"{self.path} is not a torch.distributed.checkpoint directory (no {METADATA_FILE})")
         try:
             self.metadata: Metadata = FileSystemReader(self.path).read_metadata()
         except Exception as exc:
@@ -54,17 +55,17 @@ class DcpCheckpoint:
         planner_data = self.metadata.planner_data or {}
         self.entries: dict[str, Entry] = {}
         for fqn, md in self.metadata.state_dict_metadata.items():
-            path = tuple(planner_data.get(fqn, (fqn,)))
-            node = "/".join(map(str, path))
+            entry_path = tuple(planner_data.get(fqn, (fqn,)))
+            node = "/".join(map(str, entry_path))
             if isinstance(md, TensorStorageMetadata):
                 shape = tuple(md.size)
                 itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
                 self.entries[fqn] = Entry(
-                    fqn=fqn, path=path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
+                    fqn=fqn, path=entry_path, kind=TENSOR, node=node, nbytes=itemsize * _numel(shape),
                     dtype_name=str(md.properties.dtype), shape=shape,
                     saved_shards=sum(1 for c in md.chunks if all(c.sizes)))
             else:
-                self.entries[fqn] = Entry(fqn=fqn, path=path, kind=VALUE, node=node, nbytes=0)
+                self.entries[fqn] = Entry(fqn=fqn, path=entry_path, kind=VALUE, node=node, nbytes=0)
         self._state: dict | None = None
         self._flat: dict | None = None
 
@@ -103,7 +104,7 @@ class DcpCheckpoint:
     def read(self, name: str | Entry):
         return self._values()[self.entry(name).fqn]
 
-    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool = False) -> dict:
+    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool | None = False) -> dict:
         state: dict = {}
         for entry in self.entries.values():
             if prefix is None or tuple(entry.path[: len(prefix)]) == tuple(prefix):

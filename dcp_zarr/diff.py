@@ -102,10 +102,12 @@ def _diff_value(a, b, ea: Entry, eb: Entry) -> EntryDiff:
 
 
 def _diff_tensor(a, b, ea: Entry, eb: Entry, atol: float) -> EntryDiff:
+    assert ea.shape is not None and ea.dtype_name is not None  # recorded for every tensor entry
     numel = math.prod(ea.shape)
     result = EntryDiff(ea.fqn, EQUAL, numel=numel)
     if numel == 0:
         return result
+    blocks: list[tuple[slice, ...] | None]
     if not ea.shape:
         blocks = [None]
     else:
@@ -187,6 +189,7 @@ def _kind(entry: Entry) -> str:
         return "torch.save bytes"
     if entry.kind != TENSOR:
         return "a non-tensor value"
+    assert entry.dtype_name is not None and entry.shape is not None  # recorded for every tensor entry
     return f"{entry.dtype_name.removeprefix('torch.')}[{', '.join(map(str, entry.shape))}]"
 
 

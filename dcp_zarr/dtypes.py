@@ -7,8 +7,12 @@ import numpy as np
 import torch
 
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.zarr_dtypes import STORED_DTYPES  # importing it registers the zarr data types
-from dcp_zarr.zarr_dtypes import BFloat16, Float8E4M3FN, Float8E5M2  # noqa: F401  (where they used to live)
+from dcp_zarr.zarr_dtypes import (  # importing it registers the zarr data types
+    STORED_DTYPES,
+    BFloat16,  # noqa: F401  (where they used to live)
+    Float8E4M3FN,  # noqa: F401
+    Float8E5M2,  # noqa: F401
+)
 
 
 class UnsupportedDtypeError(ZarrCheckpointError, TypeError):

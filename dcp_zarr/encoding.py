@@ -32,7 +32,7 @@ def checksum(buffer) -> bytes:
 
 def as_bytes(array: np.ndarray) -> memoryview:
     """The array's bytes as a flat memoryview, without copying (the array must be C-contiguous)."""
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def chunk_rows(data: np.ndarray, layout: ChunkLayout) -> np.ndarray:

@@ -41,7 +41,8 @@ class UntrustedTypeError(ZarrCheckpointError, pickle.UnpicklingError):
 
 
 class UntrustedTypeWarning(UserWarning):
-    """At save: a non-tensor value can only be stored as ``torch.save`` bytes that will need ``safe_globals`` to load."""
+    """At save: a non-tensor value can only be stored as ``torch.save`` bytes that will need ``safe_globals`` to
+    load."""
 
 
 class MalformedMetadataError(ZarrCheckpointError, ValueError):

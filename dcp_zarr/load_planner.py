@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_zarr.errors import MissingKeysError, ParamTableMismatchError
+from dcp_zarr.manifest import Manifest
 from dcp_zarr.optim_keys import (
     OptimizerTable,
     Translation,
@@ -32,7 +33,6 @@ from dcp_zarr.optim_keys import (
     tables_of_manifest,
     translate,
 )
-from dcp_zarr.manifest import Manifest
 from dcp_zarr.reader import MANIFEST_IN_STORAGE_DATA
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,14 @@ class ZarrLoadPlanner(DefaultLoadPlanner):
                            ", ".join(self.unrequested[:3]))
 
     def create_local_plan(self) -> LoadPlan:
+        metadata = self.metadata
+        assert metadata is not None  # set_up_planner refuses to plan without it
         items: list[ReadItem] = []
         for key, obj in self.state_dict.items():
             source = self._sources.get(key)
             if source is None:
                 continue
-            for item in create_default_local_load_plan({source: obj}, self.metadata, strict=True).items:
+            for item in create_default_local_load_plan({source: obj}, metadata, strict=True).items:
                 if source != key:
                     item = dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, fqn=key))
                 items.append(item)

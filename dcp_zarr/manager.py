@@ -22,6 +22,7 @@ import numbers
 import os
 import threading
 import time
+from concurrent.futures import Future
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -62,8 +63,8 @@ class CheckpointManager:
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._lock = threading.Lock()
-        self._pending: tuple[int, object] | None = None  # (step, future) of the async save in flight
-        self._async_group = None
+        self._pending: tuple[int, Future] | None = None  # (step, future) of the async save in flight
+        self._async_group: dist.ProcessGroup | None = None
         self._in_use: set[int] = set()
         self._lease: Lease | None = None
         self._closed = False
@@ -114,6 +115,8 @@ class CheckpointManager:
         try:
             if async_save:
                 future = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group_for_async())
+                # a Future: DCP returns an AsyncSaveResponse only for a stager whose stage() returns a Future
+                assert isinstance(future, Future)
                 self._pending = (step, future)
                 return future
             dcp.save(state_dict, storage_writer=writer)
@@ -207,7 +210,9 @@ class CheckpointManager:
         if not self._distributed:
             return None
         if self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)  # every rank is a member: never NON_GROUP_MEMBER
+            self._async_group = group
         return self._async_group
 
     def _after_save(self, step: int) -> None:
@@ -224,6 +229,7 @@ class CheckpointManager:
         complete = {s.step: s.name for s in self.root.step_stores() if s.complete}
         with self._lock:
             doomed = steps_to_delete(list(complete), self.keep_last, self.keep_every, self._in_use)
+        assert self._lease is not None  # only the manager holding the lease applies retention (_after_save)
         for step in doomed:
             self._lease.check()
             self.root.delete_step(step, complete[step])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import ClassVar
 
 import numpy as np
 
@@ -26,8 +26,8 @@ from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, Malforme
 from dcp_zarr.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.optim_keys import OptimizerTable
 from dcp_zarr.storage import Storage
-from dcp_zarr.values import decode_value
 from dcp_zarr.stored_dtypes import STORED_DTYPES
+from dcp_zarr.values import decode_value
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
@@ -91,7 +91,8 @@ class ObjectEntry:
     path: tuple[str | int, ...]
     node: str
     nbytes: int
-    separator: str = CHUNK_KEY_SEPARATOR  # of its one chunk's key; "/" in format 1 and 2 (not written: the version says)
+    # of its one chunk's key; "/" in format 1 and 2 (not written: the version says)
+    separator: str = CHUNK_KEY_SEPARATOR
     kind: ClassVar[str] = OBJECT
 
     @property
@@ -103,7 +104,7 @@ class ObjectEntry:
         return {"path": list(self.path), "kind": OBJECT, "node": self.node, "nbytes": self.nbytes}
 
 
-Entry = Union[TensorEntry, ValueEntry, ObjectEntry]
+Entry = TensorEntry | ValueEntry | ObjectEntry
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
     if chunk_shape is not None:
         chunk_shape = _index_list(chunk_shape, "chunk_shape")
         if len(chunk_shape) != len(shape) or not all(chunk_shape):
-            raise ValueError(f"chunk_shape {list(chunk_shape)} is not a grid of positive lengths for shape {list(shape)}")
+            raise ValueError(
+                f"chunk_shape {list(chunk_shape)} is not a grid of positive lengths for shape {list(shape)}")
     inner_rows = raw.get("inner_chunk_rows", 0)
     if type(inner_rows) is not int or inner_rows < 0:
         raise ValueError(f"inner_chunk_rows {inner_rows!r} is not a non-negative integer")
@@ -328,7 +330,8 @@ def read_manifest(storage: Storage) -> Manifest:
                 f"{storage.url} is an incomplete dcp_zarr checkpoint: it has no root zarr.json, which is written "
                 "last; the save was interrupted or is still running"
             ) from None
-        raise NotACheckpointError(f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
+        raise NotACheckpointError(
+            f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
     except MalformedMetadataError:
         raise
     except (ValueError, RecursionError) as exc:
@@ -338,6 +341,7 @@ def read_manifest(storage: Storage) -> Manifest:
     document = root.get("attributes", {}).get(MANIFEST_ATTRIBUTE) if isinstance(root.get("attributes"), dict) else None
     if document is None:
         raise NotACheckpointError(
-            f"{storage.url} is a zarr store but not a dcp_zarr checkpoint (no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
+            f"{storage.url} is a zarr store but not a dcp_zarr checkpoint "
+            f"(no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
         )
     return Manifest.from_json(document, f"{storage.url}/{ROOT_KEY}")

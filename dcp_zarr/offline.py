@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +42,7 @@ from dcp_zarr.manifest import (
 from dcp_zarr.manifest import Entry as ManifestEntry
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
-from dcp_zarr.storage.retry import RetryPolicy, Retrying
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.stored import stored_object_bytes, stored_value, tensor_reader
 from dcp_zarr.wrapper_names import explain_missing_name
 
@@ -56,7 +57,8 @@ _READ_BLOCK_BYTES = 16 << 20
 DCP_METADATA_FILE = ".metadata"
 
 # A region is basic indexing with step 1: a tuple of slices, ints and at most one Ellipsis (``(slice(0, 8), 3)``).
-Region = tuple
+# A basic-slicing region: one index, or a tuple (or list) of them; region_box also takes 0-d integer tensors.
+Region = tuple | list | slice | int | EllipsisType
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,10 @@ class Checkpoint:
         from dcp_zarr.dtypes import numpy_as_tensor
 
         entry = self.entry(name)
-        return numpy_as_tensor(self.read_array(entry, region), entry.dtype)  # shares the array's memory: no copy
+        array = self.read_array(entry, region)  # refuses an entry that is not a tensor
+        dtype = entry.dtype
+        assert dtype is not None  # every tensor entry records its dtype
+        return numpy_as_tensor(array, dtype)  # shares the array's memory: no copy
 
     def read_array(self, name: str | Entry, region: Region | None = None) -> np.ndarray:
         """As ``read_tensor``, as a new numpy array and without torch: bfloat16 and float8 come as ml_dtypes' types
@@ -182,6 +187,7 @@ class Checkpoint:
         entry = self.entry(name)
         if entry.kind != TENSOR:
             raise TypeError(f"{self.url}: entry {entry.fqn!r} is a {entry.kind}, not a tensor; use read_value")
+        assert entry.shape is not None  # every tensor entry records its shape
         offsets, sizes, squeeze = region_box(entry.shape, region, entry.fqn)
         out = np.empty(sizes, dtype=entry.numpy_dtype)
         if out.size or out.ndim == 0:
@@ -201,13 +207,15 @@ class Checkpoint:
         entry = self.entry(name)
         if entry.kind != OBJECT:
             raise TypeError(f"{self.url}: entry {entry.fqn!r} is a {entry.kind}, not torch.save bytes")
-        return stored_object_bytes(self.storage, self.manifest.entries[entry.fqn], entry.fqn)
+        stored = self.manifest.entries[entry.fqn]
+        assert isinstance(stored, ObjectEntry)  # the entry's kind is the manifest entry's
+        return stored_object_bytes(self.storage, stored, entry.fqn)
 
     def read(self, name: str | Entry):
         entry = self.entry(name)
         return self.read_tensor(entry) if entry.kind == TENSOR else self.read_value(entry)
 
-    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool = False) -> dict:
+    def load_full_state_dict(self, *, prefix: Sequence | None = None, progress: bool | None = False) -> dict:
         """Every entry (or those whose path starts with ``prefix``), unsharded, as the nested state dict saved.
 
         ``prefix=("model",)`` loads only the model weights. Needs memory for all of it, like ``torch.load``.
@@ -307,7 +315,7 @@ def refuse_a_file(local: str) -> None:
 
 def set_by_path(root: dict, path: Sequence, value) -> None:
     """Place ``value`` at ``path`` in a nested state dict; int components index lists (as DCP's set_element)."""
-    node = root
+    node: dict | list = root
     for key, next_key in zip(path[:-1], path[1:]):
         child = node[key] if _has(node, key) else None
         if child is None:

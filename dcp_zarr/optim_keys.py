@@ -73,7 +73,8 @@ class OptimizerTable:
     def group_key(self, param: ParamEntry, name: str) -> str:
         if self.key_form == FLATTENED:
             return self._key(f"{PARAM_GROUPS}.{param.fqn}.{name}")
-        return self._key(PARAM_GROUPS, param.group, name)
+        # str(): a nested table's params all have a group; a malformed manifest's None names no key (reported missing)
+        return self._key(PARAM_GROUPS, str(param.group), name)
 
     def nested_group_key(self, group: int, name: str) -> str:
         return self._key(PARAM_GROUPS, group, name)
@@ -150,10 +151,10 @@ def find_optimizers(paths: Mapping[str, Sequence], value_of: Callable[[str], obj
     ``param_groups[g]["params"]`` lists, a flattened one by its ``param_groups.{fqn}.{k}`` keys; the flattened
     form's ids are the order of those keys, which is trusted only when ``ordered`` (state-dict order).
     """
-    paths = {key: tuple(path) for key, path in paths.items()}
-    nested = _nested_optimizers(paths, value_of)
+    tuple_paths = {key: tuple(path) for key, path in paths.items()}
+    nested = _nested_optimizers(tuple_paths, value_of)
     taken = {table.path for table in nested}
-    return nested + [t for t in _flattened_optimizers(paths, ordered) if t.path not in taken]
+    return nested + [t for t in _flattened_optimizers(tuple_paths, ordered) if t.path not in taken]
 
 
 def _nested_optimizers(paths: dict[str, tuple], value_of: Callable[[str], object]) -> list[OptimizerTable]:
@@ -337,7 +338,8 @@ def _translate_groups(request: OptimizerTable, saved: OptimizerTable, match: dic
                 else:
                     out.sources[key] = saved.group_key(s, name)
         return
-    for g, size in enumerate(request.group_sizes or ()):
+    group_sizes = request.group_sizes or ()
+    for g in range(len(group_sizes)):
         out.keep.add(request.nested_group_key(g, PARAMS))  # the requesting side's own param refs stay
         members = [match.get(r) for r in request.params if r.group == g]
         found = [s for s in members if s is not None]
@@ -352,7 +354,7 @@ def _translate_groups(request: OptimizerTable, saved: OptimizerTable, match: dic
             key = request.nested_group_key(g, name)
             if found:
                 out.sources[key] = saved.group_key(found[0], name)
-            elif saved.group_sizes is not None and len(saved.group_sizes) == len(request.group_sizes):
+            elif saved.group_sizes is not None and len(saved.group_sizes) == len(group_sizes):
                 out.sources[key] = saved.nested_group_key(g, name)  # an empty group: same position
             else:
                 out.missing[key] = f"no parameter of requested group {g} is in the checkpoint's {saved.summary()}"

@@ -17,6 +17,7 @@ Three ways to deal with it, from least to most automatic:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -34,8 +35,13 @@ from dcp_zarr.wrapper_names import (  # noqa: F401
     wrappers_in,
 )
 
+if TYPE_CHECKING:  # what the mixin is mixed into, so mypy checks its super() calls; at run time a plain mixin
+    _PlannerBase = DefaultLoadPlanner
+else:
+    _PlannerBase = object
 
-class WrapperPrefixLoadMixin:
+
+class WrapperPrefixLoadMixin(_PlannerBase):
     """For ``DefaultLoadPlanner`` subclasses (``ZarrLoadPlanner`` included): match state-dict names to checkpoint
     names that differ only by wrapper components (``_orig_mod.``, ``_checkpoint_wrapped_module.``), either way.
 
@@ -49,7 +55,7 @@ class WrapperPrefixLoadMixin:
         self.rename_wrapped = rename_wrapped
         self.wrapper_renames: dict[str, str] = {}
         self._caller_paths: dict[str, tuple] = {}
-        self._caller_state_dict = None
+        self._caller_state_dict: dict | None = None
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.wrapper_renames, self._caller_paths, self._caller_state_dict = {}, {}, None

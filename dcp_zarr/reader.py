@@ -27,10 +27,10 @@ from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.manifest import Manifest, TensorEntry, read_manifest
+from dcp_zarr.manifest import Entry, Manifest, TensorEntry, read_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage, store_objects
-from dcp_zarr.storage.retry import RetryPolicy, Retrying
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.stored import stored_value, tensor_reader
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
@@ -94,6 +94,11 @@ class ZarrReader(StorageReader):
         metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}
         return metadata
 
+    def _read_manifest(self) -> Manifest:
+        """The manifest of a load under way: DCP calls read_metadata or set_up_storage_reader (each reads it) first."""
+        assert self.manifest is not None, "read_data before read_metadata or set_up_storage_reader"
+        return self.manifest
+
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if self.manifest is None:
             self.manifest = read_manifest(self._storage())
@@ -107,7 +112,7 @@ class ZarrReader(StorageReader):
     def _tensor_readers(self, storage: Storage, plan: LoadPlan) -> dict[str, RegionReader]:
         """A checked RegionReader per tensor the plan reads. Each reads its array's zarr.json: concurrently, as one
         after another they would be a round trip per tensor (seconds for a few hundred tensors on an object store)."""
-        entries = self.manifest.entries
+        entries = self._read_manifest().entries
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in plan.items if item.type != LoadItemType.BYTE_IO))
         found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn)) for fqn in fqns],
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
@@ -115,7 +120,7 @@ class ZarrReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         storage = self._storage()
-        entries = self.manifest.entries
+        entries = self._read_manifest().entries
         readers = self._tensor_readers(storage, plan)
         tensor_items: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
         for item in plan.items:
@@ -124,6 +129,7 @@ class ZarrReader(StorageReader):
                 value = _value_bytes(storage, entry, item.storage_index.fqn, self.safe_globals)
                 planner.load_bytes(item, io.BytesIO(value))
                 continue
+            assert isinstance(entry, TensorEntry)  # dcp_metadata made every other entry a bytes entry
             stored_dtype = torch_dtype_from_name(entry.dtype)
             tensor_items.append((item, planner.resolve_tensor(item).detach(), readers[item.storage_index.fqn],
                                  stored_dtype))
@@ -154,6 +160,7 @@ class ZarrReader(StorageReader):
         """One saved entry, whole, outside ``dcp.load`` (no collectives): a tensor at its global shape, or the value."""
         if self.manifest is None:
             self.read_metadata()
+        assert self.manifest is not None
         storage = self._storage()
         entry = self.manifest.entries[fqn]
         if not isinstance(entry, TensorEntry):
@@ -175,7 +182,8 @@ def dcp_metadata(manifest: Manifest) -> Metadata:
         if isinstance(entry, TensorEntry):
             shape = torch.Size(entry.shape)
             state_dict_metadata[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=torch_dtype_from_name(entry.dtype), requires_grad=entry.requires_grad),
+                properties=TensorProperties(
+                    dtype=torch_dtype_from_name(entry.dtype), requires_grad=entry.requires_grad),
                 size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
             )
@@ -195,7 +203,7 @@ def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, 
     return fetched
 
 
-def _value_bytes(storage: Storage, entry: dict, fqn: str, safe_globals: list) -> bytes:
+def _value_bytes(storage: Storage, entry: Entry, fqn: str, safe_globals: list) -> bytes:
     """A ``torch.save`` stream of the stored value, built only from data that ran no code when read."""
     value = stored_value(storage, entry, fqn, safe_globals, "ZarrReader(..., safe_globals=[...])")
     buffer = io.BytesIO()

@@ -15,6 +15,7 @@ A mismatch raises ``ReplicaMismatchError`` naming every such key and which ranks
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections import defaultdict
@@ -52,6 +53,7 @@ def _signature(item: WriteItem) -> tuple:
     if item.type == WriteItemType.BYTE_IO:
         return ("value",)
     data = item.tensor_data
+    assert data is not None  # DCP sets it on every item that is not BYTE_IO
     return ("tensor", tuple(data.chunk.sizes), tuple(data.size), data.properties.dtype)
 
 
@@ -79,7 +81,8 @@ def plan_checks(plans: list[SavePlan], mode: str, max_bytes: int) -> list[tuple[
         if isinstance(plan.storage_data, LocalItems):
             for item in plan.storage_data.items:
                 holders[item.index].append((rank, item))
-    problems, checks = [], [[] for _ in plans]
+    problems: list[str] = []
+    checks: list[list[MetadataIndex]] = [[] for _ in plans]
     for index, held in holders.items():
         if len(held) < 2:
             continue
@@ -120,10 +123,12 @@ def _digest(item: WriteItem, planner: SavePlanner) -> str:
                 return checksum(json.dumps(encode_value(lookup(item.index)), sort_keys=True).encode()).hex()
             except NotJSONError:
                 pass
-        return checksum(planner.resolve_data(item).getvalue()).hex()
+        data = planner.resolve_data(item)
+        assert isinstance(data, io.BytesIO)  # DCP's planners torch.save a BYTE_IO item into one
+        return checksum(data.getvalue()).hex()
     tensor = planner.resolve_data(item)
-    tensor = tensor.detach().to("cpu").contiguous() if isinstance(tensor, torch.Tensor) else tensor
-    return checksum(as_bytes(tensor_as_numpy(tensor))).hex()
+    assert isinstance(tensor, torch.Tensor)  # a tensor item resolves to its tensor
+    return checksum(as_bytes(tensor_as_numpy(tensor.detach().to("cpu").contiguous()))).hex()
 
 
 def split_results(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], list[dict]]:
@@ -165,5 +170,6 @@ def _message(problems: list[str]) -> str:
     many = len(problems) > 1
     return (f"{len(problems)} state-dict entr{'ies' if many else 'y'} saved under one key by several ranks "
             f"differ{'' if many else 's'} between them; DCP would keep one rank's copy and drop the others, so "
-            f"nothing was committed:\n{listed}{more}\nSave per-rank state under per-rank keys (e.g. f\"rng.rank{{rank}}\") or as "
+            f"nothing was committed:\n{listed}{more}\n"
+            f"Save per-rank state under per-rank keys (e.g. f\"rng.rank{{rank}}\") or as "
             f"a DTensor sharded over the ranks; ZarrWriter(check_replicas=\"none\") skips this check.")

@@ -88,6 +88,7 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
             if item.type is byte_io:
                 continue
             data = item.tensor_data
+            assert data is not None  # DCP sets it on every item that is not BYTE_IO
             fqn = item.index.fqn
             boxes[fqn].append(data.chunk)
             if fqn not in tensor_data:

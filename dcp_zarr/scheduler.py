@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -82,12 +83,14 @@ def _submit_within_budget(pool: ThreadPoolExecutor, run_batch, batches: list, si
     futures = []
     for batch, size in zip(batches, sizes):
         with lock:
-            # a batch larger than the whole budget waits until nothing else is in flight, then runs alone
-            lock.wait_for(lambda: state["failed"] or state["in_flight"] == 0 or state["in_flight"] + size <= budget)
+            # a batch larger than the whole budget waits until nothing else is in flight, then runs alone (the
+            # predicate may use this iteration's size: wait_for calls it only before the loop moves on)
+            lock.wait_for(
+                lambda: state["failed"] or state["in_flight"] == 0 or state["in_flight"] + size <= budget)  # noqa: B023
             if state["failed"]:
                 break
             state["in_flight"] += size
         future = pool.submit(run_batch, batch)
-        future.add_done_callback(lambda f, size=size: finished(f, size))
+        future.add_done_callback(partial(finished, size=size))
         futures.append(future)
     return (future.result() for future in futures)

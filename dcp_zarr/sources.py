@@ -20,11 +20,14 @@ def describe_source(value) -> dict:
             "mesh_shape": list(mesh.shape),
             "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
         }
+    sharded: tuple[type, ...] = ()
     try:
         from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        sharded = (ShardedTensor,)
     except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
-        ShardedTensor = ()
-    if isinstance(value, ShardedTensor):
+        pass
+    if isinstance(value, sharded):
         return {"type": SHARDED_TENSOR}
     if isinstance(value, torch.Tensor):
         return {"type": PLAIN_TENSOR}

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
-
 # DCP's thread-based executor ends its thread right after the save's future resolves; a writer asked to stage in
 # that moment waits this long for the thread to go before calling the save still running.
 SAVE_THREAD_EXIT_GRACE_S = 1.0
@@ -91,6 +90,7 @@ class WriterStaging(AsyncStager):
                 self.close()
                 self._stager, self._pinned = _stager(pinned), pinned
             staged = self._stager.stage(state_dict)
+        assert isinstance(staged, dict)  # a Future only with use_async_staging, which _stager never sets
         staged = _StagedStateDict(staged)
         self._save_thread, self._staged = None, weakref.ref(staged)
         return staged

@@ -10,18 +10,18 @@ from __future__ import annotations
 import collections
 import datetime
 import decimal
-import fractions
 import io
 import pathlib
 import uuid
+from collections.abc import Sequence
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError, UntrustedTypeError
 from dcp_zarr.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.storage import Storage
-from dcp_zarr.values import decode_value
 from dcp_zarr.stored_dtypes import STORED_DTYPES
+from dcp_zarr.values import decode_value
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20
@@ -130,7 +130,7 @@ def _trusted_name(entry) -> str:
 _STANDARD_NAMES = {_trusted_name(t) for t in STANDARD_SAFE_GLOBALS}
 
 
-def untrusted_types(payload: bytes, safe_globals: list = ()) -> list[str]:
+def untrusted_types(payload: bytes, safe_globals: Sequence = ()) -> list[str]:
     """The globals of ``torch.save`` bytes that neither the standard list nor ``safe_globals`` trusts."""
     import torch
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_zarr.errors import TorchNotImportableError
 from dcp_zarr.layout import ChunkLayout
 from dcp_zarr.listing import depth_groups, matches, natural_key, node_key
-from dcp_zarr.manifest import TENSOR
+from dcp_zarr.manifest import TENSOR, ValueEntry
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.values import decode_value
 
@@ -38,6 +38,7 @@ def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
 def chunk_count(entry: Entry) -> int:
     """Stored chunks (shards, for large arrays) of a tensor entry: every chunk of its grid, since the saved boxes
     tile the tensor and each is whole chunks."""
+    assert entry.shape is not None and entry.chunk_shape is not None  # recorded for every tensor entry
     return ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows).chunk_count
 
 
@@ -50,15 +51,19 @@ def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int
     """
     entries = []
     for entry in sorted((e for e in ckpt if matches(e.fqn, patterns)), key=lambda e: node_key(e.node)):
-        row = {"fqn": entry.fqn, "path": list(entry.path), "node": entry.node, "kind": entry.kind, "nbytes": entry.nbytes}
+        row = {"fqn": entry.fqn, "path": list(entry.path), "node": entry.node, "kind": entry.kind,
+               "nbytes": entry.nbytes}
         if entry.kind == TENSOR:
+            assert entry.dtype_name is not None and entry.shape is not None and entry.chunk_shape is not None
             row.update(
                 dtype=entry.dtype_name.removeprefix("torch."), shape=list(entry.shape),
                 chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
                 inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
                 saved_shards=entry.saved_shards, source=entry.source)
         elif entry.kind == "value":
-            row["value"] = ckpt.manifest.entries[entry.fqn].value
+            stored = ckpt.manifest.entries[entry.fqn]
+            assert isinstance(stored, ValueEntry)  # the entry's kind is the manifest entry's
+            row["value"] = stored.value
         entries.append(row)
     tensors = [e for e in ckpt if e.kind == TENSOR]
     listing: dict = {"entries": entries}
@@ -133,7 +138,7 @@ def _group_lines(groups: list[dict], depth: int) -> list[str]:
 
 
 def _tree_lines(entries: list[dict]) -> list[str]:
-    rows = []
+    rows: list[tuple[str, dict | None]] = []  # (indented name, the entry's row; None for a group)
     opened: list[str] = []
     for row in sorted(entries, key=lambda r: node_key(r["node"])):
         *groups, leaf = row["node"].split("/")
@@ -146,8 +151,8 @@ def _tree_lines(entries: list[dict]) -> list[str]:
         rows.append(("  " * len(groups) + leaf, row))
     width = max((len(name) for name, row in rows if row is not None), default=0)
     lines = []
-    for name, row in rows:
-        lines.append(name if row is None else f"{name.ljust(width)}  {_describe(row)}")
+    for name, described in rows:
+        lines.append(name if described is None else f"{name.ljust(width)}  {_describe(described)}")
     return lines
 
 
@@ -169,7 +174,7 @@ def _describe(row: dict) -> str:
     return text
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -21,7 +21,7 @@ from dcp_zarr.encoding import (
 )
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.layout import ChunkLayout, parent_groups
-from dcp_zarr.manifest import OBJECT, TENSOR
+from dcp_zarr.manifest import OBJECT, TENSOR, ObjectEntry
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.stored import tensor_reader
@@ -77,7 +77,8 @@ def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool
             _check_object(ckpt, entry, report)
     for group, fqn in groups.items():
         if not ckpt.storage.exists(f"{group}/zarr.json"):
-            report.problems.append(Problem(fqn, group, None, "zarr.json is missing (zarr tools cannot open it)", "group"))
+            report.problems.append(
+                Problem(fqn, group, None, "zarr.json is missing (zarr tools cannot open it)", "group"))
 
     total = sum(_stored_bytes(job) for job in jobs)
     with progress_bar(total, "verifying", enabled=progress) as bar, ThreadPoolExecutor(thread_count) as pool:
@@ -136,7 +137,8 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
         nbytes += len(raw)
         try:
             if len(raw) != int(length):
-                raise CorruptChunkError(f"shard is truncated ({len(raw)} of {int(length)} bytes at offset {int(offset)})")
+                raise CorruptChunkError(
+                    f"shard is truncated ({len(raw)} of {int(length)} bytes at offset {int(offset)})")
             _check_plain(raw, inner_bytes)
         except CorruptChunkError as exc:
             problems.append(Problem(entry.fqn, entry.node, where, _reason(exc)))
@@ -158,7 +160,9 @@ def _check_plain(raw, expected_bytes: int) -> None:
 
 
 def _check_object(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> None:
-    chunk = ckpt.manifest.entries[entry.fqn].chunk  # "c.0", or "c/0" in format 1 and 2
+    stored = ckpt.manifest.entries[entry.fqn]
+    assert isinstance(stored, ObjectEntry)  # called for object entries only
+    chunk = stored.chunk  # "c.0", or "c/0" in format 1 and 2
     try:
         raw = _read_expected(ckpt, f"{entry.node}/{chunk}", entry.nbytes + CHECKSUM_BYTES)
         _check_plain(raw, entry.nbytes + CHECKSUM_BYTES)
@@ -175,7 +179,9 @@ def _reason(exc: CorruptChunkError) -> str:
 
 
 def _itemsize(entry: Entry) -> int:
-    return entry.numpy_dtype.itemsize
+    dtype = entry.numpy_dtype
+    assert dtype is not None  # a tensor entry's
+    return dtype.itemsize
 
 
 def _stored_bytes(job: _ChunkJob) -> int:

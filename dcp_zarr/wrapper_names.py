@@ -84,7 +84,9 @@ def describe_renames(renames: Mapping[str, str], limit: int = 3, subject: str = 
     return f"{'; '.join(parts) or 'names differ by wrapper components'}: {examples}{more}"
 
 
-def explain_missing_name(name: str, checkpoint_names: Iterable[str], subject: str = "the requested names") -> str | None:
+def explain_missing_name(
+    name: str, checkpoint_names: Iterable[str], subject: str = "the requested names"
+) -> str | None:
     """A hint when ``name`` is missing only because of wrapper components; None when that is not why."""
     try:
         renames = wrapper_renames([name], checkpoint_names)

@@ -8,6 +8,7 @@ finish (coordinator: every zarr.json, the manifest last, then the commit; commit
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -36,16 +37,15 @@ from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTy
 from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.optim_keys import tables_from_entries
-from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
+from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
 from dcp_zarr.storage import Storage, is_local, open_storage, store_objects
-from dcp_zarr.storage.retry import RetryPolicy, Retrying
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.stored import untrusted_types
 from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
-
 
 # A rank's rows of an array-spanning shard are written in runs of about this many bytes: one job each, so a large
 # box is spread over the IO threads (and a device tensor is copied to host a run at a time).
@@ -138,6 +138,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for item in plan.items:
             if item.type != WriteItemType.BYTE_IO:
+                assert item.tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
                 numpy_dtype(item.tensor_data.properties.dtype)  # raises naming the dtype if unsupported
         self._local_items = {item.index: item for item in plan.items}
         if self.check_replicas == replicas.NONE:
@@ -145,7 +146,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)  # before anything is written
+        # before anything is written
+        checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)
         self._nodes = nodes = node_paths(plans)
         array_shards = self.store is None and is_local(self.path)  # several ranks writing one file: local files only
         self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=array_shards)
@@ -175,10 +177,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
                         item.index.fqn, node, result.storage_data["object_nbytes"])))
             else:
                 spec = assignment.arrays[item.index.fqn]
+                tensor_data = item.tensor_data
+                assert tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
                 if item.index.fqn in assignment.describes:
-                    jobs.append(_metadata_job(storage, spec.node, _array_metadata(spec, item.tensor_data.properties.dtype)))
+                    jobs.append(_metadata_job(storage, spec.node, _array_metadata(spec, tensor_data.properties.dtype)))
                 tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
-                offsets = item.tensor_data.chunk.offsets
+                offsets = tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
                 if spec.layout.spans_array and storage.writes_at_offsets:
                     written, shard_jobs = _array_shard_jobs(storage, spec, tensor, offsets[0],
@@ -258,7 +262,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
         # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
         summary = summarize_sources([e.source for e in entries.values() if isinstance(e, TensorEntry)])
-        # Anything in a table that JSON cannot hold fails at save: write_json dumps the whole manifest before the commit.
+        # Anything in a table that JSON cannot hold fails at save: write_json dumps the whole manifest before the
+        # commit.
         tables = tables_from_entries(entries, key_order)
         return Manifest(entries=entries, save_id=self.save_id, versions=versions(), saved_world_size=self._world_size,
                         state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables))
@@ -266,10 +271,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
 def _checked_tensor(value, fqn: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise InvalidEntryError(f"state-dict entry {fqn!r}: expected a tensor, the planner returned {type(value).__name__}")
+        raise InvalidEntryError(
+            f"state-dict entry {fqn!r}: expected a tensor, the planner returned {type(value).__name__}")
     tensor = value.detach()
     if tensor.is_sparse or tensor.layout != torch.strided:
-        raise InvalidEntryError(f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
+        raise InvalidEntryError(
+            f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
     return tensor
 
 
@@ -349,7 +356,9 @@ def _value_write(item, planner: SavePlanner, node: str):
             return WriteResult(index=item.index, size_in_bytes=size, storage_data={"value": document}), None
         except NotJSONError:
             pass
-    data = planner.resolve_data(item).getvalue()
+    resolved = planner.resolve_data(item)
+    assert isinstance(resolved, io.BytesIO)  # DCP's planners torch.save a BYTE_IO item into one
+    data = resolved.getvalue()
     untrusted = untrusted_types(data)
     if untrusted:  # it saves, but would fail at load without options: say so now, while the run can change it
         kind = "" if value is None else f" ({type(value).__module__}.{type(value).__qualname__})"

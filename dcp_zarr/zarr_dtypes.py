@@ -20,15 +20,17 @@ from zarr.dtype import ZDType, data_type_registry
 
 from dcp_zarr.stored_dtypes import STORED_DTYPES  # noqa: F401 (re-exported)
 
+# mypy checks both branches of these imports against the one zarr installed, where one of them is missing; the
+# unused-ignore code keeps the ignore valid on a zarr where that import exists.
 try:  # its home from zarr 3.4 on (importing it from zarr.dtype is deprecated there)
-    from zarr.errors import DataTypeValidationError
+    from zarr.errors import DataTypeValidationError  # type: ignore[attr-defined,unused-ignore]
 except ImportError:
     from zarr.dtype import DataTypeValidationError
 
 try:  # no public home in zarr 3.1-3.4; the bytes codec asks for it to decide whether "endian" applies
     from zarr.core.dtype.common import HasEndianness, HasItemSize
 except ImportError:  # pragma: no cover - a zarr that moved them
-    from zarr.core.dtype import HasEndianness, HasItemSize  # type: ignore[no-redef]
+    from zarr.core.dtype import HasEndianness, HasItemSize  # type: ignore[no-redef,attr-defined,unused-ignore]
 
 
 def _is_float_text(data: str) -> bool:

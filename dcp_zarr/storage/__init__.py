@@ -6,7 +6,7 @@ import os
 
 from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.local import LocalStorage
-from dcp_zarr.storage.retry import RetryPolicy, Retrying
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
 __all__ = ["Storage", "LocalStorage", "is_local", "local_path", "open_storage"]
 

@@ -85,5 +85,5 @@ class Storage(abc.ABC):
     def write_json(self, key: str, document) -> None:
         self.write(key, [json.dumps(document, separators=(",", ":"), allow_nan=False).encode()])
 
-    def flush(self) -> None:
+    def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)
         """Make everything written so far durable (no-op where the backend has no such notion)."""

@@ -17,7 +17,7 @@ import errno
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -93,8 +93,8 @@ _PERMANENT_TYPES = (FileNotFoundError, PermissionError, FileExistsError, IsADire
                     ValueError, TypeError, KeyError, NotImplementedError)
 
 
-def _chain(exc: BaseException):
-    seen = set()
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
     while exc is not None and id(exc) not in seen and len(seen) < 16:
         seen.add(id(exc))
         yield exc
@@ -163,7 +163,8 @@ def no_connection(exc: BaseException) -> str | None:
 def endpoint_of(exc: BaseException) -> str | None:
     """The endpoint a failed connection was for: botocore's ``endpoint_url``, or aiohttp's host and port."""
     for link in _chain(exc):
-        url = getattr(link, "kwargs", {}).get("endpoint_url") if isinstance(getattr(link, "kwargs", None), dict) else None
+        kwargs = getattr(link, "kwargs", None)
+        url = kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None
         if isinstance(url, str):
             parts = urlsplit(url)
             return f"{parts.scheme}://{parts.netloc}" if parts.netloc else url
