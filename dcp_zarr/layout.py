@@ -165,7 +165,7 @@ def chunk_layout_for_boxes(
 
     Along each dim the chunk length is the gcd of all box boundaries inside the array, so FSDP2's ``torch.chunk``
     split (boundaries at multiples of ceil(n/k)) gives one chunk per rank. Irregular splits (FSDP+TP, hand-made
-    ShardedTensors) can shrink it down to 1: correct, but many small files; see README "Chunk layout".
+    ShardedTensors) can shrink it down to 1: correct, but many small files; see docs/format.md ("Chunk grid").
     """
     shape = tuple(int(n) for n in shape)
     gcds = [0] * len(shape)  # running gcd of each dim's inner boundaries (gcd(0, b) == b): one pass, no sets

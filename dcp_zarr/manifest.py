@@ -3,7 +3,7 @@ attribute, readable with zarr alone.
 
 The root ``zarr.json`` is written last, after every chunk and every other ``zarr.json``: its presence with this
 attribute is what makes a store a complete checkpoint. This module is the one place that defines the manifest and
-checks it; everything else reads attributes of ``Manifest`` and its entries. The schema is in README ("Store layout").
+checks it; everything else reads attributes of ``Manifest`` and its entries. The schema is docs/format.md.
 
 Format 2 records each tensor's chunk grid, not the boxes the saving ranks held: the writer chooses the grid so that
 every rank's box is a union of whole chunks (``layout.chunk_layout_for_boxes``), so the array at its global shape and

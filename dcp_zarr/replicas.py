@@ -34,7 +34,7 @@ from dcp_zarr.values import NotJSONError, encode_value
 SMALL, ALL, NONE = "small", "all", "none"
 CHECK_MODES = (SMALL, ALL, NONE)
 # Replicated tensors up to this size are compared by value in the "small" mode. Measured on the benchmark's 2 GB
-# FSDP2 state dict (README "Replicated entries"): its replicated items are the optimizer steps and param_groups.
+# FSDP2 state dict (docs/usage.md, "Replicated entries"): its replicated items are the optimizer steps and param_groups.
 DEFAULT_MAX_BYTES = 1 << 20
 # The WriteResult that carries a rank's replica checksums to the coordinator: a key no state dict can have, since
 # node names starting with "__" are refused (layout.check_node_name).
