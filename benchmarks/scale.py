@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from dcp_zarr import ZarrReader, ZarrWriter  # noqa: E402
-from dcp_zarr.manifest import Manifest  # noqa: E402
+from dcp_zarr.format.manifest import Manifest  # noqa: E402
 
 HIDDEN = 4096
 LOAD_WORLD_SIZE = 128

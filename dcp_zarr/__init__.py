@@ -34,18 +34,18 @@ from dcp_zarr.errors import (
 )
 from dcp_zarr.version import __version__
 
-# The rest is imported on first use (PEP 562): zarr imports dcp_zarr.zarr_dtypes, and so this package, whenever
+# The rest is imported on first use (PEP 562): zarr imports dcp_zarr.format.zarr_dtypes, and so this package, whenever
 # it opens a bfloat16 array, and the CLI only looks at stores; neither should pay for importing torch.
 _LAZY = {
-    "assert_step_present": "dcp_zarr.checks",
-    "CheckpointManager": "dcp_zarr.manager",
-    "ZarrLoadPlanner": "dcp_zarr.load_planner",
-    "Checkpoint": "dcp_zarr.offline",
-    "open_checkpoint": "dcp_zarr.offline",
-    "PrefixTolerantLoadPlanner": "dcp_zarr.prefixes",
-    "WrapperPrefixError": "dcp_zarr.wrapper_names",
-    "WrapperPrefixLoadMixin": "dcp_zarr.prefixes",
-    "strip_wrapper_prefixes": "dcp_zarr.wrapper_names",
+    "assert_step_present": "dcp_zarr.optim.checks",
+    "CheckpointManager": "dcp_zarr.lifecycle.manager",
+    "ZarrLoadPlanner": "dcp_zarr.optim.load_planner",
+    "Checkpoint": "dcp_zarr.checkpoint",
+    "open_checkpoint": "dcp_zarr.checkpoint",
+    "PrefixTolerantLoadPlanner": "dcp_zarr.optim.prefixes",
+    "WrapperPrefixError": "dcp_zarr.optim.wrapper_names",
+    "WrapperPrefixLoadMixin": "dcp_zarr.optim.prefixes",
+    "strip_wrapper_prefixes": "dcp_zarr.optim.wrapper_names",
     "ZarrReader": "dcp_zarr.reader",
     "ObjectStoreError": "dcp_zarr.storage.retry",
     "RetryPolicy": "dcp_zarr.storage.retry",
@@ -53,11 +53,11 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from dcp_zarr.checks import assert_step_present
-    from dcp_zarr.load_planner import ZarrLoadPlanner
-    from dcp_zarr.manager import CheckpointManager
-    from dcp_zarr.offline import Checkpoint, open_checkpoint
-    from dcp_zarr.prefixes import (
+    from dcp_zarr.checkpoint import Checkpoint, open_checkpoint
+    from dcp_zarr.lifecycle.manager import CheckpointManager
+    from dcp_zarr.optim.checks import assert_step_present
+    from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+    from dcp_zarr.optim.prefixes import (
         PrefixTolerantLoadPlanner,
         WrapperPrefixError,
         WrapperPrefixLoadMixin,
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
-        try:  # ``import dcp_zarr; dcp_zarr.offline...`` worked when this package imported everything eagerly
+        try:  # ``import dcp_zarr; dcp_zarr.checkpoint...`` worked when this package imported everything eagerly
             return importlib.import_module(f"dcp_zarr.{name}")
         except ModuleNotFoundError:
             raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}") from None

@@ -2,6 +2,6 @@
 
 import sys
 
-from dcp_zarr.cli import main
+from dcp_zarr.tools.cli import main
 
 sys.exit(main())

@@ -9,7 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcp_zarr.encoding import (
+from dcp_zarr.errors import CorruptChunkError
+from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
     as_bytes,
@@ -21,8 +22,7 @@ from dcp_zarr.encoding import (
     inner_chunk_stored_bytes,
     shard_index_bytes,
 )
-from dcp_zarr.errors import CorruptChunkError
-from dcp_zarr.layout import ChunkLayout
+from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.storage import Storage
 
 

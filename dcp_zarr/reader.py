@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.dtypes import tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.manifest import Entry, Manifest, TensorEntry, read_manifest
+from dcp_zarr.entry_reader import stored_value, tensor_reader
+from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
+from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, read_manifest
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
-from dcp_zarr.stored import stored_value, tensor_reader
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
 _READ_PIECE_BYTES = 4 << 20

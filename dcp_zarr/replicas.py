@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_zarr.dtypes import tensor_as_numpy
-from dcp_zarr.encoding import as_bytes, checksum
 from dcp_zarr.errors import ReplicaMismatchError
-from dcp_zarr.values import NotJSONError, encode_value
+from dcp_zarr.format.dtypes import tensor_as_numpy
+from dcp_zarr.format.encoding import as_bytes, checksum
+from dcp_zarr.format.values import NotJSONError, encode_value
 
 SMALL, ALL, NONE = "small", "all", "none"
 CHECK_MODES = (SMALL, ALL, NONE)

@@ -12,9 +12,9 @@ from typing import NamedTuple
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
-from dcp_zarr.dtypes import numpy_dtype, zarr_dtype_name
 from dcp_zarr.errors import InvalidKeyError
-from dcp_zarr.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
+from dcp_zarr.format.dtypes import numpy_dtype, zarr_dtype_name
+from dcp_zarr.format.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
 
 
 class ArraySpec(NamedTuple):

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_zarr import commit, replicas
+from dcp_zarr import replicas
 from dcp_zarr.chunk_io import (
     chunk_regions,
     chunks_of_box,
@@ -31,20 +31,20 @@ from dcp_zarr.chunk_io import (
     write_full_shard_index,
     write_inner_chunks,
 )
-from dcp_zarr.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
-from dcp_zarr.encoding import array_metadata, checksum, group_metadata
+from dcp_zarr.entry_reader import untrusted_types
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
-from dcp_zarr.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
-from dcp_zarr.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.optim_keys import tables_from_entries
+from dcp_zarr.format.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
+from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
+from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
+from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
+from dcp_zarr.format.sources import describe_source, summarize_sources
+from dcp_zarr.format.values import NotJSONError, encode_value
+from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
-from dcp_zarr.sources import describe_source, summarize_sources
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, is_local, open_storage, store_objects
+from dcp_zarr.storage import Storage, commit, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
-from dcp_zarr.stored import untrusted_types
-from dcp_zarr.values import NotJSONError, encode_value
 from dcp_zarr.version import versions
 
 # A rank's rows of an array-spanning shard are written in runs of about this many bytes: one job each, so a large

@@ -262,7 +262,7 @@ def install_kill_hooks(kill: dict | None) -> _Counter:
     ``kill = {"event": n, "torn": bool}``: SIGKILL this process at its n-th event; for a write with ``torn``, after
     writing only the first half of the bytes.
     """
-    from dcp_zarr import commit
+    from dcp_zarr.storage import commit
     from dcp_zarr.storage.local import LocalStorage
 
     counter = _Counter(kill)

@@ -15,7 +15,7 @@ import zarr
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import ZarrWriter
-from dcp_zarr.cli import main
+from dcp_zarr.tools.cli import main
 from tests import distributed
 from tests.distributed import run_ranks
 
@@ -141,7 +141,7 @@ def test_with_torch_diff_decodes_differing_torch_save_bytes(tmp_path, capsys):
 
 
 def test_the_looking_modules_do_not_import_torch():
-    script = ("import sys, dcp_zarr.cli, dcp_zarr.offline, dcp_zarr.summary, dcp_zarr.verify, dcp_zarr.diff; "
+    script = ("import sys, dcp_zarr.tools.cli, dcp_zarr.checkpoint, dcp_zarr.tools.inspection, dcp_zarr.tools.verify, dcp_zarr.tools.diff; "
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
 

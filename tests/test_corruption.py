@@ -34,8 +34,8 @@ from dcp_zarr import (
     ZarrReader,
     ZarrWriter,
 )
-from dcp_zarr.cli import main as dcp_zarr_cli
-from dcp_zarr.encoding import checksum
+from dcp_zarr.tools.cli import main as dcp_zarr_cli
+from dcp_zarr.format.encoding import checksum
 from tests.distributed import assert_state_equal, run_ranks
 from tests.fault_tools import blank_like, causes, chunk_files, crash_state, load_full, sharded_state, start_forkserver
 

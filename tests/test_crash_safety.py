@@ -30,12 +30,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import CheckpointExistsError, MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
-from dcp_zarr import commit as commit_module
-from dcp_zarr.commit import STAGING_MARK
-from dcp_zarr.manifest import read_manifest
-from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.storage import commit as commit_module
+from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.format.manifest import read_manifest
+from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage import LocalStorage
-from dcp_zarr.verify import verify_checkpoint
+from dcp_zarr.tools.verify import verify_checkpoint
 from tests.distributed import assert_state_equal
 from tests.fault_tools import (
     Zygote,

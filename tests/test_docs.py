@@ -143,7 +143,7 @@ def test_every_marker_and_fence_is_one_the_test_understands():
 
 
 def _cli_parser():
-    from dcp_zarr import cli
+    from dcp_zarr.tools import cli
 
     return cli._parser()
 

@@ -12,7 +12,7 @@ import tensorstore
 import torch
 import zarr
 
-from dcp_zarr.dtypes import (
+from dcp_zarr.format.dtypes import (
     UnsupportedDtypeError,
     numpy_as_tensor,
     numpy_dtype,
@@ -219,7 +219,7 @@ def test_big_endian_bfloat16_is_refused_not_misread(tmp_path):
 
 def test_importing_twice_keeps_the_data_types_registered():
     script = (
-        "import importlib, torch, zarr, dcp_zarr.dtypes as d; importlib.reload(d); importlib.reload(d);"
+        "import importlib, torch, zarr, dcp_zarr.format.dtypes as d; importlib.reload(d); importlib.reload(d);"
         "a = zarr.create_array(store={}, shape=(2,), dtype=d.numpy_dtype(torch.bfloat16));"
         "assert a.metadata.data_type.to_json(3) == 'bfloat16'"
     )

@@ -24,8 +24,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
-from dcp_zarr.commit import STAGING_MARK
-from dcp_zarr.manifest import read_manifest
+from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage, open_storage
 from dcp_zarr.storage import local as local_storage
 from tests.distributed import assert_state_equal

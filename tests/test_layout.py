@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_zarr.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, chunk_key
+from dcp_zarr.format.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, chunk_key
 
 
 def rows(*bounds: int, width: int = 64) -> list[tuple[tuple[int, int], tuple[int, int]]]:

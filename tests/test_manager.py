@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError
-from dcp_zarr.checkpoint_root import RECORDS, CheckpointRoot, step_name
-from dcp_zarr.commit import STAGING_MARK
-from dcp_zarr.lease import LEASE_KEY
+from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
+from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.lifecycle.lease import LEASE_KEY
 from tests.distributed import assert_state_equal, run_ranks
 from tests.fault_tools import Zygote, blank_like, causes, crash_state, load_full, managed_save_program
 from tests.s3_server import S3Server
@@ -454,7 +454,7 @@ def _filled_root(root) -> None:
 
 
 def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, capsys):
-    from dcp_zarr.cli import main
+    from dcp_zarr.tools.cli import main
 
     _filled_root(tmp_path)
     (tmp_path / "step-00000009.zarr").mkdir()  # not a checkpoint: listed, never counted
@@ -471,7 +471,7 @@ def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, 
 
 
 def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tmp_path, capsys):
-    from dcp_zarr.cli import main
+    from dcp_zarr.tools.cli import main
 
     _filled_root(tmp_path)
     before = sorted(os.listdir(tmp_path))
@@ -487,7 +487,7 @@ def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tm
 
 
 def test_prune_refuses_while_a_manager_holds_the_root(tmp_path, capsys):
-    from dcp_zarr.cli import main
+    from dcp_zarr.tools.cli import main
 
     _filled_root(tmp_path)
     with CheckpointManager(tmp_path) as manager:
@@ -498,7 +498,7 @@ def test_prune_refuses_while_a_manager_holds_the_root(tmp_path, capsys):
 
 def test_list_and_prune_need_no_torch(tmp_path):
     _filled_root(tmp_path)
-    script = ("import sys; sys.modules['torch'] = None\nfrom dcp_zarr.cli import main\n"
+    script = ("import sys; sys.modules['torch'] = None\nfrom dcp_zarr.tools.cli import main\n"
               f"assert main(['list', {str(tmp_path)!r}]) == 0\n"
               f"assert main(['prune', {str(tmp_path)!r}, '--keep-last', '2']) == 0\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -512,7 +512,7 @@ def test_list_and_prune_need_no_torch(tmp_path):
     (["list", "{root}/missing"], "does not exist"),
 ])
 def test_list_and_prune_refuse_bad_arguments_by_name(tmp_path, capsys, argv, match):
-    from dcp_zarr.cli import main
+    from dcp_zarr.tools.cli import main
 
     argv = [a.format(root=tmp_path) for a in argv]
     try:

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, ZarrWriter, open_checkpoint
-from dcp_zarr import manifest as manifest_module
-from dcp_zarr.cli import main as dcp_zarr_cli
-from dcp_zarr.manifest import FORMAT_VERSION, Manifest, TensorEntry
+from dcp_zarr.format import manifest as manifest_module
+from dcp_zarr.tools.cli import main as dcp_zarr_cli
+from dcp_zarr.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from tests.distributed import assert_state_equal, build, load_fresh, run_ranks, train_and_save
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")

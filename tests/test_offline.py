@@ -20,7 +20,7 @@ from dcp_zarr import (
     NotACheckpointError,
     ZarrWriter,
 )
-from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.local import LocalStorage
 from tests import distributed
 from tests.distributed import assert_state_equal, run_ranks

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from dcp_zarr import ParamTableMismatchError, ZarrLoadPlanner, ZarrReader, ZarrWriter
 from dcp_zarr.errors import MalformedMetadataError
-from dcp_zarr.manifest import TensorEntry
-from dcp_zarr.optim_keys import (
+from dcp_zarr.format.manifest import TensorEntry
+from dcp_zarr.optim.keys import (
     FLATTENED,
     FQN,
     INT,
@@ -400,7 +400,7 @@ def test_a_stateless_request_is_warned_about_not_silently_left_empty(tmp_path, c
     dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
     unprimed = distributed.make_optimizer(distributed.make_model(1))
     planner = ZarrLoadPlanner()
-    with caplog.at_level("WARNING", logger="dcp_zarr.load_planner"):
+    with caplog.at_level("WARNING", logger="dcp_zarr.optim.load_planner"):
         dcp.load({"optim": unprimed.state_dict()}, storage_reader=ZarrReader(tmp_path / "c"), planner=planner)
     assert len(planner.unrequested) == 16 * 3 and "optim.state.blocks.0.up.weight.step" in planner.unrequested
     assert "prime it" in caplog.text

@@ -10,8 +10,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import ZarrReader, ZarrWriter
-from dcp_zarr.load_planner import ZarrLoadPlanner
-from dcp_zarr.prefixes import (
+from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.optim.prefixes import (
     PrefixTolerantLoadPlanner,
     WrapperPrefixError,
     WrapperPrefixLoadMixin,

@@ -11,10 +11,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrWriter
-from dcp_zarr.cli import main as cli_main
-from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.tools.cli import main as cli_main
+from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
-from dcp_zarr.verify import verify_checkpoint
+from dcp_zarr.tools.verify import verify_checkpoint
 from tests import distributed
 from tests.distributed import assert_state_equal, run_ranks
 from tests.s3_server import S3Server

@@ -29,7 +29,7 @@ from dcp_zarr import (
     ZarrReader,
     ZarrWriter,
 )
-from dcp_zarr.dtypes import numpy_as_tensor
+from dcp_zarr.format.dtypes import numpy_as_tensor
 from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
 from tests.distributed import assert_state_equal
 

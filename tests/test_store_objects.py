@@ -13,7 +13,7 @@ import zarr
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, ObjectStore
 
 from dcp_zarr import CheckpointExistsError, ZarrReader, ZarrWriter, open_checkpoint
-from dcp_zarr.verify import verify_checkpoint
+from dcp_zarr.tools.verify import verify_checkpoint
 from tests import distributed
 from tests.distributed import assert_state_equal, run_ranks
 from tests.fault_tools import causes

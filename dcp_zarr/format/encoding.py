@@ -19,7 +19,7 @@ import crc32c
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
+from dcp_zarr.format.layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.zarr_dtypes import (  # importing it registers the zarr data types
+from dcp_zarr.format.zarr_dtypes import (  # importing it registers the zarr data types
     STORED_DTYPES,
     BFloat16,  # noqa: F401  (where they used to live)
     Float8E4M3FN,  # noqa: F401

@@ -16,12 +16,12 @@ import uuid
 from collections.abc import Sequence
 
 from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError, UntrustedTypeError
-from dcp_zarr.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
+from dcp_zarr.format.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
+from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
+from dcp_zarr.format.stored_dtypes import STORED_DTYPES
+from dcp_zarr.format.values import decode_value
 from dcp_zarr.storage import Storage
-from dcp_zarr.stored_dtypes import STORED_DTYPES
-from dcp_zarr.values import decode_value
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dcp_zarr.checkpoint import Entry
 from dcp_zarr.errors import CorruptChunkError, TorchNotImportableError
-from dcp_zarr.manifest import OBJECT, TENSOR, VALUE
-from dcp_zarr.offline import Entry
+from dcp_zarr.format.manifest import OBJECT, TENSOR, VALUE
 from dcp_zarr.progress import progress_bar
 
 EQUAL, CLOSE, DIFFERENT, ONLY_A, ONLY_B, MISMATCH = "equal", "close", "different", "only in A", "only in B", "mismatch"
@@ -57,7 +57,7 @@ class DiffReport:
 
 
 def diff_checkpoints(a, b, *, atol: float = 0.0, progress: bool | None = False) -> DiffReport:
-    """Compare every entry of ``a`` and ``b`` (each an ``offline.Checkpoint`` or ``dcp_dir.DcpCheckpoint``)."""
+    """Compare every entry of ``a`` and ``b`` (each an ``checkpoint.Checkpoint`` or ``dcp_dir.DcpCheckpoint``)."""
     report = DiffReport(a.url, b.url)
     names = list(a.entries) + [n for n in b.entries if n not in a.entries]
     total = sum(a.entries[n].nbytes for n in names if n in a.entries and n in b.entries)

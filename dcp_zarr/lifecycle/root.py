@@ -24,10 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dcp_zarr.commit import STAGING_MARK
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
+from dcp_zarr.format.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
 from dcp_zarr.storage import is_local, local_path, open_storage
+from dcp_zarr.storage.commit import STAGING_MARK
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dcp_zarr.errors import MalformedMetadataError, ParamTableMismatchError
-from dcp_zarr.values import decode_value
+from dcp_zarr.format.values import decode_value
 
 FQN = "fqn"
 INT = "int"

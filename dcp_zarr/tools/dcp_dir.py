@@ -1,6 +1,6 @@
 """torch's own DCP checkpoint directories (``.metadata`` + ``__{rank}_{n}.distcp``), read offline.
 
-``DcpCheckpoint`` offers the reading half of ``offline.Checkpoint`` (entries, ``read_tensor``, ``read_value``,
+``DcpCheckpoint`` offers the reading half of ``checkpoint.Checkpoint`` (entries, ``read_tensor``, ``read_value``,
 ``load_full_state_dict``), so conversion and ``dcp-zarr diff`` treat both formats alike. Unlike a zarr store, a DCP
 directory can only be read whole: the first read loads every entry (``FileSystemReader`` through
 ``_EmptyStateDictLoadPlanner``, as torch's own ``dcp_to_torch_save`` does), which needs memory for all of it.
@@ -21,11 +21,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_zarr.dtypes import tensor_as_numpy
-from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
-from dcp_zarr.manifest import TENSOR, VALUE
-from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
-from dcp_zarr.offline import (
+from dcp_zarr.checkpoint import DCP_METADATA_FILE as METADATA_FILE
+from dcp_zarr.checkpoint import (
     Checkpoint,
     Entry,
     is_dcp_directory,
@@ -34,6 +31,9 @@ from dcp_zarr.offline import (
     region_box,
     set_by_path,
 )
+from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.format.dtypes import tensor_as_numpy
+from dcp_zarr.format.manifest import TENSOR, VALUE
 from dcp_zarr.storage import local_path
 
 

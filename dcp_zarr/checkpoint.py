@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dcp_zarr.chunk_io import RegionReader
+from dcp_zarr.entry_reader import stored_object_bytes, stored_value, tensor_reader
 from dcp_zarr.errors import NotACheckpointError
-from dcp_zarr.manifest import (
+from dcp_zarr.format.manifest import (
     OBJECT,
     TENSOR,
     VALUE,
@@ -39,12 +40,11 @@ from dcp_zarr.manifest import (
     read_manifest,
     stored_numpy_dtype,
 )
-from dcp_zarr.manifest import Entry as ManifestEntry
+from dcp_zarr.format.manifest import Entry as ManifestEntry
+from dcp_zarr.optim.wrapper_names import explain_missing_name
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
-from dcp_zarr.stored import stored_object_bytes, stored_value, tensor_reader
-from dcp_zarr.wrapper_names import explain_missing_name
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +86,7 @@ class Entry:
         """The torch dtype of a tensor entry (imports torch; ``dtype_name`` and ``numpy_dtype`` do not)."""
         if self.dtype_name is None:
             return None
-        from dcp_zarr.dtypes import torch_dtype_from_name
+        from dcp_zarr.format.dtypes import torch_dtype_from_name
 
         return torch_dtype_from_name(self.dtype_name)
 
@@ -173,7 +173,7 @@ class Checkpoint:
 
         Only the chunks (inner chunks, for large arrays) that intersect the region are fetched.
         """
-        from dcp_zarr.dtypes import numpy_as_tensor
+        from dcp_zarr.format.dtypes import numpy_as_tensor
 
         entry = self.entry(name)
         array = self.read_array(entry, region)  # refuses an entry that is not a tensor

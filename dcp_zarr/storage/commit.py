@@ -16,7 +16,7 @@ import re
 import shutil
 
 from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
-from dcp_zarr.manifest import ROOT_KEY, read_manifest
+from dcp_zarr.format.manifest import ROOT_KEY, read_manifest
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 
 STAGING_MARK = ".dcp-zarr-partial-"

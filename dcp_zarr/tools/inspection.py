@@ -7,12 +7,12 @@ from __future__ import annotations
 import io
 from concurrent.futures import ThreadPoolExecutor
 
+from dcp_zarr.checkpoint import Checkpoint, Entry
 from dcp_zarr.errors import TorchNotImportableError
-from dcp_zarr.layout import ChunkLayout
-from dcp_zarr.listing import depth_groups, matches, natural_key, node_key
-from dcp_zarr.manifest import TENSOR, ValueEntry
-from dcp_zarr.offline import Checkpoint, Entry
-from dcp_zarr.values import decode_value
+from dcp_zarr.format.layout import ChunkLayout
+from dcp_zarr.format.manifest import TENSOR, ValueEntry
+from dcp_zarr.format.values import decode_value
+from dcp_zarr.tools.listing import depth_groups, matches, natural_key, node_key
 
 
 def step_values(ckpt: Checkpoint) -> dict[str, float | int]:

@@ -2,7 +2,7 @@
 
 DCP matches requested keys to saved keys literally, so optimizer state saved under FQNs cannot load into
 ``optimizer.state_dict()``'s integer ids ("Missing key in checkpoint state_dict: optimizer.state.0.step"). This
-planner reads the checkpoint's optimizer param tables (manifest "optimizers", see optim_keys.py) and gives each
+planner reads the checkpoint's optimizer param tables (manifest "optimizers", see optim/keys.py) and gives each
 read item ``dest_index`` = the requested key and ``storage_index`` = the saved key that holds the same parameter's
 state. The reader needs nothing new: it reads ``storage_index`` and the planner resolves ``dest_index``.
 
@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_zarr.errors import MissingKeysError, ParamTableMismatchError
-from dcp_zarr.manifest import Manifest
-from dcp_zarr.optim_keys import (
+from dcp_zarr.format.manifest import Manifest
+from dcp_zarr.optim.keys import (
     OptimizerTable,
     Translation,
     find_optimizers,

@@ -7,7 +7,7 @@
         mgr.save(step, state, async_save=True)                           # blocks only while staging
     mgr.close()
 
-One store per step under ``root`` (checkpoint_root.py). Only complete checkpoints count: a save killed at any
+One store per step under ``root`` (lifecycle/root.py). Only complete checkpoints count: a save killed at any
 moment is never listed or loaded, the previous one is. Retention runs after a save is complete and never deletes
 the newest complete checkpoint, one being written, or one this manager is loading. Rank 0's manager holds the
 root's lease (lease.py), so it alone applies retention and removes what killed saves left behind.
@@ -27,10 +27,10 @@ from concurrent.futures import Future
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr.checkpoint_root import CheckpointRoot, StepStore, step_name, steps_to_delete
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
-from dcp_zarr.lease import DEFAULT_TIMEOUT_S, Lease
-from dcp_zarr.load_planner import ZarrLoadPlanner
+from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
+from dcp_zarr.lifecycle.root import CheckpointRoot, StepStore, step_name, steps_to_delete
+from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
 

@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
-from dcp_zarr.manifest import TENSOR
+from dcp_zarr.format.manifest import TENSOR
 
 _DIGITS = re.compile(r"(\d+)")
 

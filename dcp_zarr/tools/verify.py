@@ -12,19 +12,19 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dcp_zarr.encoding import (
+from dcp_zarr.checkpoint import Checkpoint, Entry
+from dcp_zarr.entry_reader import tensor_reader
+from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
+from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
     decode_shard_index,
     shard_index_bytes,
     verify_plain,
 )
-from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.layout import ChunkLayout, parent_groups
-from dcp_zarr.manifest import OBJECT, TENSOR, ObjectEntry
-from dcp_zarr.offline import Checkpoint, Entry
+from dcp_zarr.format.layout import ChunkLayout, parent_groups
+from dcp_zarr.format.manifest import OBJECT, TENSOR, ObjectEntry
 from dcp_zarr.progress import progress_bar
-from dcp_zarr.stored import tensor_reader
 
 
 @dataclass(frozen=True)

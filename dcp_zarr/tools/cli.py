@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inspect(args) -> int:
-    from dcp_zarr.offline import open_checkpoint
-    from dcp_zarr.summary import format_summary, summarize
+    from dcp_zarr.checkpoint import open_checkpoint
+    from dcp_zarr.tools.inspection import format_summary, summarize
 
     summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
@@ -75,8 +75,8 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from dcp_zarr.offline import open_checkpoint
-    from dcp_zarr.verify import verify_checkpoint
+    from dcp_zarr.checkpoint import open_checkpoint
+    from dcp_zarr.tools.verify import verify_checkpoint
 
     try:
         ckpt = open_checkpoint(args.path, args.storage_options)
@@ -107,7 +107,7 @@ def _emit_verify(args, document: dict, text: str) -> None:
 
 
 def _convert(args) -> int:
-    from dcp_zarr.convert import DEFAULT_SAFETENSORS_SHARD_BYTES, convert
+    from dcp_zarr.tools.convert import DEFAULT_SAFETENSORS_SHARD_BYTES, convert
 
     options = {}
     if args.to == "safetensors":
@@ -126,7 +126,7 @@ def _convert(args) -> int:
 
 
 def _diff(args) -> int:
-    from dcp_zarr.diff import EQUAL, diff_checkpoints
+    from dcp_zarr.tools.diff import EQUAL, diff_checkpoints
 
     a = _open_any(args.a, args.storage_options)
     b = _open_any(args.b, args.storage_options)
@@ -148,7 +148,7 @@ def _diff(args) -> int:
 
 
 def _list_root(args) -> int:
-    from dcp_zarr.root_report import format_root_list, list_root
+    from dcp_zarr.tools.root_report import format_root_list, list_root
 
     listing = list_root(_checkpoint_root(args))
     print(json.dumps(listing, indent=1) if args.json else format_root_list(listing))
@@ -156,7 +156,7 @@ def _list_root(args) -> int:
 
 
 def _prune_root(args) -> int:
-    from dcp_zarr.root_report import format_prune, prune_root
+    from dcp_zarr.tools.root_report import format_prune, prune_root
 
     result = prune_root(_checkpoint_root(args), args.keep_last, args.keep_every, args.dry_run)
     print(json.dumps(result, indent=1) if args.json else format_prune(result))
@@ -164,7 +164,7 @@ def _prune_root(args) -> int:
 
 
 def _checkpoint_root(args):
-    from dcp_zarr.checkpoint_root import CheckpointRoot
+    from dcp_zarr.lifecycle.root import CheckpointRoot
     from dcp_zarr.storage import is_local, local_path
 
     if is_local(args.root) and not os.path.isdir(local_path(args.root)):
@@ -175,12 +175,12 @@ def _checkpoint_root(args):
 
 def _open_any(path: str, storage_options: dict | None):
     """A zarr store (torch-free) or a DCP directory (which only torch reads)."""
-    from dcp_zarr.offline import is_dcp_directory, open_checkpoint
+    from dcp_zarr.checkpoint import is_dcp_directory, open_checkpoint
 
     if not is_dcp_directory(path):
         return open_checkpoint(path, storage_options)
     try:
-        from dcp_zarr.dcp_dir import DcpCheckpoint
+        from dcp_zarr.tools.dcp_dir import DcpCheckpoint
     except ImportError as exc:
         if _torch_importable():
             raise
@@ -288,7 +288,7 @@ def _finish_args(args):
 
 
 def _glob(text: str) -> str:
-    from dcp_zarr.listing import check_glob
+    from dcp_zarr.tools.listing import check_glob
 
     try:
         return check_glob(text)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 # The name logic is torch-free (wrapper_names.py); it is re-exported here, where the planners that use it live.
-from dcp_zarr.wrapper_names import (  # noqa: F401
+from dcp_zarr.optim.wrapper_names import (  # noqa: F401
     WRAPPER_COMPONENTS,
     WrapperPrefixError,
     canonical_name,

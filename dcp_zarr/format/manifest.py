@@ -23,11 +23,11 @@ from typing import ClassVar
 import numpy as np
 
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
-from dcp_zarr.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
-from dcp_zarr.optim_keys import OptimizerTable
+from dcp_zarr.format.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
+from dcp_zarr.format.stored_dtypes import STORED_DTYPES
+from dcp_zarr.format.values import decode_value
+from dcp_zarr.optim.keys import OptimizerTable
 from dcp_zarr.storage import Storage
-from dcp_zarr.stored_dtypes import STORED_DTYPES
-from dcp_zarr.values import decode_value
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)

@@ -6,9 +6,9 @@ holds the root, and applies the same retention as ``CheckpointManager(keep_last=
 
 from __future__ import annotations
 
-from dcp_zarr.checkpoint_root import CheckpointRoot, steps_to_delete
-from dcp_zarr.lease import LEASE_KEY, Lease
-from dcp_zarr.summary import human_bytes
+from dcp_zarr.lifecycle.lease import LEASE_KEY, Lease
+from dcp_zarr.lifecycle.root import CheckpointRoot, steps_to_delete
+from dcp_zarr.tools.inspection import human_bytes
 
 
 def list_root(root: CheckpointRoot) -> dict:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from zarr.dtype import ZDType, data_type_registry
 
-from dcp_zarr.stored_dtypes import STORED_DTYPES  # noqa: F401 (re-exported)
+from dcp_zarr.format.stored_dtypes import STORED_DTYPES  # noqa: F401 (re-exported)
 
 # mypy checks both branches of these imports against the one zarr installed, where one of them is missing; the
 # unused-ignore code keeps the ignore valid on a zarr where that import exists.

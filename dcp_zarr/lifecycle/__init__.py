@@ -1,0 +1,2 @@
+"""A training job's checkpoints: ``CheckpointManager`` (one store per step, retention, resume), the root it owns,
+and the lease that makes one manager the root's only writer and cleaner."""
