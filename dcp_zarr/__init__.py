@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from dcp_zarr.errors import (
     CheckpointExistsError,
     CheckpointRootBusyError,
+    ConversionError,
     CorruptChunkError,
     IncompleteCheckpointError,
     InvalidEntryError,
@@ -22,14 +23,17 @@ from dcp_zarr.errors import (
     MetadataTooLargeError,
     MissingKeysError,
     NotACheckpointError,
+    ObjectStoreError,
     OptimizerStepError,
     ParamTableMismatchError,
     ReplicaMismatchError,
     StepNotFoundError,
     TorchNotImportableError,
     UnsafeFileError,
+    UnsupportedDtypeError,
     UntrustedTypeError,
     UntrustedTypeWarning,
+    WrapperPrefixError,
     ZarrCheckpointError,
 )
 from dcp_zarr.version import __version__
@@ -43,11 +47,9 @@ _LAZY = {
     "Checkpoint": "dcp_zarr.checkpoint",
     "open_checkpoint": "dcp_zarr.checkpoint",
     "PrefixTolerantLoadPlanner": "dcp_zarr.optim.prefixes",
-    "WrapperPrefixError": "dcp_zarr.optim.wrapper_names",
     "WrapperPrefixLoadMixin": "dcp_zarr.optim.prefixes",
     "strip_wrapper_prefixes": "dcp_zarr.optim.wrapper_names",
     "ZarrReader": "dcp_zarr.reader",
-    "ObjectStoreError": "dcp_zarr.storage.retry",
     "RetryPolicy": "dcp_zarr.storage.retry",
     "ZarrWriter": "dcp_zarr.writer",
 }
@@ -59,12 +61,11 @@ if TYPE_CHECKING:
     from dcp_zarr.optim.load_planner import ZarrLoadPlanner
     from dcp_zarr.optim.prefixes import (
         PrefixTolerantLoadPlanner,
-        WrapperPrefixError,
         WrapperPrefixLoadMixin,
         strip_wrapper_prefixes,
     )
     from dcp_zarr.reader import ZarrReader
-    from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy
+    from dcp_zarr.storage.retry import RetryPolicy
     from dcp_zarr.writer import ZarrWriter
 
 
@@ -111,6 +112,8 @@ __all__ = [
     "ParamTableMismatchError",
     "ReplicaMismatchError",
     "UnsafeFileError",
+    "UnsupportedDtypeError",
+    "ConversionError",
     "TorchNotImportableError",
     "StepNotFoundError",
     "CheckpointRootBusyError",

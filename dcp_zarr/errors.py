@@ -80,3 +80,23 @@ class CheckpointRootBusyError(ZarrCheckpointError, RuntimeError):
 
 class StepNotFoundError(ZarrCheckpointError, FileNotFoundError):
     """``CheckpointManager.load`` asked for a step (or the latest) that has no complete checkpoint under the root."""
+
+
+class WrapperPrefixError(ZarrCheckpointError, RuntimeError):
+    """State-dict names and checkpoint names differ only by module-wrapper components."""
+
+
+class UnsupportedDtypeError(ZarrCheckpointError, TypeError):
+    """A torch dtype (or zarr data type name) that dcp_zarr cannot store bit-exactly."""
+
+
+class ObjectStoreError(ZarrCheckpointError, OSError):
+    """An object-store call failed permanently (or kept failing transiently); ``__cause__`` is the client's error."""
+
+    def __str__(self) -> str:
+        # The message alone: OSError's "[Errno 5] ..." prefix says nothing (the errno is a stand-in for most faults).
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
+
+class ConversionError(ZarrCheckpointError, ValueError):
+    """A conversion that cannot be done as asked (wrong source or target kind, unsupported entries)."""

@@ -6,18 +6,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dcp_zarr.errors import ZarrCheckpointError
+from dcp_zarr.errors import UnsupportedDtypeError
 from dcp_zarr.format.zarr_dtypes import (  # importing it registers the zarr data types
     STORED_DTYPES,
     BFloat16,  # noqa: F401  (where they used to live)
     Float8E4M3FN,  # noqa: F401
     Float8E5M2,  # noqa: F401
 )
-
-
-class UnsupportedDtypeError(ZarrCheckpointError, TypeError):
-    """A torch dtype (or zarr data type name) that dcp_zarr cannot store bit-exactly."""
-
 
 # ---- torch <-> numpy <-> zarr ------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from dcp_zarr.errors import ZarrCheckpointError
+from dcp_zarr.errors import WrapperPrefixError
 
 # Name component -> what inserted it. Only components no real module attribute would carry: a bare "module."
 # (DDP) is left alone because a model may well have a submodule called "module".
@@ -18,8 +18,6 @@ WRAPPER_COMPONENTS = {
 }
 
 
-class WrapperPrefixError(ZarrCheckpointError, RuntimeError):
-    """State-dict names and checkpoint names differ only by module-wrapper components."""
 
 
 def canonical_name(name: str) -> str:

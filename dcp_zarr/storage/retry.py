@@ -22,18 +22,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-from dcp_zarr.errors import ZarrCheckpointError
+from dcp_zarr.errors import ObjectStoreError
 
 log = logging.getLogger("dcp_zarr.storage")
 T = TypeVar("T")
 
 
-class ObjectStoreError(ZarrCheckpointError, OSError):
-    """An object-store call failed permanently (or kept failing transiently); ``__cause__`` is the client's error."""
-
-    def __str__(self) -> str:
-        # The message alone: OSError's "[Errno 5] ..." prefix says nothing (the errno is a stand-in for most faults).
-        return self.strerror if isinstance(self.strerror, str) else super().__str__()
 
 
 @dataclass(frozen=True)

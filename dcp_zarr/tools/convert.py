@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr.checkpoint import Checkpoint, Entry, refuse_a_file
-from dcp_zarr.errors import CheckpointExistsError, ZarrCheckpointError
+from dcp_zarr.errors import CheckpointExistsError, ConversionError
 from dcp_zarr.format.manifest import TENSOR
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import commit, is_local, local_path
@@ -30,8 +30,6 @@ DEFAULT_SAFETENSORS_SHARD_BYTES = 5 * 1000**3
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-class ConversionError(ZarrCheckpointError, ValueError):
-    """A conversion that cannot be done as asked (wrong source or target kind, unsupported entries)."""
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, overwrite: bool = False,
