@@ -197,7 +197,8 @@ def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_d
     else:
         assert report["direct"].startswith("refused: No Zarr data type found that matches 'bfloat16'")
     # zarr itself loaded only the torch-free data-type module (and the package it lives in), nothing of the save path
-    assert set(report["modules"]) <= {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.version", "dcp_zarr.format.zarr_dtypes",
+    assert set(report["modules"]) <= {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.version", "dcp_zarr.format",
+                                      "dcp_zarr.format.zarr_dtypes",
                                       "dcp_zarr.format.stored_dtypes"}  # the dtype table: numpy and ml_dtypes only
     assert "dcp_zarr.format.zarr_dtypes" in report["modules"]
 
