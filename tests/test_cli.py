@@ -16,8 +16,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import ZarrWriter
 from dcp_zarr.cli import main
-from tests import distributed
-from tests.distributed import run_ranks
+from tests.support.models import build, save_checkpoint, train_steps
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 BIN = os.path.dirname(sys.executable)
@@ -25,10 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_and_save_both(rank, world_size, zarr_path, dcp_path):
-    model, optim = distributed.build("fsdp2", world_size)
-    distributed.train_steps(model, optim, 2)
-    distributed.save_checkpoint(model, optim, ZarrWriter(zarr_path))
-    distributed.save_checkpoint(model, optim, FileSystemWriter(dcp_path))
+    model, optim = build("fsdp2", world_size)
+    train_steps(model, optim, 2)
+    save_checkpoint(model, optim, ZarrWriter(zarr_path))
+    save_checkpoint(model, optim, FileSystemWriter(dcp_path))
 
 
 @pytest.fixture(scope="module")

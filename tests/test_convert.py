@@ -17,14 +17,15 @@ from dcp_zarr.convert import ConversionError, convert
 from dcp_zarr.dcp_dir import DcpCheckpoint
 from dcp_zarr.diff import diff_checkpoints
 from dcp_zarr.offline import open_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import build, full_state, load_checkpoint, train_and_save
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _train_and_save_dcp(rank, world_size, path):
-    return distributed.train_and_save(rank, world_size, "fsdp2", FileSystemWriter(path))[0]
+    return train_and_save(rank, world_size, "fsdp2", FileSystemWriter(path))[0]
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +60,11 @@ def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir
 
 def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     _, saved = dcp_dir
-    model, optim = distributed.build("plain", 1, seed=5)
+    model, optim = build("plain", 1, seed=5)
 
-    distributed.load_checkpoint(model, optim, ZarrReader(zarr_store))
+    load_checkpoint(model, optim, ZarrReader(zarr_store))
 
-    assert_state_equal(distributed.full_state(model, optim), saved)
+    assert_state_equal(full_state(model, optim), saved)
 
 
 def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(dcp_dir, tmp_path):

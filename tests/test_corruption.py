@@ -36,8 +36,11 @@ from dcp_zarr import (
 )
 from dcp_zarr.cli import main as dcp_zarr_cli
 from dcp_zarr.encoding import checksum
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import blank_like, causes, chunk_files, crash_state, load_full, sharded_state, start_forkserver
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state, sharded_state
+from tests.support.ranks import run_ranks, start_forkserver
+from tests.support.states import blank_like, load_full
+from tests.support.stores import chunk_files, edit_root_manifest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -65,11 +68,6 @@ def damaged(pristine, tmp_path) -> str:
     path = str(tmp_path / "ckpt.zarr")
     shutil.copytree(pristine, path)
     return path
-
-
-def _manifest(path: str) -> dict:
-    with open(os.path.join(path, "zarr.json")) as f:
-        return json.load(f)["attributes"]["dcp_zarr"]
 
 
 def load_failure(path: str, **reader_kwargs) -> BaseException | None:
@@ -210,13 +208,7 @@ def test_a_missing_object_chunk_is_named(damaged, capsys):
 
 
 def _edit_manifest(edit):
-    def apply(path: str) -> None:
-        with open(os.path.join(path, "zarr.json")) as f:
-            document = json.load(f)
-        edit(document["attributes"]["dcp_zarr"])
-        with open(os.path.join(path, "zarr.json"), "w") as f:
-            json.dump(document, f)
-    return apply
+    return lambda path: edit_root_manifest(path, edit)
 
 
 def _edit_entry(fqn: str, **changes):

@@ -36,17 +36,11 @@ from dcp_zarr.manifest import read_manifest
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.verify import verify_checkpoint
-from tests.distributed import assert_state_equal
-from tests.fault_tools import (
-    Zygote,
-    blank_like,
-    causes,
-    crash_state,
-    load_full,
-    save_plain,
-    save_program,
-    tree_digest,
-)
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state, save_program
+from tests.support.ranks import Zygote
+from tests.support.states import blank_like, load_full, save_plain
+from tests.support.stores import tree_digest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 

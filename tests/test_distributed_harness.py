@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
 
 TRAINED = [
     f"{module}.{kind}"
@@ -65,11 +66,11 @@ def _hang(rank, world_size, pid_dir):
 
 
 def _save_layouts(rank, world_size, writers):
-    return {layout: distributed.train_and_save(rank, world_size, layout, writer) for layout, writer in writers.items()}
+    return {layout: train_and_save(rank, world_size, layout, writer) for layout, writer in writers.items()}
 
 
 def _load_layouts(rank, world_size, layout, readers):
-    return {name: distributed.load_fresh(rank, world_size, layout, reader) for name, reader in readers.items()}
+    return {name: load_fresh(rank, world_size, layout, reader) for name, reader in readers.items()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_zarr import UnsafeFileError, ZarrCheckpointError, ZarrLoadPlanner, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.cli import main as dcp_zarr_cli
 from dcp_zarr.encoding import checksum, layout_from_array_metadata, shard_index_bytes
-from tests.fault_tools import causes
+from tests.support.faults import causes
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 

@@ -19,9 +19,11 @@ from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundErr
 from dcp_zarr.checkpoint_root import RECORDS, CheckpointRoot, step_name
 from dcp_zarr.commit import STAGING_MARK
 from dcp_zarr.lease import LEASE_KEY
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import Zygote, blank_like, causes, crash_state, load_full, managed_save_program
-from tests.s3_server import S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state, managed_save_program
+from tests.support.ranks import Zygote, run_ranks
+from tests.support.s3 import S3Server
+from tests.support.states import blank_like, load_full
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -365,7 +367,7 @@ class _TrainState:
 
 
 def _app_state(world_size: int, seed: int):
-    from tests.distributed import build
+    from tests.support.models import build
 
     model, optim = build("fsdp2", world_size, seed)
     scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
@@ -375,7 +377,7 @@ def _app_state(world_size: int, seed: int):
 
 
 def _train_and_save_every_step(rank, world_size, root):
-    from tests.distributed import full_state, train_steps
+    from tests.support.models import full_state, train_steps
 
     model, optim, scheduler, loader, app = _app_state(world_size, seed=0)
     manager = CheckpointManager(root, keep_last=2)
@@ -390,7 +392,7 @@ def _train_and_save_every_step(rank, world_size, root):
 
 
 def _resume(rank, world_size, root):
-    from tests.distributed import full_state, prime_optimizer
+    from tests.support.models import full_state, prime_optimizer
 
     model, optim, scheduler, loader, app = _app_state(world_size, seed=1)
     prime_optimizer(model, optim)

@@ -20,26 +20,16 @@ from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, 
 from dcp_zarr import manifest as manifest_module
 from dcp_zarr.cli import main as dcp_zarr_cli
 from dcp_zarr.manifest import FORMAT_VERSION, Manifest, TensorEntry
-from tests.distributed import assert_state_equal, build, load_fresh, run_ranks, train_and_save
+from tests.support.compare import assert_state_equal
+from tests.support.models import build, load_fresh, train_and_save
+from tests.support.ranks import run_ranks
+from tests.support.stores import edit_root_manifest, root_manifest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMAT1 = os.path.join(DATA, "format1-fsdp2-3ranks")  # tests/data/make_format1.py, at format 1
 FORMAT2 = os.path.join(DATA, "format2-fsdp2-3ranks")  # tests/data/make_format2.py, at format 2
-
-
-def root_manifest(path: str) -> dict:
-    with open(os.path.join(path, "zarr.json")) as f:
-        return json.load(f)["attributes"]["dcp_zarr"]
-
-
-def edit_root_manifest(path: str, edit) -> None:
-    with open(os.path.join(path, "zarr.json")) as f:
-        document = json.load(f)
-    edit(document["attributes"]["dcp_zarr"])
-    with open(os.path.join(path, "zarr.json"), "w") as f:
-        json.dump(document, f)
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ from dcp_zarr import ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.storage import open_storage, retry
 from dcp_zarr.storage import zarr_store
 from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, Retrying, call_with_retry, is_transient
-from tests.distributed import assert_state_equal
-from tests.fault_tools import causes, crash_state, load_full, save_plain
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state
+from tests.support.states import load_full, save_plain
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 

@@ -22,8 +22,9 @@ from dcp_zarr import (
 )
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage.local import LocalStorage
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import train_and_save
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -231,7 +232,7 @@ def test_objects_load_only_with_weights_only_unless_their_types_are_allowed(tmp_
 
 
 def _train_and_save(rank, world_size, layout, path):
-    return distributed.train_and_save(rank, world_size, layout, ZarrWriter(path))[0]
+    return train_and_save(rank, world_size, layout, ZarrWriter(path))[0]
 
 
 def test_a_4_rank_fsdp_tp_checkpoint_loads_unsharded_offline_bit_exact(tmp_path):

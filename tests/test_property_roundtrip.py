@@ -23,16 +23,13 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from dcp_zarr import ZarrReader, ZarrWriter
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import blank_like, full_tensor, random_bits, save_and_reload_sharded, start_forkserver
+from tests.support.compare import assert_state_equal
+from tests.support.ranks import run_ranks, start_forkserver
+from tests.support.shardings import full_tensor, save_and_reload_sharded
+from tests.support.states import DTYPES, blank_like, random_bits
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 

@@ -10,8 +10,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import ReplicaMismatchError, ZarrWriter, open_checkpoint
-from tests.distributed import run_ranks
-from tests.fault_tools import causes
+from tests.support.faults import causes
+from tests.support.ranks import run_ranks
 
 
 def save_state(rank: int, world_size: int, path: str, kind: str, **writer_options):

@@ -15,9 +15,10 @@ from dcp_zarr.cli import main as cli_main
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.verify import verify_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
-from tests.s3_server import S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
+from tests.support.s3 import S3Server
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,11 +44,11 @@ def fresh_url(name: str) -> str:
 
 
 def _train_and_save(rank, world_size, url, options):
-    return distributed.train_and_save(rank, world_size, "fsdp2", ZarrWriter(url, storage_options=options))[0]
+    return train_and_save(rank, world_size, "fsdp2", ZarrWriter(url, storage_options=options))[0]
 
 
 def _load_fresh(rank, world_size, url, options):
-    return distributed.load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
+    return load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
 
 
 def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):

@@ -31,25 +31,11 @@ from dcp_zarr import (
 )
 from dcp_zarr.dtypes import numpy_as_tensor
 from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
-from tests.distributed import assert_state_equal
+from tests.support.compare import assert_state_equal
+from tests.support.states import DTYPES, random_bits
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
-
-
-def random_bits(shape, dtype, seed=0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, subnormals, -0.0 included) of ``dtype``."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -346,7 +332,7 @@ def async_save_and_load(rank, world_size, path, executor):
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_save(tmp_path, executor):
-    from tests.distributed import run_ranks
+    from tests.support.ranks import run_ranks
 
     assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
 

@@ -14,10 +14,11 @@ from zarr.storage import FsspecStore, LocalStore, MemoryStore, ObjectStore
 
 from dcp_zarr import CheckpointExistsError, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.verify import verify_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import causes
-from tests.s3_server import CREDENTIALS, S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
+from tests.support.s3 import CREDENTIALS, S3Server
 
 obstore_s3 = pytest.importorskip("obstore.store")
 
@@ -41,11 +42,11 @@ def s3_store(endpoint: str, prefix: str) -> ObjectStore:
 
 
 def _save_rank(rank, world_size, endpoint, prefix):
-    return distributed.train_and_save(rank, world_size, "fsdp2", ZarrWriter(store=s3_store(endpoint, prefix)))[0]
+    return train_and_save(rank, world_size, "fsdp2", ZarrWriter(store=s3_store(endpoint, prefix)))[0]
 
 
 def _load_rank(rank, world_size, endpoint, prefix):
-    return distributed.load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, prefix)))
+    return load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, prefix)))
 
 
 def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr import ObjectStoreError, ZarrReader, ZarrWriter, open_checkpoint
-from tests.fault_tools import causes
+from tests.support.faults import causes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

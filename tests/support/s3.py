@@ -1,6 +1,7 @@
 """A real S3-compatible server for tests: moto's ThreadedMotoServer on 127.0.0.1, on a port the kernel picks.
 
-It also counts requests in flight, so a test can see whether a writer's uploads overlap.
+It also counts requests in flight, so a test can see whether a writer's uploads overlap. tests/conftest.py's ``s3``
+fixture starts one per test module, with a bucket of its own (``S3Server.bucket``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import time
 from moto.server import ThreadedMotoServer
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
+# The same credentials in the environment, as users usually have them (tests/conftest.py's ``aws_environment``);
+# no real AWS account is ever reachable from the tests.
+AWS_ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class _InFlight:
