@@ -40,10 +40,8 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def copy(saved, tmp_path):
-    target = tmp_path / "copy.zarr"
-    shutil.copytree(saved[0], target)
-    return target
+def copy(saved, store_copy):
+    return store_copy(saved[0])
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

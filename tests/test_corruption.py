@@ -64,10 +64,8 @@ def pristine(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def damaged(pristine, tmp_path) -> str:
-    path = str(tmp_path / "ckpt.zarr")
-    shutil.copytree(pristine, path)
-    return path
+def damaged(pristine, store_copy) -> str:
+    return str(store_copy(pristine, "ckpt.zarr"))
 
 
 def load_failure(path: str, **reader_kwargs) -> BaseException | None:

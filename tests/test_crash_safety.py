@@ -38,7 +38,6 @@ from dcp_zarr.storage import LocalStorage
 from dcp_zarr.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, save_program
-from tests.support.ranks import Zygote
 from tests.support.states import blank_like, load_full, save_plain
 from tests.support.stores import tree_digest
 
@@ -54,13 +53,6 @@ def state_of(seed: int) -> dict:
     if seed not in _STATES:
         _STATES[seed] = crash_state(seed)
     return _STATES[seed]
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
 
 
 class Workspace:

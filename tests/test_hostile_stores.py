@@ -45,10 +45,8 @@ def pristine(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def store(pristine, tmp_path) -> str:
-    path = str(tmp_path / "ckpt.zarr")
-    shutil.copytree(pristine, path, symlinks=True)
-    return path
+def store(pristine, store_copy) -> str:
+    return str(store_copy(pristine, "ckpt.zarr"))
 
 
 def load_cause(path: str) -> BaseException | None:

@@ -20,10 +20,9 @@ from dcp_zarr.checkpoint_root import RECORDS, CheckpointRoot, step_name
 from dcp_zarr.commit import STAGING_MARK
 from dcp_zarr.lease import LEASE_KEY
 from tests.support.compare import assert_state_equal
-from tests.support.faults import causes, crash_state, managed_save_program
-from tests.support.ranks import Zygote, run_ranks
-from tests.support.s3 import S3Server
-from tests.support.states import blank_like, load_full
+from tests.support.faults import crash_state, managed_save_program
+from tests.support.ranks import run_ranks
+from tests.support.states import load_full
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -213,13 +212,6 @@ def test_cleanup_removes_the_leftovers_of_saves_that_are_gone_and_nothing_else(t
 # -- killed saves: SIGKILL of one rank or all, at random moments ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
-
-
 def _own_names(root: str) -> list[str]:
     """What the root holds besides the complete checkpoints and the foreign files the trials put there."""
     return sorted(n for n in os.listdir(root) if n not in ("notes.txt", "step-99999999.zarr")
@@ -293,19 +285,8 @@ def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_
     assert open(os.path.join(root, "notes.txt")).read() == "not ours"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    server.make_bucket("runs")
-    yield server
-    server.stop()
-
-
-def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, monkeypatch):
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    outcomes = _run_kill_trials(zygote, "s3://runs/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
+def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, aws_environment):
+    outcomes = _run_kill_trials(zygote, f"s3://{s3.bucket}/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
     print(f"\nmanaged save killed at random moments, S3: {outcomes}")
     assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
 

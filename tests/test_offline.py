@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -59,13 +58,9 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def copy_of(saved, tmp_path):
+def copy_of(saved, store_copy):
     """A private copy of the saved store, for tests that break it."""
-    def make():
-        target = tmp_path / "copy.zarr"
-        shutil.copytree(saved[0], target)
-        return target
-    return make
+    return lambda: store_copy(saved[0])
 
 
 def test_entries_describe_every_saved_key_from_the_manifest_alone(copy_of):

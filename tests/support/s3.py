@@ -53,6 +53,7 @@ class S3Server:
         self.endpoint = f"http://{host}:{port}"
         self._counter = _InFlight(self._server._server.app)
         self._server._server.app = self._counter  # werkzeug looks the app up per request
+        self.bucket: str | None = None  # the bucket tests/conftest.py's ``s3`` fixture made for its module
 
     def storage_options(self, **extra) -> dict:
         return {"endpoint_url": self.endpoint, **CREDENTIALS, **extra}
