@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import marks
 from tests.support.ranks import Zygote
 from tests.support.s3 import AWS_ENVIRONMENT, S3Server
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    # Before any fixture of this test is set up: tests/support/marks.py checks the markers against what starts.
+    marks.current = frozenset(m.name for m in item.iter_markers())
 
 
 @pytest.fixture(scope="module")

@@ -54,11 +54,13 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads((out / "r.json").read_text()), out / "r.png"
 
 
+@pytest.mark.distributed
 def test_quick_run_writes_a_result_that_passes_the_schema(quick_run):
     result, _ = quick_run
     validate_result(result)
 
 
+@pytest.mark.distributed
 def test_quick_run_measures_every_writer_kind_by_default(quick_run):
     result, _ = quick_run
     assert result["config"]["kinds"] == ["zarr", "fs", "raw"]
@@ -72,6 +74,7 @@ def test_quick_run_measures_every_writer_kind_by_default(quick_run):
     } <= set(result["ratios"])  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_quick_run_keeps_raw_times_for_every_repeat_and_rank(quick_run):
     result, _ = quick_run
     save = result["measurements"]["save/zarr"]
@@ -81,17 +84,20 @@ def test_quick_run_keeps_raw_times_for_every_repeat_and_rank(quick_run):
     assert len(async_save["blocking_times_s"]) == len(async_save["total_times_s"]) == 2
 
 
+@pytest.mark.distributed
 def test_quick_run_loads_back_what_it_saved(quick_run):
     result, _ = quick_run
     assert result["checks"] and all(result["checks"].values()), result["checks"]
 
 
+@pytest.mark.distributed
 def test_quick_run_writes_a_png_plot(quick_run):
     _, png = quick_run
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
 
 
+@pytest.mark.distributed
 def test_validate_result_rejects_missing_measurements_and_non_finite_numbers(quick_run):
     result, _ = quick_run
     missing = copy.deepcopy(result)
@@ -108,6 +114,7 @@ def test_validate_result_rejects_missing_measurements_and_non_finite_numbers(qui
         validate_result(zero)
 
 
+@pytest.mark.distributed
 def test_resharded_load_of_a_two_rank_checkpoint_at_world_size_one(tmp_path):
     saved = tmp_path / "saved"
     run_benchmark("--quick", "--save-only", str(saved))

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.distributed]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_resume.py"
 RUNS = 6
 

@@ -51,6 +51,7 @@ def mixed_dtype_store(path):
     return state
 
 
+@pytest.mark.distributed
 def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir, zarr_store):
     path, saved = dcp_dir
 
@@ -58,6 +59,7 @@ def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir
     assert diff_checkpoints(DcpCheckpoint(path), open_checkpoint(zarr_store)).same
 
 
+@pytest.mark.distributed
 def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     _, saved = dcp_dir
     model, optim = build("plain", 1, seed=5)
@@ -67,6 +69,7 @@ def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     assert_state_equal(full_state(model, optim), saved)
 
 
+@pytest.mark.distributed
 def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(dcp_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(dcp_dir[0], broken)
@@ -83,6 +86,7 @@ def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(
         convert(broken, tmp_path / "out.zarr", "zarr")
 
 
+@pytest.mark.distributed
 def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store, tmp_path):
     target = tmp_path / "copy.zarr"
     shutil.copytree(zarr_store, target)
@@ -102,6 +106,7 @@ def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store,
     assert (other / "README").read_text() == "mine"
 
 
+@pytest.mark.distributed
 def test_zarr_to_torch_save_gives_a_file_torch_load_reads_with_weights_only(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "full.pt"
 
@@ -127,6 +132,7 @@ def test_safetensors_holds_the_model_weights_by_fqn_in_every_dtype(tmp_path):
                                                                   tensor.view(torch.uint8))
 
 
+@pytest.mark.distributed
 def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "hf"
     model = dcp_dir[1]["model"]
@@ -147,6 +153,7 @@ def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir,
     assert_state_equal(loaded, model)
 
 
+@pytest.mark.distributed
 def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_store, tmp_path):
     out = tmp_path / "hf"
     convert(zarr_store, out, "safetensors")
@@ -161,12 +168,14 @@ def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_
         convert(zarr_store, out, "safetensors", overwrite=True)
 
 
+@pytest.mark.distributed
 def test_a_dcp_directory_converts_straight_to_safetensors(dcp_dir, tmp_path):
     written = convert(dcp_dir[0], tmp_path / "w.safetensors", "safetensors")
 
     assert_state_equal(load_file(written[0]), dcp_dir[1]["model"])
 
 
+@pytest.mark.distributed
 def test_conversions_that_cannot_be_done_say_why(zarr_store, tmp_path):
     with pytest.raises(ConversionError, match="not a DCP checkpoint directory"):
         convert(zarr_store, tmp_path / "again.zarr", "zarr")

@@ -273,6 +273,7 @@ def _run_kill_trials(zygote, root: str, trials: int, rng: random.Random, storage
     return outcomes
 
 
+@pytest.mark.distributed
 def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_latest(zygote, tmp_path):
     root = str(tmp_path / "run")
     os.makedirs(os.path.join(root, "step-99999999.zarr"))  # foreign, though named like ours: never removed
@@ -285,12 +286,15 @@ def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_
     assert open(os.path.join(root, "notes.txt")).read() == "not ours"
 
 
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, aws_environment):
     outcomes = _run_kill_trials(zygote, f"s3://{s3.bucket}/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
     print(f"\nmanaged save killed at random moments, S3: {outcomes}")
     assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
 
 
+@pytest.mark.distributed
 def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, tmp_path):
     """A kill that surely lands mid-save: rank 1 dies at its first write of step 1."""
     root = str(tmp_path / "run")
@@ -384,6 +388,7 @@ def _resume(rank, world_size, root):
     return step, steps, full_state(model, optim), scheduler.state_dict(), loader.position, torch.get_rng_state()
 
 
+@pytest.mark.distributed
 def test_a_job_saving_asynchronously_every_step_on_2_ranks_resumes_on_3(tmp_path):
     root = str(tmp_path / "job")
     saved = run_ranks(_train_and_save_every_step, 2, root)[0]

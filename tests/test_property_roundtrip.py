@@ -167,6 +167,7 @@ EMPTY_ALONG_DIM2 = (3, (3,), [  # found by this test: ranks 1 and 2 hold (11, 5,
 ], 16)
 
 
+@pytest.mark.distributed
 @settings(max_examples=60, **SETTINGS)
 @given(case=sharded_cases())
 @example(case=NESTED_2D)

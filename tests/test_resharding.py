@@ -13,6 +13,8 @@ from tests.support.compare import assert_state_equal
 from tests.support.models import load_fresh, make_model, shard, train_and_save
 from tests.support.ranks import run_ranks
 
+pytestmark = [pytest.mark.distributed]
+
 SAVE_WORLD_SIZES = (1, 2, 3, 4)
 
 

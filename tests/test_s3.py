@@ -35,6 +35,8 @@ def _load_fresh(rank, world_size, url, options):
     return load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
 
 
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
     url, options = fresh_url(s3, "fsdp2"), s3.storage_options()
 
@@ -50,6 +52,7 @@ def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
 
 # Small chunks are the common case (biases, norms, optimizer steps: thousands of them in an LLM checkpoint); on an
 # object store each is a round trip, so they must be in flight together, not batched one after another.
+@pytest.mark.s3
 @pytest.mark.parametrize("numel", [pytest.param(256, id="1KiB-chunks"), pytest.param(1 << 18, id="1MiB-chunks")])
 def test_uploads_within_one_rank_overlap(s3, numel):
     state = {f"w{i}": torch.full((numel,), float(i)) for i in range(12)}
@@ -59,6 +62,7 @@ def test_uploads_within_one_rank_overlap(s3, numel):
         assert peak_in_flight() >= 3
 
 
+@pytest.mark.s3
 def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_for(s3):
     """thread_count sizes the CPU work; on an object store each request mostly waits on the network, so a rank keeps
     REQUESTS_IN_FLIGHT of them going (s3fs's connection pool, 10 by default, is widened to match)."""
@@ -69,6 +73,7 @@ def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_fo
         assert peak_in_flight() > 10, f"{peak_in_flight()} PUTs in flight at most"
 
 
+@pytest.mark.s3
 def test_verify_finds_a_corrupted_object(s3):
     url = fresh_url(s3, "corrupt")
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
@@ -84,6 +89,7 @@ def test_verify_finds_a_corrupted_object(s3):
     assert "crc32c mismatch" in problems[0].message
 
 
+@pytest.mark.s3
 def test_the_cli_takes_storage_options(s3, capsys):
     url = fresh_url(s3, "cli")
     dcp.save({"model": {"w": torch.ones(3, 2)}}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
@@ -96,6 +102,7 @@ def test_the_cli_takes_storage_options(s3, capsys):
     assert "not a dcp_zarr checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.s3
 def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
     state = {"model": {"w": torch.randn(4, 3)}, "epoch": 2}
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
@@ -109,6 +116,7 @@ def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.s3
 def test_an_existing_checkpoint_on_s3_is_not_replaced_without_overwrite(s3):
     url, options = fresh_url(s3, "exists"), s3.storage_options()
     dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter(url, storage_options=options))

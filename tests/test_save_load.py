@@ -330,6 +330,7 @@ def async_save_and_load(rank, world_size, path, executor):
     return True
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_save(tmp_path, executor):
     from tests.support.ranks import run_ranks

@@ -40,6 +40,8 @@ def _load_rank(rank, world_size, endpoint, bucket, prefix):
     return load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, bucket, prefix)))
 
 
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):
     prefix = f"fsdp2-{uuid.uuid4().hex[:8]}.zarr"
 
@@ -57,6 +59,7 @@ def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):
     assert_state_equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).load_full_state_dict(), saved)
 
 
+@pytest.mark.s3
 def test_a_store_object_is_replaced_only_with_overwrite(s3):
     prefix = f"exists-{uuid.uuid4().hex[:8]}.zarr"
     dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))

@@ -41,6 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tests.support import marks
+
 __all__ = ["Launch", "Zygote", "run_ranks", "start_forkserver"]
 
 _TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,6 +256,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     dies, or the ranks are still running after ``timeout`` seconds (Python stacks of the hung ranks are
     included). Every rank process, and whatever it started, is killed and reaped before returning.
     """
+    marks.require("distributed", "starts rank processes")
     payload = _payload(fn, args, kwargs)
     ctx = _forkserver_context()
     # Port 0: the kernel picks a free port and this store keeps it bound for the whole launch.
@@ -472,6 +475,7 @@ class Zygote:
     """Forks rank processes cheaply; one per test module (``close()`` it)."""
 
     def __init__(self):
+        marks.require("distributed", "starts rank processes")
         ctx = start_forkserver()
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(target=_zygote_main, args=(child,), name="dcp-zarr-test-zygote", daemon=True)
@@ -482,6 +486,7 @@ class Zygote:
         self._lock = threading.Lock()
 
     def launch(self, fn: Callable, world_size: int, *args, **kwargs) -> Launch:
+        marks.require("distributed", "starts rank processes")
         payload = _payload(fn, args, kwargs)
         with self._lock:
             self._launches += 1

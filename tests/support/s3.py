@@ -13,6 +13,8 @@ import time
 
 from moto.server import ThreadedMotoServer
 
+from tests.support import marks
+
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 # The same credentials in the environment, as users usually have them (tests/conftest.py's ``aws_environment``);
 # no real AWS account is ever reachable from the tests.
@@ -46,6 +48,7 @@ class _InFlight:
 
 class S3Server:
     def __init__(self):
+        marks.require("s3", "starts the loopback S3 server")
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
