@@ -54,6 +54,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 # -- the installed entry points -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_console_script_and_python_m_both_run_the_command(saved):
     # Both at once: each pays for importing torch.
@@ -98,6 +99,7 @@ def _without_torch(root, *argv) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_help_inspect_verify_and_diff_of_zarr_stores_run_where_torch_cannot_be_imported(tmp_path):
     _save_looking_set(tmp_path)
 
@@ -150,6 +152,7 @@ def test_the_looking_modules_do_not_import_torch():
 # -- inspect ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context(saved, capsys):
     code, out, _ = run(capsys, "inspect", saved[0])
@@ -163,6 +166,7 @@ def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context
     assert "float32" in embed and "[17, 13]" in embed and "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_inspect_json_is_machine_readable(saved, capsys):
     code, out, _ = run(capsys, "inspect", saved[0], "--json")
@@ -243,6 +247,7 @@ def test_bad_filter_patterns_and_depths_exit_2_naming_the_option(layered, capsys
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
     path = tmp_path / "model.pt"
@@ -261,6 +266,7 @@ def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
 # -- verify -----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_verify_passes_an_intact_checkpoint(saved, capsys):
     code, out, _ = run(capsys, "verify", saved[0])
@@ -268,6 +274,7 @@ def test_verify_passes_an_intact_checkpoint(saved, capsys):
     assert code == 0 and out.startswith("OK:")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
     os.remove(copy / "model" / "head.weight" / "c.0.0")  # one shard both ranks wrote
@@ -300,6 +307,7 @@ def test_verify_and_diff_name_the_bad_inner_chunk_of_a_large_array(tmp_path, cap
     assert code == 1 and "unreadable  w" in out and "inner chunk 2" in out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_verify_reports_an_interrupted_save_as_incomplete(copy, capsys):
     os.remove(copy / "zarr.json")
@@ -309,6 +317,7 @@ def test_verify_reports_an_interrupted_save_as_incomplete(copy, capsys):
     assert code == 1 and out.startswith("INCOMPLETE:")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_paths_that_are_not_checkpoints_exit_2_with_a_message(saved, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
@@ -333,6 +342,7 @@ def test_bad_arguments_exit_2(capsys):
 # -- convert ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_convert_a_dcp_directory_then_refuse_to_overwrite_it_without_the_flag(saved, tmp_path, capsys):
     out = tmp_path / "converted.zarr"
@@ -344,6 +354,7 @@ def test_convert_a_dcp_directory_then_refuse_to_overwrite_it_without_the_flag(sa
     assert run(capsys, "convert", saved[1], out, "--to", "zarr", "--overwrite")[0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_convert_names_the_missing_distcp_file(saved, tmp_path, capsys):
     broken = tmp_path / "broken"
@@ -355,6 +366,7 @@ def test_convert_names_the_missing_distcp_file(saved, tmp_path, capsys):
     assert code == 2 and "__0_0.distcp" in err and not (tmp_path / "out.zarr").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_convert_to_torch_and_safetensors(saved, tmp_path, capsys):
     code, out, _ = run(capsys, "convert", saved[0], tmp_path / "full.pt", "--to", "torch")
@@ -401,6 +413,7 @@ def test_diff_within_atol_exits_0(tmp_path, capsys):
     assert run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr", "--atol", "1e-2")[0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_diff_of_a_checkpoint_with_itself_lists_equal_entries_only_on_request(saved, capsys):
     code, out, _ = run(capsys, "diff", saved[0], saved[0])
@@ -411,6 +424,7 @@ def test_diff_of_a_checkpoint_with_itself_lists_equal_entries_only_on_request(sa
     assert code == 0 and "  equal  model.embed.weight" in out
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_progress_bars_go_to_stderr_when_asked_for(saved, capsys):
     code, out, err = run(capsys, "verify", saved[0], "--progress")

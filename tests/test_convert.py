@@ -51,6 +51,7 @@ def mixed_dtype_store(path):
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir, zarr_store):
     path, saved = dcp_dir
@@ -59,6 +60,7 @@ def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir
     assert diff_checkpoints(DcpCheckpoint(path), open_checkpoint(zarr_store)).same
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     _, saved = dcp_dir
@@ -69,6 +71,7 @@ def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     assert_state_equal(full_state(model, optim), saved)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(dcp_dir, tmp_path):
     broken = tmp_path / "broken"
@@ -86,6 +89,7 @@ def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(
         convert(broken, tmp_path / "out.zarr", "zarr")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store, tmp_path):
     target = tmp_path / "copy.zarr"
@@ -106,6 +110,7 @@ def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store,
     assert (other / "README").read_text() == "mine"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_zarr_to_torch_save_gives_a_file_torch_load_reads_with_weights_only(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "full.pt"
@@ -132,6 +137,7 @@ def test_safetensors_holds_the_model_weights_by_fqn_in_every_dtype(tmp_path):
                                                                   tensor.view(torch.uint8))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "hf"
@@ -153,6 +159,7 @@ def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir,
     assert_state_equal(loaded, model)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_store, tmp_path):
     out = tmp_path / "hf"
@@ -168,6 +175,7 @@ def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_
         convert(zarr_store, out, "safetensors", overwrite=True)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_dcp_directory_converts_straight_to_safetensors(dcp_dir, tmp_path):
     written = convert(dcp_dir[0], tmp_path / "w.safetensors", "safetensors")
@@ -175,6 +183,7 @@ def test_a_dcp_directory_converts_straight_to_safetensors(dcp_dir, tmp_path):
     assert_state_equal(load_file(written[0]), dcp_dir[1]["model"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_conversions_that_cannot_be_done_say_why(zarr_store, tmp_path):
     with pytest.raises(ConversionError, match="not a DCP checkpoint directory"):

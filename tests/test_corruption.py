@@ -42,7 +42,7 @@ from tests.support.ranks import run_ranks, start_forkserver
 from tests.support.states import blank_like, load_full
 from tests.support.stores import chunk_files, edit_root_manifest
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 

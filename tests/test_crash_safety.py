@@ -161,6 +161,7 @@ def _kill_points(sequences: list[list[str]]) -> list[dict]:
     return points
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(zygote, tmp_path):
     ws = Workspace(str(tmp_path))
@@ -195,6 +196,7 @@ def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(z
     assert outcome_by_kind["write"].keys() <= {"old", "absent"}, "a kill during the writes committed something"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigkill_at_random_moments_of_one_rank_or_all(zygote, tmp_path):
     rng = random.Random(TRIAL_SEED + 1)
@@ -216,6 +218,7 @@ def test_sigkill_at_random_moments_of_one_rank_or_all(zygote, tmp_path):
           f"target after the kill: {dict(ws.outcomes)}; leftover staging dirs: {dict(ws.leftover_outcomes)}")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_concurrent_saves_into_different_stores_are_independent(zygote, tmp_path):
     """Two saves into sibling stores at once; one is killed (at an IO step, or at a random moment), the other must

@@ -98,6 +98,7 @@ def test_run_ranks_returns_each_ranks_result_in_rank_order():
         assert (r["omp_threads"], r["torch_threads"]) == ("1", 1)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_raising_ranks_fail_the_launch_with_every_traceback_without_waiting_for_the_timeout():
     start = time.monotonic()
@@ -113,6 +114,7 @@ def test_raising_ranks_fail_the_launch_with_every_traceback_without_waiting_for_
     assert elapsed < 30
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_hanging_ranks_are_killed_with_what_they_started_after_the_timeout(tmp_path):
     start = time.monotonic()
@@ -190,6 +192,7 @@ def ws4_loaded_unsharded(ws4_saves):
     return run_ranks(_load_layouts, 1, "plain", readers)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_training_gives_adam_state_to_trained_params_only(ws2_fsdp2):
     _, saved = ws2_fsdp2
@@ -202,6 +205,7 @@ def test_training_gives_adam_state_to_trained_params_only(ws2_fsdp2):
     assert sorted(saved["model"]) == sorted(TRAINED + UNTRAINED)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_checkpoint_from_2_ranks_loads_bit_exact_into_3_ranks(ws2_fsdp2):
     path, saved = ws2_fsdp2
@@ -212,6 +216,7 @@ def test_fsdp2_checkpoint_from_2_ranks_loads_bit_exact_into_3_ranks(ws2_fsdp2):
     assert loaded[1] == loaded[2] == {"fsdp2": None}  # full_state is rank 0's
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_on_4_ranks_splits_odd_dims_unevenly_with_empty_shards(ws4_saves):
     shapes = ws4_saves["fsdp2"][2]
@@ -226,6 +231,7 @@ def test_fsdp2_on_4_ranks_splits_odd_dims_unevenly_with_empty_shards(ws4_saves):
     assert rows("spare.bias") == [1, 1, 1, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", WS4_LAYOUTS)
 def test_checkpoint_from_4_ranks_loads_bit_exact_into_an_unsharded_model(layout, ws4_saves, ws4_loaded_unsharded):
@@ -234,6 +240,7 @@ def test_checkpoint_from_4_ranks_loads_bit_exact_into_an_unsharded_model(layout,
     assert_state_equal(ws4_loaded_unsharded[layout], saved)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp_tp_shards_the_tp_pair_over_both_mesh_dims(ws4_saves):
     shapes = ws4_saves["fsdp_tp"][2]

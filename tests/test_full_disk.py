@@ -147,6 +147,7 @@ def save_with_file_size_limit(rank: int, world_size: int, report, target: str, l
     dcp.save(sharded_state(2, world_size), storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("limited_rank", [0, 1])
 def test_a_rank_hitting_the_file_size_limit_fails_the_save_on_every_rank(workspace, limited_rank):

@@ -173,6 +173,7 @@ def _mutate(document, path, action, value):
 FILES = ["zarr.json", "model/w/zarr.json", "model/b/zarr.json", "model/step/zarr.json", "extra/shape/zarr.json"]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_whatever_the_metadata_says_only_dcp_zarr_errors_come_out(pristine, tmp_path_factory, data):

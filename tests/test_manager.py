@@ -152,6 +152,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_the_lease_of_a_killed_process_on_this_host_is_stale_at_once(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -273,6 +274,7 @@ def _run_kill_trials(zygote, root: str, trials: int, rng: random.Random, storage
     return outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_latest(zygote, tmp_path):
     root = str(tmp_path / "run")
@@ -286,6 +288,7 @@ def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_
     assert open(os.path.join(root, "notes.txt")).read() == "not ours"
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, aws_environment):
@@ -294,6 +297,7 @@ def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zyg
     assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, tmp_path):
     """A kill that surely lands mid-save: rank 1 dies at its first write of step 1."""
@@ -388,6 +392,7 @@ def _resume(rank, world_size, root):
     return step, steps, full_state(model, optim), scheduler.state_dict(), loader.position, torch.get_rng_state()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_job_saving_asynchronously_every_step_on_2_ranks_resumes_on_3(tmp_path):
     root = str(tmp_path / "job")

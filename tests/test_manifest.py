@@ -46,6 +46,7 @@ def saved_at(tmp_path_factory):
 # -- format 2 ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_world_size(saved_at):
     sizes = {ws: os.path.getsize(os.path.join(path, "zarr.json")) for ws, (path, _) in saved_at.items()}
@@ -57,6 +58,7 @@ def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_worl
     assert sizes[4] <= 1.01 * sizes[1], sizes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_reader_presents_each_tensor_as_one_chunk_the_global_array(saved_at):
     metadata = ZarrReader(saved_at[4][0]).read_metadata()
@@ -75,12 +77,14 @@ def _read_items_per_key(rank: int, world_size: int, path: str) -> dict[str, int]
     return dict(Counter(item.dest_index.fqn for item in planner.create_local_plan().items))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_ranks_load_plan_has_one_read_item_per_local_shard_however_many_ranks_saved(saved_at):
     for counts in run_ranks(_read_items_per_key, 2, saved_at[4][0]):
         assert counts and set(counts.values()) == {1}, counts
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_store_saved_at_4_ranks_loads_at_2_and_1(saved_at):
     path, expected = saved_at[4]
@@ -88,6 +92,7 @@ def test_store_saved_at_4_ranks_loads_at_2_and_1(saved_at):
         assert_state_equal(run_ranks(load_fresh, world_size, "fsdp2", ZarrReader(path))[0], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_manifest_round_trips_through_json(saved_at):
     manifest = ZarrReader(saved_at[4][0]).read_metadata().storage_data["dcp_zarr_manifest"]
@@ -99,6 +104,7 @@ def test_manifest_round_trips_through_json(saved_at):
 # -- format 1 ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_format1_store_loads_resharded_into_fsdp2():
     expected = torch.load(os.path.join(DATA, "format1-expected.pt"), weights_only=True)
@@ -124,6 +130,7 @@ def test_format1_store_reads_offline_and_verifies(capsys):
 # -- format 2: chunk keys with "/" -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_format2_store_with_slash_chunk_keys_loads_resharded_reads_offline_and_verifies(capsys):
     """tests/data/make_format2.py, at format 2: chunks at c/0/0, the torch.save value at c/0."""
@@ -218,6 +225,7 @@ def _load_rows(rank: int, world_size: int, path: str) -> tuple[int, int, bool]:
     return reader.bytes_read, local.numel() * 4, torch.equal(local, full[start: start + local.shape[0]])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_resharded_load_reads_at_most_a_tenth_more_than_it_needs(tmp_path):
     path = str(tmp_path / "rows.zarr")

@@ -227,6 +227,7 @@ def _assert_not_committed(url: str, opts: dict) -> None:
 # -- transient faults: retried, the operation succeeds -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 @pytest.mark.parametrize("action", ["503", "500", "429", "reset", "stall"])
 def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(proxy, caplog, action):

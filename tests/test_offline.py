@@ -230,6 +230,7 @@ def _train_and_save(rank, world_size, layout, path):
     return train_and_save(rank, world_size, layout, ZarrWriter(path))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_4_rank_fsdp_tp_checkpoint_loads_unsharded_offline_bit_exact(tmp_path):
     path = tmp_path / "fsdp_tp.zarr"

@@ -26,7 +26,7 @@ from tests.support.compare import assert_state_equal
 from tests.support.models import full_state, load_checkpoint, make_model, make_optimizer, prime_optimizer, shard_fsdp2, train_steps
 from tests.support.ranks import run_ranks
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SAVE_WORLD, LOAD_WORLD = 2, 3
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -28,6 +28,8 @@ from tests.support.ranks import run_ranks, start_forkserver
 from tests.support.shardings import full_tensor, save_and_reload_sharded
 from tests.support.states import DTYPES, blank_like, random_bits
 
+pytestmark = [pytest.mark.slow]
+
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,

@@ -43,6 +43,7 @@ def refused(results) -> str:
     return messages[0]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_divergent_shapes_and_values_are_refused_naming_each_key_and_rank(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
@@ -53,6 +54,7 @@ def test_divergent_shapes_and_values_are_refused_naming_each_key_and_rank(tmp_pa
     assert not os.path.exists(path) and leftovers(path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_divergent_values_are_refused_after_writing_and_nothing_is_left(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
@@ -62,6 +64,7 @@ def test_divergent_values_are_refused_after_writing_and_nothing_is_left(tmp_path
     assert not os.path.exists(path) and leftovers(path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_identical_replicas_and_per_rank_keys_save_as_before(tmp_path):
     for kind in ("identical", "per-rank keys"):
@@ -73,6 +76,7 @@ def test_identical_replicas_and_per_rank_keys_save_as_before(tmp_path):
         "rng.rank0.seed", "rng.rank1.seed", "buf.rank0", "buf.rank1"}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_large_tensors_are_compared_by_value_only_when_asked(tmp_path):
     small = str(tmp_path / "small.zarr")
@@ -99,6 +103,7 @@ def test_the_error_is_exported():
     assert issubclass(ReplicaMismatchError, ValueError)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_cost_benchmark_runs(tmp_path):
     import subprocess

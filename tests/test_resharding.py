@@ -51,6 +51,7 @@ def fsdp2_checkpoints(tmp_path_factory):
     return saved
 
 
+@pytest.mark.slow
 def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
     """A chunk, or an inner chunk of a shard the ranks write together (``key#i``; ``key#index`` for its index)."""
     for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
@@ -65,6 +66,7 @@ def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
                 assert parts == sorted([*map(str, range(count)), "index"]), (ws, file, parts)
 
 
+@pytest.mark.slow
 def test_an_array_is_two_files_whatever_the_world_size(fsdp2_checkpoints):
     """Locally, an array that several ranks hold in row blocks is one shard they all write at known offsets: its
     zarr.json and one chunk file at every world size (not one per rank), each inner chunk with its crc32c."""
@@ -81,6 +83,7 @@ def test_an_array_is_two_files_whatever_the_world_size(fsdp2_checkpoints):
             assert weight.shards is not None and weight.shards[0] >= weight.shape[0], (ws, weight.shards)
 
 
+@pytest.mark.slow
 def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_json(fsdp2_checkpoints):
     """Chunk keys use the "." separator (c.0.1): a store has one directory per group or array, never one per chunk
     row, and each array holds its zarr.json beside its chunk files."""
@@ -97,6 +100,7 @@ def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_jso
         assert nodes == len(zarr.open_group(path, mode="r").members(max_depth=None)) + 1, f"world size {ws}"
 
 
+@pytest.mark.slow
 def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
     """The model really exercises uneven torch.chunk splits and ranks with empty shards."""
     shapes = fsdp2_checkpoints[4][3]
@@ -104,6 +108,7 @@ def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
     assert len({rank_shapes["embed.weight"] for rank_shapes in shapes}) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_ws", SAVE_WORLD_SIZES)
 def test_fsdp2_loads_at_every_world_size(fsdp2_checkpoints, load_ws):
     sources = [ws for ws in SAVE_WORLD_SIZES if ws != load_ws]
@@ -113,6 +118,7 @@ def test_fsdp2_loads_at_every_world_size(fsdp2_checkpoints, load_ws):
         assert_state_equal(state, fsdp2_checkpoints[ws][1])
 
 
+@pytest.mark.slow
 def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
     for ws, (path, full, _, _) in fsdp2_checkpoints.items():
         group = zarr.open_group(path, mode="r")
@@ -127,6 +133,7 @@ def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
             assert torch.equal(torch.tensor(step[()]), full["optim"]["state"][name]["step"])
 
 
+@pytest.mark.slow
 def test_zarr_reads_full_unsharded_tensors(fsdp2_checkpoints):
     path, full, _, _ = fsdp2_checkpoints[3]
     group = zarr.open_group(path, mode="r")
@@ -135,6 +142,7 @@ def test_zarr_reads_full_unsharded_tensors(fsdp2_checkpoints):
         assert stored.shape == tensor.shape and torch.equal(stored, tensor), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
 def test_2d_meshes_load_at_one_and_three_ranks(tmp_path, layout):
     path = str(tmp_path / f"{layout}.zarr")
@@ -194,6 +202,7 @@ def save_fsdp2_model(rank, world_size, path):
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=ZarrWriter(path))
 
 
+@pytest.mark.slow
 def test_plain_single_process_save_loads_sharded_and_back(tmp_path):
     import warnings
 

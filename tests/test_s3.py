@@ -35,6 +35,7 @@ def _load_fresh(rank, world_size, url, options):
     return load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
@@ -62,6 +63,7 @@ def test_uploads_within_one_rank_overlap(s3, numel):
         assert peak_in_flight() >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_for(s3):
     """thread_count sizes the CPU work; on an object store each request mostly waits on the network, so a rank keeps
@@ -142,6 +144,7 @@ def test_memory_urls_work_in_one_process():
         open_checkpoint("memory://nothing-here.zarr")
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
     # Port 9 (discard) on localhost: connections are refused at once. The README's "quick answer" options (a small
     # connect timeout, botocore's own retries kept at 3); tests/test_unreachable_endpoints.py has the defaults.

@@ -330,6 +330,7 @@ def async_save_and_load(rank, world_size, path, executor):
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_save(tmp_path, executor):
@@ -418,6 +419,7 @@ class _SlowWriter(ZarrWriter):
         return super().write_data(plan, planner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True])
 def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_survives(tmp_path, cache):
     sd = {"w": torch.arange(12.0).reshape(3, 4)}

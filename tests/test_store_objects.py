@@ -40,6 +40,7 @@ def _load_rank(rank, world_size, endpoint, bucket, prefix):
     return load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, bucket, prefix)))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):

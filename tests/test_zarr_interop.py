@@ -25,7 +25,8 @@ from dcp_zarr.offline import open_checkpoint
 from tests.support.ranks import run_ranks
 from tests.support.states import DTYPES, random_bits
 
-pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+pytestmark = [pytest.mark.slow, pytest.mark.distributed,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
               pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")]
 
 # With 1 KiB inner chunks the two 64-row arrays become shards (32 rows each) of several inner chunks.
