@@ -2,7 +2,7 @@
 ``dcp-zarr verify`` with an error naming the array and chunk; malformed metadata gives a clear error, never a crash
 deep in numpy; a hostile pickle in an object entry never runs.
 
-The damaged stores are copies of one checkpoint saved by three gloo ranks (tests/distributed.py's ``run_ranks``):
+The damaged stores are copies of one checkpoint saved by three gloo ranks (tests/support/ranks.py's ``run_ranks``):
 plain chunks, a 0-d array, shards with inner chunks and a shard index, an edge shard whose padding inner chunk is
 absent from its index, a ``torch.save`` object entry and JSON values.
 """

@@ -1,7 +1,7 @@
 """A save killed at any moment never leaves a checkpoint that loads as complete when it is not, never damages an
 earlier checkpoint, and never mixes two checkpoints; and what is committed was fsynced first.
 
-The kill trials save two-rank DTensor state dicts (tests/fault_tools.py) and SIGKILL ranks
+The kill trials save two-rank DTensor state dicts (tests/support/faults.py) and SIGKILL ranks
 
 * at every filesystem mutation of a save, one at a time (chunk and zarr.json writes, some torn halfway, the
   directory fsyncs, the commit rename or exchange, and a sample of the unlinks that remove a replaced checkpoint),

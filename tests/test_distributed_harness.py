@@ -1,4 +1,4 @@
-"""The multi-process harness in tests/distributed.py, proven with DCP's own FileSystemWriter/Reader.
+"""The multi-process harness in tests/support/ (ranks, models, compare), proven with DCP's own FileSystemWriter/Reader.
 
 Launches are the expensive part, so the checkpoint tests share four of them:
 2 ranks save FSDP2 -> 3 ranks load it; 4 ranks save FSDP2, HSDP and FSDP+TP -> 1 rank loads all three.

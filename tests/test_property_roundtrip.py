@@ -3,7 +3,7 @@
 * One process: random nested state dicts (dicts, lists, tuples), tensors of every supported dtype with shapes of rank
   0 to 5 (0-size dims included), views with odd strides, and non-tensor values (JSON-able or not), saved with random
   inner-chunk sizes so that shards, edge inner chunks and plain chunks all occur.
-* Several processes (tests/distributed.py's ``run_ranks``): random world sizes and meshes, DTensors sharded at random
+* Several processes (tests/support/ranks.py's ``run_ranks``): random world sizes and meshes, DTensors sharded at random
   (uneven, empty and nested shards), loaded back at the same world size under another sharding and at world size 1.
 
 Examples are derandomized (the same every run) and bounded: 300 + 60 examples, about 20 s on two idle cores.
@@ -95,7 +95,7 @@ EDGES = {  # always run, whatever hypothesis draws: a scalar, rank 5, a 0-size d
 
 def _dense(value):
     """The same structure with every tensor a fresh contiguous one, to compare: ``contiguous()`` keeps the strides of
-    an empty view, which tests/distributed.py's comparison cannot view as bytes."""
+    an empty view, which tests/support/compare.py's comparison cannot view as bytes."""
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype).copy_(value)
     if isinstance(value, dict):

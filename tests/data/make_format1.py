@@ -3,7 +3,7 @@
 
 The store holds a 3-rank FSDP2 ToyModel (uneven and empty shards) after 2 AdamW steps, the optimizer state keyed by
 FQN, a JSON value, a torch.save value and a replicated plain tensor. ``expected.pt`` is rank 0's full state of the
-same run (``tests.distributed.full_state``), what any load of the store must reproduce.
+same run (``tests.support.models.full_state``), what any load of the store must reproduce.
 """
 
 from __future__ import annotations
