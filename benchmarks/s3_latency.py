@@ -75,7 +75,7 @@ def control(endpoint: str, what: str) -> dict:
 
 
 def serve_and_launch(args) -> int:
-    from tests.s3_server import S3Server
+    from tests.support.s3 import S3Server
 
     server = S3Server()
     server._server._server.app = LatencyAndCounts(server._server._server.app)  # outermost: every request
@@ -114,7 +114,7 @@ def measure(args, rt) -> dict:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     from dcp_zarr import ZarrReader, ZarrWriter
-    from tests.s3_server import CREDENTIALS
+    from tests.support.s3 import CREDENTIALS
 
     options = {"endpoint_url": args.endpoint, **CREDENTIALS}
     cfg = ModelConfig(4, 128, 2048, "float32") if args.quick else ModelConfig(args.layers, args.hidden, args.vocab,
@@ -187,7 +187,7 @@ def _obstore(url: str, endpoint: str):
     from obstore.store import S3Store
     from zarr.storage import ObjectStore
 
-    from tests.s3_server import CREDENTIALS
+    from tests.support.s3 import CREDENTIALS
 
     return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=endpoint,
                                region="us-east-1", access_key_id=CREDENTIALS["key"],

@@ -54,11 +54,15 @@ def quick_run(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads((out / "r.json").read_text()), out / "r.png"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_run_writes_a_result_that_passes_the_schema(quick_run):
     result, _ = quick_run
     validate_result(result)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_run_measures_every_writer_kind_by_default(quick_run):
     result, _ = quick_run
     assert result["config"]["kinds"] == ["zarr", "fs", "raw"]
@@ -72,6 +76,8 @@ def test_quick_run_measures_every_writer_kind_by_default(quick_run):
     } <= set(result["ratios"])  # fmt: skip
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_run_keeps_raw_times_for_every_repeat_and_rank(quick_run):
     result, _ = quick_run
     save = result["measurements"]["save/zarr"]
@@ -81,17 +87,23 @@ def test_quick_run_keeps_raw_times_for_every_repeat_and_rank(quick_run):
     assert len(async_save["blocking_times_s"]) == len(async_save["total_times_s"]) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_run_loads_back_what_it_saved(quick_run):
     result, _ = quick_run
     assert result["checks"] and all(result["checks"].values()), result["checks"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_run_writes_a_png_plot(quick_run):
     _, png = quick_run
     data = png.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_validate_result_rejects_missing_measurements_and_non_finite_numbers(quick_run):
     result, _ = quick_run
     missing = copy.deepcopy(result)
@@ -108,6 +120,8 @@ def test_validate_result_rejects_missing_measurements_and_non_finite_numbers(qui
         validate_result(zero)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_resharded_load_of_a_two_rank_checkpoint_at_world_size_one(tmp_path):
     saved = tmp_path / "saved"
     run_benchmark("--quick", "--save-only", str(saved))
@@ -138,6 +152,7 @@ sys.meta_path.insert(0, BlockDcpZarr())
 """
 
 
+@pytest.mark.slow
 def test_zarr_kind_without_dcp_zarr_fails_with_a_clear_message(tmp_path):
     # A sitecustomize on PYTHONPATH makes every `import dcp_zarr` fail, as a missing or broken package would.
     (tmp_path / "sitecustomize.py").write_text(BLOCK_DCP_ZARR)
@@ -163,6 +178,7 @@ def test_file_ops_reports_every_operation_and_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == [], "every timed directory is removed"
 
 
+@pytest.mark.slow
 def test_compression_reports_every_codec_on_every_group():
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "compression.py"), "--layers", "1", "--hidden", "64",
                            "--vocab", "128", "--dtype", "bfloat16"], cwd=BENCHMARKS, env=clean_env(),

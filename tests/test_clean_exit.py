@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_resume.py"
 RUNS = 6
 
@@ -26,4 +30,4 @@ def test_the_examples_save_phase_never_aborts_at_exit(tmp_path):
             env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (
             f"run {run + 1} of {RUNS} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-        assert "saved" in proc.stdout
+        assert "kept steps" in proc.stdout  # the save phase's last line (examples/train_resume.py)

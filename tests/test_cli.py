@@ -16,8 +16,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import ZarrWriter
 from dcp_zarr.tools.cli import main
-from tests import distributed
-from tests.distributed import run_ranks
+from tests.support.models import build, save_checkpoint, train_steps
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 BIN = os.path.dirname(sys.executable)
@@ -25,10 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train_and_save_both(rank, world_size, zarr_path, dcp_path):
-    model, optim = distributed.build("fsdp2", world_size)
-    distributed.train_steps(model, optim, 2)
-    distributed.save_checkpoint(model, optim, ZarrWriter(zarr_path))
-    distributed.save_checkpoint(model, optim, FileSystemWriter(dcp_path))
+    model, optim = build("fsdp2", world_size)
+    train_steps(model, optim, 2)
+    save_checkpoint(model, optim, ZarrWriter(zarr_path))
+    save_checkpoint(model, optim, FileSystemWriter(dcp_path))
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +40,8 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def copy(saved, tmp_path):
-    target = tmp_path / "copy.zarr"
-    shutil.copytree(saved[0], target)
-    return target
+def copy(saved, store_copy):
+    return store_copy(saved[0])
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -56,6 +54,8 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 # -- the installed entry points -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_console_script_and_python_m_both_run_the_command(saved):
     # Both at once: each pays for importing torch.
     script = subprocess.Popen([os.path.join(BIN, "dcp-zarr"), "verify", str(saved[0])], stdout=subprocess.PIPE,
@@ -99,6 +99,7 @@ def _without_torch(root, *argv) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_help_inspect_verify_and_diff_of_zarr_stores_run_where_torch_cannot_be_imported(tmp_path):
     _save_looking_set(tmp_path)
 
@@ -151,6 +152,8 @@ def test_the_looking_modules_do_not_import_torch():
 # -- inspect ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context(saved, capsys):
     code, out, _ = run(capsys, "inspect", saved[0])
 
@@ -163,6 +166,8 @@ def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context
     assert "float32" in embed and "[17, 13]" in embed and "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_inspect_json_is_machine_readable(saved, capsys):
     code, out, _ = run(capsys, "inspect", saved[0], "--json")
 
@@ -242,6 +247,8 @@ def test_bad_filter_patterns_and_depths_exit_2_naming_the_option(layered, capsys
     assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
     path = tmp_path / "model.pt"
     path.write_bytes(b"not a checkpoint")
@@ -259,12 +266,16 @@ def test_a_file_given_as_the_checkpoint_gets_one_line(saved, tmp_path, capsys):
 # -- verify -----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_passes_an_intact_checkpoint(saved, capsys):
     code, out, _ = run(capsys, "verify", saved[0])
 
     assert code == 0 and out.startswith("OK:")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
     os.remove(copy / "model" / "head.weight" / "c.0.0")  # one shard both ranks wrote
     chunk = copy / "optim" / "state" / "norm.bias" / "exp_avg" / "c.0"
@@ -296,6 +307,8 @@ def test_verify_and_diff_name_the_bad_inner_chunk_of_a_large_array(tmp_path, cap
     assert code == 1 and "unreadable  w" in out and "inner chunk 2" in out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_verify_reports_an_interrupted_save_as_incomplete(copy, capsys):
     os.remove(copy / "zarr.json")
 
@@ -304,6 +317,8 @@ def test_verify_reports_an_interrupted_save_as_incomplete(copy, capsys):
     assert code == 1 and out.startswith("INCOMPLETE:")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_paths_that_are_not_checkpoints_exit_2_with_a_message(saved, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     zarr.open_group(tmp_path / "plain.zarr", mode="w").create_array("x", shape=(2,), dtype="f4")
@@ -327,6 +342,8 @@ def test_bad_arguments_exit_2(capsys):
 # -- convert ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_convert_a_dcp_directory_then_refuse_to_overwrite_it_without_the_flag(saved, tmp_path, capsys):
     out = tmp_path / "converted.zarr"
 
@@ -337,6 +354,8 @@ def test_convert_a_dcp_directory_then_refuse_to_overwrite_it_without_the_flag(sa
     assert run(capsys, "convert", saved[1], out, "--to", "zarr", "--overwrite")[0] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_convert_names_the_missing_distcp_file(saved, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(saved[1], broken)
@@ -347,6 +366,8 @@ def test_convert_names_the_missing_distcp_file(saved, tmp_path, capsys):
     assert code == 2 and "__0_0.distcp" in err and not (tmp_path / "out.zarr").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_convert_to_torch_and_safetensors(saved, tmp_path, capsys):
     code, out, _ = run(capsys, "convert", saved[0], tmp_path / "full.pt", "--to", "torch")
     assert code == 0 and out.strip() == str(tmp_path / "full.pt")
@@ -392,6 +413,8 @@ def test_diff_within_atol_exits_0(tmp_path, capsys):
     assert run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr", "--atol", "1e-2")[0] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_diff_of_a_checkpoint_with_itself_lists_equal_entries_only_on_request(saved, capsys):
     code, out, _ = run(capsys, "diff", saved[0], saved[0])
     lines = out.splitlines()
@@ -401,6 +424,8 @@ def test_diff_of_a_checkpoint_with_itself_lists_equal_entries_only_on_request(sa
     assert code == 0 and "  equal  model.embed.weight" in out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_progress_bars_go_to_stderr_when_asked_for(saved, capsys):
     code, out, err = run(capsys, "verify", saved[0], "--progress")
 

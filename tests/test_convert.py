@@ -17,14 +17,15 @@ from dcp_zarr.tools.convert import ConversionError, convert
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
 from dcp_zarr.tools.diff import diff_checkpoints
 from dcp_zarr.checkpoint import open_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import build, full_state, load_checkpoint, train_and_save
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _train_and_save_dcp(rank, world_size, path):
-    return distributed.train_and_save(rank, world_size, "fsdp2", FileSystemWriter(path))[0]
+    return train_and_save(rank, world_size, "fsdp2", FileSystemWriter(path))[0]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,8 @@ def mixed_dtype_store(path):
     return state
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir, zarr_store):
     path, saved = dcp_dir
 
@@ -57,15 +60,19 @@ def test_a_dcp_directory_converts_to_a_zarr_store_holding_the_same_state(dcp_dir
     assert diff_checkpoints(DcpCheckpoint(path), open_checkpoint(zarr_store)).same
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_converted_store_loads_with_dcp_into_a_model(dcp_dir, zarr_store):
     _, saved = dcp_dir
-    model, optim = distributed.build("plain", 1, seed=5)
+    model, optim = build("plain", 1, seed=5)
 
-    distributed.load_checkpoint(model, optim, ZarrReader(zarr_store))
+    load_checkpoint(model, optim, ZarrReader(zarr_store))
 
-    assert_state_equal(distributed.full_state(model, optim), saved)
+    assert_state_equal(full_state(model, optim), saved)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(dcp_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(dcp_dir[0], broken)
@@ -82,6 +89,8 @@ def test_missing_or_truncated_distcp_files_are_named_before_anything_is_written(
         convert(broken, tmp_path / "out.zarr", "zarr")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store, tmp_path):
     target = tmp_path / "copy.zarr"
     shutil.copytree(zarr_store, target)
@@ -101,6 +110,8 @@ def test_an_existing_target_is_replaced_only_with_overwrite(dcp_dir, zarr_store,
     assert (other / "README").read_text() == "mine"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_zarr_to_torch_save_gives_a_file_torch_load_reads_with_weights_only(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "full.pt"
 
@@ -126,6 +137,8 @@ def test_safetensors_holds_the_model_weights_by_fqn_in_every_dtype(tmp_path):
                                                                   tensor.view(torch.uint8))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir, tmp_path):
     out = tmp_path / "hf"
     model = dcp_dir[1]["model"]
@@ -146,6 +159,8 @@ def test_large_models_are_sharded_with_a_hugging_face_index(zarr_store, dcp_dir,
     assert_state_equal(loaded, model)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_store, tmp_path):
     out = tmp_path / "hf"
     convert(zarr_store, out, "safetensors")
@@ -160,12 +175,16 @@ def test_a_safetensors_directory_is_replaced_only_if_it_holds_nothing_else(zarr_
         convert(zarr_store, out, "safetensors", overwrite=True)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_dcp_directory_converts_straight_to_safetensors(dcp_dir, tmp_path):
     written = convert(dcp_dir[0], tmp_path / "w.safetensors", "safetensors")
 
     assert_state_equal(load_file(written[0]), dcp_dir[1]["model"])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_conversions_that_cannot_be_done_say_why(zarr_store, tmp_path):
     with pytest.raises(ConversionError, match="not a DCP checkpoint directory"):
         convert(zarr_store, tmp_path / "again.zarr", "zarr")

@@ -2,7 +2,7 @@
 ``dcp-zarr verify`` with an error naming the array and chunk; malformed metadata gives a clear error, never a crash
 deep in numpy; a hostile pickle in an object entry never runs.
 
-The damaged stores are copies of one checkpoint saved by three gloo ranks (tests/distributed.py's ``run_ranks``):
+The damaged stores are copies of one checkpoint saved by three gloo ranks (tests/support/ranks.py's ``run_ranks``):
 plain chunks, a 0-d array, shards with inner chunks and a shard index, an edge shard whose padding inner chunk is
 absent from its index, a ``torch.save`` object entry and JSON values.
 """
@@ -36,8 +36,13 @@ from dcp_zarr import (
 )
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.encoding import checksum
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import blank_like, causes, chunk_files, crash_state, load_full, sharded_state, start_forkserver
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state, sharded_state
+from tests.support.ranks import run_ranks, start_forkserver
+from tests.support.states import blank_like, load_full
+from tests.support.stores import chunk_files, edit_root_manifest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -61,15 +66,8 @@ def pristine(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def damaged(pristine, tmp_path) -> str:
-    path = str(tmp_path / "ckpt.zarr")
-    shutil.copytree(pristine, path)
-    return path
-
-
-def _manifest(path: str) -> dict:
-    with open(os.path.join(path, "zarr.json")) as f:
-        return json.load(f)["attributes"]["dcp_zarr"]
+def damaged(pristine, store_copy) -> str:
+    return str(store_copy(pristine, "ckpt.zarr"))
 
 
 def load_failure(path: str, **reader_kwargs) -> BaseException | None:
@@ -210,13 +208,7 @@ def test_a_missing_object_chunk_is_named(damaged, capsys):
 
 
 def _edit_manifest(edit):
-    def apply(path: str) -> None:
-        with open(os.path.join(path, "zarr.json")) as f:
-            document = json.load(f)
-        edit(document["attributes"]["dcp_zarr"])
-        with open(os.path.join(path, "zarr.json"), "w") as f:
-            json.dump(document, f)
-    return apply
+    return lambda path: edit_root_manifest(path, edit)
 
 
 def _edit_entry(fqn: str, **changes):

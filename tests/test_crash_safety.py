@@ -1,7 +1,7 @@
 """A save killed at any moment never leaves a checkpoint that loads as complete when it is not, never damages an
 earlier checkpoint, and never mixes two checkpoints; and what is committed was fsynced first.
 
-The kill trials save two-rank DTensor state dicts (tests/fault_tools.py) and SIGKILL ranks
+The kill trials save two-rank DTensor state dicts (tests/support/faults.py) and SIGKILL ranks
 
 * at every filesystem mutation of a save, one at a time (chunk and zarr.json writes, some torn halfway, the
   directory fsyncs, the commit rename or exchange, and a sample of the unlinks that remove a replaced checkpoint),
@@ -36,17 +36,10 @@ from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.tools.verify import verify_checkpoint
-from tests.distributed import assert_state_equal
-from tests.fault_tools import (
-    Zygote,
-    blank_like,
-    causes,
-    crash_state,
-    load_full,
-    save_plain,
-    save_program,
-    tree_digest,
-)
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state, save_program
+from tests.support.states import blank_like, load_full, save_plain
+from tests.support.stores import tree_digest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -60,13 +53,6 @@ def state_of(seed: int) -> dict:
     if seed not in _STATES:
         _STATES[seed] = crash_state(seed)
     return _STATES[seed]
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
 
 
 class Workspace:
@@ -175,6 +161,8 @@ def _kill_points(sequences: list[list[str]]) -> list[dict]:
     return points
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(zygote, tmp_path):
     ws = Workspace(str(tmp_path))
     seeds = iter(range(100, 10_000))
@@ -208,6 +196,8 @@ def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(z
     assert outcome_by_kind["write"].keys() <= {"old", "absent"}, "a kill during the writes committed something"
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_at_random_moments_of_one_rank_or_all(zygote, tmp_path):
     rng = random.Random(TRIAL_SEED + 1)
     ws = Workspace(str(tmp_path))
@@ -228,6 +218,8 @@ def test_sigkill_at_random_moments_of_one_rank_or_all(zygote, tmp_path):
           f"target after the kill: {dict(ws.outcomes)}; leftover staging dirs: {dict(ws.leftover_outcomes)}")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_concurrent_saves_into_different_stores_are_independent(zygote, tmp_path):
     """Two saves into sibling stores at once; one is killed (at an IO step, or at a random moment), the other must
     not notice."""

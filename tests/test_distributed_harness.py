@@ -1,4 +1,4 @@
-"""The multi-process harness in tests/distributed.py, proven with DCP's own FileSystemWriter/Reader.
+"""The multi-process harness in tests/support/ (ranks, models, compare), proven with DCP's own FileSystemWriter/Reader.
 
 Launches are the expensive part, so the checkpoint tests share four of them:
 2 ranks save FSDP2 -> 3 ranks load it; 4 ranks save FSDP2, HSDP and FSDP+TP -> 1 rank loads all three.
@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
 
 TRAINED = [
     f"{module}.{kind}"
@@ -65,11 +66,11 @@ def _hang(rank, world_size, pid_dir):
 
 
 def _save_layouts(rank, world_size, writers):
-    return {layout: distributed.train_and_save(rank, world_size, layout, writer) for layout, writer in writers.items()}
+    return {layout: train_and_save(rank, world_size, layout, writer) for layout, writer in writers.items()}
 
 
 def _load_layouts(rank, world_size, layout, readers):
-    return {name: distributed.load_fresh(rank, world_size, layout, reader) for name, reader in readers.items()}
+    return {name: load_fresh(rank, world_size, layout, reader) for name, reader in readers.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.distributed
 def test_run_ranks_returns_each_ranks_result_in_rank_order():
     results = run_ranks(_identify, 2)
 
@@ -96,6 +98,8 @@ def test_run_ranks_returns_each_ranks_result_in_rank_order():
         assert (r["omp_threads"], r["torch_threads"]) == ("1", 1)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_raising_ranks_fail_the_launch_with_every_traceback_without_waiting_for_the_timeout():
     start = time.monotonic()
     with pytest.raises(AssertionError) as raised:
@@ -110,6 +114,8 @@ def test_raising_ranks_fail_the_launch_with_every_traceback_without_waiting_for_
     assert elapsed < 30
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_hanging_ranks_are_killed_with_what_they_started_after_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"timed out after timeout=5s") as raised:
@@ -124,6 +130,7 @@ def test_hanging_ranks_are_killed_with_what_they_started_after_the_timeout(tmp_p
     assert not any(os.path.exists(f"/proc/{pid}") for pid in rank_pids)  # reaped, no zombies
 
 
+@pytest.mark.distributed
 def test_run_ranks_rejects_unpicklable_functions_before_starting_anything():
     with pytest.raises(TypeError, match="module-level fn"):
         run_ranks(lambda rank, world_size: None, 1)
@@ -185,6 +192,8 @@ def ws4_loaded_unsharded(ws4_saves):
     return run_ranks(_load_layouts, 1, "plain", readers)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_training_gives_adam_state_to_trained_params_only(ws2_fsdp2):
     _, saved = ws2_fsdp2
     state = saved["optim"]["state"]
@@ -196,6 +205,8 @@ def test_training_gives_adam_state_to_trained_params_only(ws2_fsdp2):
     assert sorted(saved["model"]) == sorted(TRAINED + UNTRAINED)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_checkpoint_from_2_ranks_loads_bit_exact_into_3_ranks(ws2_fsdp2):
     path, saved = ws2_fsdp2
 
@@ -205,6 +216,8 @@ def test_fsdp2_checkpoint_from_2_ranks_loads_bit_exact_into_3_ranks(ws2_fsdp2):
     assert loaded[1] == loaded[2] == {"fsdp2": None}  # full_state is rank 0's
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_on_4_ranks_splits_odd_dims_unevenly_with_empty_shards(ws4_saves):
     shapes = ws4_saves["fsdp2"][2]
 
@@ -218,6 +231,8 @@ def test_fsdp2_on_4_ranks_splits_odd_dims_unevenly_with_empty_shards(ws4_saves):
     assert rows("spare.bias") == [1, 1, 1, 0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", WS4_LAYOUTS)
 def test_checkpoint_from_4_ranks_loads_bit_exact_into_an_unsharded_model(layout, ws4_saves, ws4_loaded_unsharded):
     _, saved, _ = ws4_saves[layout]
@@ -225,6 +240,8 @@ def test_checkpoint_from_4_ranks_loads_bit_exact_into_an_unsharded_model(layout,
     assert_state_equal(ws4_loaded_unsharded[layout], saved)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp_tp_shards_the_tp_pair_over_both_mesh_dims(ws4_saves):
     shapes = ws4_saves["fsdp_tp"][2]
 

@@ -78,7 +78,7 @@ PAGES_WITH_PYTHON = [p for p in PAGES if python_blocks(p)]
 def loopback_s3(monkeypatch):
     """docs/object-stores.md talks to "my-bucket" with credentials found as s3fs and obstore find them: here a
     loopback S3 server, named by the environment variables those clients read."""
-    from tests.s3_server import CREDENTIALS, S3Server
+    from tests.support.s3 import CREDENTIALS, S3Server
 
     server = S3Server()
     server.make_bucket("my-bucket")
@@ -93,7 +93,13 @@ def loopback_s3(monkeypatch):
 PAGE_FIXTURES = {"object-stores.md": "loopback_s3"}
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_PYTHON, ids=lambda p: str(p.relative_to(ROOT)))
+def _page_param(page):
+    """object-stores.md runs against the loopback S3 server: marked so that -m selections know it."""
+    marks = [pytest.mark.s3, pytest.mark.slow] if PAGE_FIXTURES.get(page.name) == "loopback_s3" else []
+    return pytest.param(page, marks=marks, id=str(page.relative_to(ROOT)))
+
+
+@pytest.mark.parametrize("page", [_page_param(p) for p in PAGES_WITH_PYTHON])
 def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, request):
     if page.name in PAGE_FIXTURES:
         request.getfixturevalue(PAGE_FIXTURES[page.name])

@@ -217,6 +217,7 @@ def test_big_endian_bfloat16_is_refused_not_misread(tmp_path):
         zarr.open_array(tmp_path / "a", mode="r")[...]
 
 
+@pytest.mark.slow
 def test_importing_twice_keeps_the_data_types_registered():
     script = (
         "import importlib, torch, zarr, dcp_zarr.format.dtypes as d; importlib.reload(d); importlib.reload(d);"

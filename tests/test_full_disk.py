@@ -28,17 +28,11 @@ from dcp_zarr.storage.commit import STAGING_MARK
 from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage, open_storage
 from dcp_zarr.storage import local as local_storage
-from tests.distributed import assert_state_equal
-from tests.fault_tools import (
-    CRASH_WRITER_OPTIONS,
-    Zygote,
-    causes,
-    crash_state,
-    load_full,
-    save_plain,
-    sharded_state,
-    tree_digest,
-)
+from tests.support.compare import assert_state_equal
+from tests.support.faults import CRASH_WRITER_OPTIONS, causes, crash_state, sharded_state
+from tests.support.ranks import Zygote
+from tests.support.states import load_full, save_plain
+from tests.support.stores import tree_digest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -153,6 +147,8 @@ def save_with_file_size_limit(rank: int, world_size: int, report, target: str, l
     dcp.save(sharded_state(2, world_size), storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("limited_rank", [0, 1])
 def test_a_rank_hitting_the_file_size_limit_fails_the_save_on_every_rank(workspace, limited_rank):
     target, earlier, earlier_digest = workspace

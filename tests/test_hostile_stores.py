@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_zarr import UnsafeFileError, ZarrCheckpointError, ZarrLoadPlanner, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.encoding import checksum, layout_from_array_metadata, shard_index_bytes
-from tests.fault_tools import causes
+from tests.support.faults import causes
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -45,10 +45,8 @@ def pristine(tmp_path_factory) -> str:
 
 
 @pytest.fixture
-def store(pristine, tmp_path) -> str:
-    path = str(tmp_path / "ckpt.zarr")
-    shutil.copytree(pristine, path, symlinks=True)
-    return path
+def store(pristine, store_copy) -> str:
+    return str(store_copy(pristine, "ckpt.zarr"))
 
 
 def load_cause(path: str) -> BaseException | None:
@@ -175,6 +173,7 @@ def _mutate(document, path, action, value):
 FILES = ["zarr.json", "model/w/zarr.json", "model/b/zarr.json", "model/step/zarr.json", "extra/shape/zarr.json"]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_whatever_the_metadata_says_only_dcp_zarr_errors_come_out(pristine, tmp_path_factory, data):

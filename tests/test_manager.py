@@ -20,9 +20,10 @@ from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundErr
 from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
 from dcp_zarr.storage.commit import STAGING_MARK
 from dcp_zarr.lifecycle.lease import LEASE_KEY
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import Zygote, blank_like, causes, crash_state, load_full, managed_save_program
-from tests.s3_server import S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.faults import crash_state, managed_save_program
+from tests.support.ranks import run_ranks
+from tests.support.states import load_full
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -152,6 +153,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_the_lease_of_a_killed_process_on_this_host_is_stale_at_once(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -210,13 +212,6 @@ def test_cleanup_removes_the_leftovers_of_saves_that_are_gone_and_nothing_else(t
 
 
 # -- killed saves: SIGKILL of one rank or all, at random moments ---------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
 
 
 def _own_names(root: str) -> list[str]:
@@ -280,6 +275,8 @@ def _run_kill_trials(zygote, root: str, trials: int, rng: random.Random, storage
     return outcomes
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_latest(zygote, tmp_path):
     root = str(tmp_path / "run")
     os.makedirs(os.path.join(root, "step-99999999.zarr"))  # foreign, though named like ours: never removed
@@ -292,23 +289,17 @@ def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_
     assert open(os.path.join(root, "notes.txt")).read() == "not ours"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    server.make_bucket("runs")
-    yield server
-    server.stop()
-
-
-def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, monkeypatch):
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(name, value)
-    outcomes = _run_kill_trials(zygote, "s3://runs/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, aws_environment):
+    outcomes = _run_kill_trials(zygote, f"s3://{s3.bucket}/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
     print(f"\nmanaged save killed at random moments, S3: {outcomes}")
     assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, tmp_path):
     """A kill that surely lands mid-save: rank 1 dies at its first write of step 1."""
     root = str(tmp_path / "run")
@@ -320,6 +311,8 @@ def test_a_killed_save_is_refused_as_a_step_and_the_previous_one_loads(zygote, t
     assert _check_after_kill(root, 0, 1, "rank 1 killed at the start of its save") == 0
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_during_retention_never_leaves_zero_complete_checkpoints(zygote, tmp_path):
     """keep_last=1: the save of step 2 ends by deleting step 1. Rank 0 is killed at renames and unlinks spread over
     its whole save (the commit, then the deletion: the rename aside and the files under it)."""
@@ -394,7 +387,7 @@ class _TrainState:
 
 
 def _app_state(world_size: int, seed: int):
-    from tests.distributed import build
+    from tests.support.models import build
 
     model, optim = build("fsdp2", world_size, seed)
     scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
@@ -404,7 +397,7 @@ def _app_state(world_size: int, seed: int):
 
 
 def _train_and_save_every_step(rank, world_size, root):
-    from tests.distributed import full_state, train_steps
+    from tests.support.models import full_state, train_steps
 
     model, optim, scheduler, loader, app = _app_state(world_size, seed=0)
     manager = CheckpointManager(root, keep_last=2)
@@ -419,7 +412,7 @@ def _train_and_save_every_step(rank, world_size, root):
 
 
 def _resume(rank, world_size, root):
-    from tests.distributed import full_state, prime_optimizer
+    from tests.support.models import full_state, prime_optimizer
 
     model, optim, scheduler, loader, app = _app_state(world_size, seed=1)
     prime_optimizer(model, optim)
@@ -430,6 +423,8 @@ def _resume(rank, world_size, root):
     return step, steps, full_state(model, optim), scheduler.state_dict(), loader.position, torch.get_rng_state()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_job_saving_asynchronously_every_step_on_2_ranks_resumes_on_3(tmp_path):
     root = str(tmp_path / "job")
     saved = run_ranks(_train_and_save_every_step, 2, root)[0]

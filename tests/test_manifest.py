@@ -20,26 +20,16 @@ from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, 
 from dcp_zarr.format import manifest as manifest_module
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
-from tests.distributed import assert_state_equal, build, load_fresh, run_ranks, train_and_save
+from tests.support.compare import assert_state_equal
+from tests.support.models import build, load_fresh, train_and_save
+from tests.support.ranks import run_ranks
+from tests.support.stores import edit_root_manifest, root_manifest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 FORMAT1 = os.path.join(DATA, "format1-fsdp2-3ranks")  # tests/data/make_format1.py, at format 1
 FORMAT2 = os.path.join(DATA, "format2-fsdp2-3ranks")  # tests/data/make_format2.py, at format 2
-
-
-def root_manifest(path: str) -> dict:
-    with open(os.path.join(path, "zarr.json")) as f:
-        return json.load(f)["attributes"]["dcp_zarr"]
-
-
-def edit_root_manifest(path: str, edit) -> None:
-    with open(os.path.join(path, "zarr.json")) as f:
-        document = json.load(f)
-    edit(document["attributes"]["dcp_zarr"])
-    with open(os.path.join(path, "zarr.json"), "w") as f:
-        json.dump(document, f)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +46,8 @@ def saved_at(tmp_path_factory):
 # -- format 2 ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_world_size(saved_at):
     sizes = {ws: os.path.getsize(os.path.join(path, "zarr.json")) for ws, (path, _) in saved_at.items()}
     manifests = {ws: root_manifest(path) for ws, (path, _) in saved_at.items()}
@@ -66,6 +58,8 @@ def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_worl
     assert sizes[4] <= 1.01 * sizes[1], sizes
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_reader_presents_each_tensor_as_one_chunk_the_global_array(saved_at):
     metadata = ZarrReader(saved_at[4][0]).read_metadata()
     tensors = {fqn: md for fqn, md in metadata.state_dict_metadata.items() if hasattr(md, "chunks")}
@@ -83,17 +77,23 @@ def _read_items_per_key(rank: int, world_size: int, path: str) -> dict[str, int]
     return dict(Counter(item.dest_index.fqn for item in planner.create_local_plan().items))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_ranks_load_plan_has_one_read_item_per_local_shard_however_many_ranks_saved(saved_at):
     for counts in run_ranks(_read_items_per_key, 2, saved_at[4][0]):
         assert counts and set(counts.values()) == {1}, counts
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_store_saved_at_4_ranks_loads_at_2_and_1(saved_at):
     path, expected = saved_at[4]
     for world_size in (2, 1):
         assert_state_equal(run_ranks(load_fresh, world_size, "fsdp2", ZarrReader(path))[0], expected)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_manifest_round_trips_through_json(saved_at):
     manifest = ZarrReader(saved_at[4][0]).read_metadata().storage_data["dcp_zarr_manifest"]
     assert isinstance(manifest, Manifest)
@@ -104,6 +104,8 @@ def test_manifest_round_trips_through_json(saved_at):
 # -- format 1 ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_format1_store_loads_resharded_into_fsdp2():
     expected = torch.load(os.path.join(DATA, "format1-expected.pt"), weights_only=True)
     for world_size in (2, 1):
@@ -128,6 +130,8 @@ def test_format1_store_reads_offline_and_verifies(capsys):
 # -- format 2: chunk keys with "/" -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_format2_store_with_slash_chunk_keys_loads_resharded_reads_offline_and_verifies(capsys):
     """tests/data/make_format2.py, at format 2: chunks at c/0/0, the torch.save value at c/0."""
     assert os.path.isfile(os.path.join(FORMAT2, "model", "embed.weight", "c", "0", "0"))
@@ -221,6 +225,8 @@ def _load_rows(rank: int, world_size: int, path: str) -> tuple[int, int, bool]:
     return reader.bytes_read, local.numel() * 4, torch.equal(local, full[start: start + local.shape[0]])
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_resharded_load_reads_at_most_a_tenth_more_than_it_needs(tmp_path):
     path = str(tmp_path / "rows.zarr")
     run_ranks(_save_rows, 4, path)

@@ -30,8 +30,9 @@ from dcp_zarr import ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.storage import open_storage, retry
 from dcp_zarr.storage import zarr_store
 from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, Retrying, call_with_retry, is_transient
-from tests.distributed import assert_state_equal
-from tests.fault_tools import causes, crash_state, load_full, save_plain
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes, crash_state
+from tests.support.states import load_full, save_plain
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
@@ -226,6 +227,8 @@ def _assert_not_committed(url: str, opts: dict) -> None:
 # -- transient faults: retried, the operation succeeds -----------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 @pytest.mark.parametrize("action", ["503", "500", "429", "reset", "stall"])
 def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(proxy, caplog, action):
     times = 2 if action == "stall" else 8
@@ -244,6 +247,7 @@ def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(prox
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("action", ["503", "reset"])
 def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy, caplog, action):
     url, opts = fresh_url(), options(proxy)
@@ -256,6 +260,7 @@ def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy
     assert rule["served"] == times and len(_retries_logged(caplog)) >= (times if action.isdigit() else 1)
 
 
+@pytest.mark.s3
 def test_a_fault_on_the_commit_write_is_retried(proxy, caplog):
     rule = proxy.inject("503", path=r"/ckpt\.zarr/zarr\.json$", times=3)
     url, opts = fresh_url(), options(proxy)
@@ -264,6 +269,7 @@ def test_a_fault_on_the_commit_write_is_retried(proxy, caplog):
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
+@pytest.mark.s3
 def test_with_the_clients_own_retries_on_too_the_save_succeeds(proxy, monkeypatch):
     import s3fs
 
@@ -275,6 +281,7 @@ def test_with_the_clients_own_retries_on_too_the_save_succeeds(proxy, monkeypatc
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
+@pytest.mark.s3
 def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
     proxy.inject("503", path=r"/ckpt\.zarr/optim/step/c$", times=5)
     url, opts = fresh_url(), options(proxy)
@@ -286,6 +293,7 @@ def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
         assert ceiling * (1 - FAST.jitter) - 1e-3 <= delay <= ceiling + 1e-3, (n, delays)
 
 
+@pytest.mark.s3
 def test_retries_are_logged_at_debug_and_nothing_reaches_stderr(proxy, caplog, capfd):
     rule = proxy.inject("503", times=6, per_key=2)
     url, opts = fresh_url(), options(proxy)
@@ -305,6 +313,7 @@ def _attempts_on(proxy, key_pattern: str, method: str) -> int:
     return sum(1 for m, p, a in proxy.log if m == method and re.search(key_pattern, p) and a == "503")
 
 
+@pytest.mark.s3
 def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
     key = r"/ckpt\.zarr/optim/step/c$"
     proxy.inject("503", path=key, times=float("inf"))
@@ -316,6 +325,7 @@ def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
     assert _attempts_on(proxy, key, "PUT") == 2
 
 
+@pytest.mark.s3
 def test_a_readers_retry_policy_is_used_for_its_calls(proxy):
     url, opts = fresh_url(), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
@@ -344,6 +354,7 @@ def test_a_retry_option_that_is_not_a_policy_is_refused():
 # -- permanent faults and exhausted retries: the save fails at once, nothing is committed --------------------------
 
 
+@pytest.mark.s3
 def test_a_transient_fault_that_never_ends_fails_the_save_after_the_last_attempt(proxy):
     sentinel, opts = fresh_url(), options(proxy)
     save_plain(crash_state(12), sentinel, storage_options=opts, **WRITER)
@@ -361,6 +372,7 @@ def test_a_transient_fault_that_never_ends_fails_the_save_after_the_last_attempt
     assert_state_equal(load_full(sentinel, crash_state(12), storage_options=opts), crash_state(12))
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("where", ["chunk", "commit"])
 def test_access_denied_fails_the_save_at_once_with_the_key_named(proxy, where):
     path = r"/c(\.|$)" if where == "chunk" else r"/ckpt\.zarr/zarr\.json$"
@@ -377,6 +389,7 @@ def test_access_denied_fails_the_save_at_once_with_the_key_named(proxy, where):
     _assert_not_committed(url, opts)
 
 
+@pytest.mark.s3
 def test_a_missing_bucket_fails_the_save_at_once(proxy, caplog):
     opts = options(proxy)
     with pytest.raises(CheckpointException) as info:
@@ -398,6 +411,7 @@ async def _keys(store) -> list[str]:
     return sorted([key async for key in store.list()])
 
 
+@pytest.mark.s3
 def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_that_looks_complete(proxy, monkeypatch):
     opts, url = options(proxy), fresh_url()
     sibling = url.replace("ckpt.zarr", "ckpt.zarr2")  # shares the prefix: must survive the overwrite's deletes
@@ -424,6 +438,7 @@ def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("after", [0, 4, 9])  # of the 10 chunk writes
 def test_an_overwrite_that_fails_while_writing_commits_nothing(proxy, after):
     opts, url = options(proxy), fresh_url()

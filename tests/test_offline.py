@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -22,8 +21,9 @@ from dcp_zarr import (
 )
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.local import LocalStorage
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import train_and_save
+from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,13 +58,9 @@ def saved(tmp_path_factory):
 
 
 @pytest.fixture
-def copy_of(saved, tmp_path):
+def copy_of(saved, store_copy):
     """A private copy of the saved store, for tests that break it."""
-    def make():
-        target = tmp_path / "copy.zarr"
-        shutil.copytree(saved[0], target)
-        return target
-    return make
+    return lambda: store_copy(saved[0])
 
 
 def test_entries_describe_every_saved_key_from_the_manifest_alone(copy_of):
@@ -231,9 +227,11 @@ def test_objects_load_only_with_weights_only_unless_their_types_are_allowed(tmp_
 
 
 def _train_and_save(rank, world_size, layout, path):
-    return distributed.train_and_save(rank, world_size, layout, ZarrWriter(path))[0]
+    return train_and_save(rank, world_size, layout, ZarrWriter(path))[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_4_rank_fsdp_tp_checkpoint_loads_unsharded_offline_bit_exact(tmp_path):
     path = tmp_path / "fsdp_tp.zarr"
     saved = run_ranks(_train_and_save, 4, "fsdp_tp", str(path))[0]

@@ -31,7 +31,8 @@ from dcp_zarr.optim.keys import (
     tables_from_entries,
     translate,
 )
-from tests import distributed
+from tests.support.compare import assert_state_equal
+from tests.support.models import make_model, make_optimizer, prime_optimizer, train_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -40,16 +41,16 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 
 
 def trained(seed=0, steps=2, optimizer=None):
-    model = distributed.make_model(seed)
-    optim = (optimizer or distributed.make_optimizer)(model)
-    distributed.train_steps(model, optim, steps)
+    model = make_model(seed)
+    optim = (optimizer or make_optimizer)(model)
+    train_steps(model, optim, steps)
     return model, optim
 
 
 def fresh(seed=1, optimizer=None):
-    model = distributed.make_model(seed)
-    optim = (optimizer or distributed.make_optimizer)(model)
-    distributed.prime_optimizer(model, optim)  # state for the same params as training gives
+    model = make_model(seed)
+    optim = (optimizer or make_optimizer)(model)
+    prime_optimizer(model, optim)  # state for the same params as training gives
     return model, optim
 
 
@@ -78,7 +79,7 @@ def assert_same_int_state(expected: dict, actual: dict) -> None:
     def nonempty(state):
         return {pid: s for pid, s in state.items() if s}
 
-    distributed.assert_state_equal(nonempty(expected["state"]), nonempty(actual["state"]))
+    assert_state_equal(nonempty(expected["state"]), nonempty(actual["state"]))
     assert [g["params"] for g in expected["param_groups"]] == [g["params"] for g in actual["param_groups"]]
 
 
@@ -201,8 +202,8 @@ def test_flattened_request_reads_hyperparameters_from_its_params_group():
 def test_state_of_a_param_that_had_none_at_save_is_dropped_not_missing():
     model, optim = trained()
     saved = table_of({"optim": fqn_state(model, optim)})
-    stateless = distributed.make_model(1)
-    stateless_optim = distributed.make_optimizer(stateless)
+    stateless = make_model(1)
+    stateless_optim = make_optimizer(stateless)
     request = table_of({"optim": fqn_state(stateless, stateless_optim)})  # DCP fakes a step on every trainable param
     translation = translate(request, saved)
     assert set(translation.dropped) == {f"optim.state.spare.{k}.{s}" for k in ("weight", "bias") for s in ADAM_STATE}
@@ -224,7 +225,7 @@ def test_different_param_counts_are_refused_naming_both_sides():
     model, optim = trained()
     saved = table_of({"optim": fqn_state(model, optim)})
     fewer = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("spare")])
-    distributed.train_steps(model, fewer, 1)
+    train_steps(model, fewer, 1)
     with pytest.raises(ParamTableMismatchError) as raised:
         translate(table_of({"optim": fewer.state_dict()}), saved)
     message = str(raised.value)
@@ -243,13 +244,13 @@ def test_different_group_sizes_are_refused():
 
 
 def test_a_requested_group_spanning_saved_groups_is_refused():
-    model = distributed.make_model(0)
+    model = make_model(0)
     params = list(model.named_parameters())
     optim = torch.optim.AdamW([{"params": [p for _, p in params[:5]]}, {"params": [p for _, p in params[5:]]}])
-    distributed.train_steps(model, optim, 1)
+    train_steps(model, optim, 1)
     saved = table_of({"optim": fqn_state(model, optim)})
-    one_group = distributed.make_optimizer(model)
-    distributed.train_steps(model, one_group, 1)
+    one_group = make_optimizer(model)
+    train_steps(model, one_group, 1)
     with pytest.raises(ParamTableMismatchError, match=r"saved in different groups \[0, 1\]"):
         translate(table_of({"optim": fqn_state(model, one_group)}), saved)
 
@@ -258,7 +259,7 @@ def test_shape_mismatches_name_both_keys_and_params():
     model, optim = trained()
     saved = table_of({"optim": fqn_state(model, optim)})
     reordered = torch.optim.AdamW(list(model.parameters())[::-1])
-    distributed.train_steps(model, reordered, 1)
+    train_steps(model, reordered, 1)
     translation = translate(table_of({"optim": reordered.state_dict()}), saved)
     flat, _ = flatten_state_dict({"optim": reordered.state_dict()})
     saved_flat, _ = flatten_state_dict({"optim": fqn_state(model, optim)})
@@ -398,7 +399,7 @@ def test_partial_load_loads_the_rest_and_lists_what_it_skipped(tmp_path):
 def test_a_stateless_request_is_warned_about_not_silently_left_empty(tmp_path, caplog):
     model, optim = trained()
     dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
-    unprimed = distributed.make_optimizer(distributed.make_model(1))
+    unprimed = make_optimizer(make_model(1))
     planner = ZarrLoadPlanner()
     with caplog.at_level("WARNING", logger="dcp_zarr.optim.load_planner"):
         dcp.load({"optim": unprimed.state_dict()}, storage_reader=ZarrReader(tmp_path / "c"), planner=planner)

@@ -22,8 +22,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrWriter, assert_step_present
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
+from tests.support.compare import assert_state_equal
+from tests.support.models import full_state, load_checkpoint, make_model, make_optimizer, prime_optimizer, shard_fsdp2, train_steps
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SAVE_WORLD, LOAD_WORLD = 2, 3
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -35,36 +38,36 @@ LENIENT = StateDictOptions(strict=False)
 
 
 def _fsdp2(world_size, seed, prime=True, optimizer=None, train_embed=False):
-    model = distributed.make_model(seed)
+    model = make_model(seed)
     if train_embed:  # the accelerate setup: the first param trains, so the first missing key is state.0.step
         model.embed.weight.requires_grad_(True)
-    model = distributed.shard_fsdp2(model, world_size)
-    optim = (optimizer or distributed.make_optimizer)(model)
+    model = shard_fsdp2(model, world_size)
+    optim = (optimizer or make_optimizer)(model)
     if prime:
-        distributed.prime_optimizer(model, optim)  # state for exactly the params that train
+        prime_optimizer(model, optim)  # state for exactly the params that train
     return model, optim
 
 
 def _save_all(rank, world_size, root):
     model, optim = _fsdp2(world_size, seed=0, prime=False)
-    distributed.train_steps(model, optim, 2)
+    train_steps(model, optim, 2)
     msd, osd = get_state_dict(model, optim)
     dcp.save({"model": msd, "optim": osd}, storage_writer=ZarrWriter(f"{root}/fqn"))
     dcp.save({"optim": optim.state_dict()}, storage_writer=ZarrWriter(f"{root}/int"))
     dcp.save({"optim": get_optimizer_state_dict(model, optim, options=FLAT)}, storage_writer=ZarrWriter(f"{root}/flat"))
     full_msd, full_osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
     dcp.save({"model": full_msd, "optim": full_osd}, storage_writer=ZarrWriter(f"{root}/full"))
-    reference = distributed.full_state(model, optim)
+    reference = full_state(model, optim)
 
     acc_model, acc_optim = _fsdp2(world_size, seed=0, prime=False, train_embed=True)
-    distributed.train_steps(acc_model, acc_optim, 2)
+    train_steps(acc_model, acc_optim, 2)
     dcp.save({"optimizer": get_optimizer_state_dict(acc_model, acc_optim)},
              storage_writer=ZarrWriter(f"{root}/accelerate"))
-    return {"reference": reference, "accelerate": distributed.full_state(acc_model, acc_optim)}
+    return {"reference": reference, "accelerate": full_state(acc_model, acc_optim)}
 
 
 def _optim_state(model, optim):
-    full = distributed.full_state(model, optim)
+    full = full_state(model, optim)
     return None if full is None else full["optim"]
 
 
@@ -122,13 +125,13 @@ def _full_from_sharded(world_size, root):
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(full_state_dict=True, strict=False))
     return {"loaded": loaded if torch.distributed.get_rank() == 0 else None,
-            "after_set": distributed.full_state(model, optim)}
+            "after_set": full_state(model, optim)}
 
 
 def _sharded_from_full_with_stock_planner(world_size, root):
     model, optim = _fsdp2(world_size, seed=1)
-    distributed.load_checkpoint(model, optim, ZarrReader(f"{root}/full"))  # plain dcp.load: matching form
-    return distributed.full_state(model, optim)
+    load_checkpoint(model, optim, ZarrReader(f"{root}/full"))  # plain dcp.load: matching form
+    return full_state(model, optim)
 
 
 def _params_without_state(world_size, root):
@@ -147,7 +150,7 @@ def _params_without_state(world_size, root):
     requested_spare = [fqn for fqn in state["optim"]["state"] if fqn.startswith("spare.")]
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"], options=LENIENT)
     return {"stock": stock, "skipped": planner.skipped, "requested_spare": requested_spare,
-            "full": distributed.full_state(model, optim)}
+            "full": full_state(model, optim)}
 
 
 def _accelerate_3971(world_size, root):

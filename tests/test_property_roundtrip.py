@@ -3,7 +3,7 @@
 * One process: random nested state dicts (dicts, lists, tuples), tensors of every supported dtype with shapes of rank
   0 to 5 (0-size dims included), views with odd strides, and non-tensor values (JSON-able or not), saved with random
   inner-chunk sizes so that shards, edge inner chunks and plain chunks all occur.
-* Several processes (tests/distributed.py's ``run_ranks``): random world sizes and meshes, DTensors sharded at random
+* Several processes (tests/support/ranks.py's ``run_ranks``): random world sizes and meshes, DTensors sharded at random
   (uneven, empty and nested shards), loaded back at the same world size under another sharding and at world size 1.
 
 Examples are derandomized (the same every run) and bounded: 300 + 60 examples, about 20 s on two idle cores.
@@ -23,16 +23,15 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from dcp_zarr import ZarrReader, ZarrWriter
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import blank_like, full_tensor, random_bits, save_and_reload_sharded, start_forkserver
+from tests.support.compare import assert_state_equal
+from tests.support.ranks import run_ranks, start_forkserver
+from tests.support.shardings import full_tensor, save_and_reload_sharded
+from tests.support.states import DTYPES, blank_like, random_bits
+
+pytestmark = [pytest.mark.slow]
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -96,7 +95,7 @@ EDGES = {  # always run, whatever hypothesis draws: a scalar, rank 5, a 0-size d
 
 def _dense(value):
     """The same structure with every tensor a fresh contiguous one, to compare: ``contiguous()`` keeps the strides of
-    an empty view, which tests/distributed.py's comparison cannot view as bytes."""
+    an empty view, which tests/support/compare.py's comparison cannot view as bytes."""
     if isinstance(value, torch.Tensor):
         return torch.empty(value.shape, dtype=value.dtype).copy_(value)
     if isinstance(value, dict):
@@ -170,6 +169,7 @@ EMPTY_ALONG_DIM2 = (3, (3,), [  # found by this test: ranks 1 and 2 hold (11, 5,
 ], 16)
 
 
+@pytest.mark.distributed
 @settings(max_examples=60, **SETTINGS)
 @given(case=sharded_cases())
 @example(case=NESTED_2D)

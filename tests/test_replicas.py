@@ -10,8 +10,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import ReplicaMismatchError, ZarrWriter, open_checkpoint
-from tests.distributed import run_ranks
-from tests.fault_tools import causes
+from tests.support.faults import causes
+from tests.support.ranks import run_ranks
 
 
 def save_state(rank: int, world_size: int, path: str, kind: str, **writer_options):
@@ -43,6 +43,8 @@ def refused(results) -> str:
     return messages[0]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_divergent_shapes_and_values_are_refused_naming_each_key_and_rank(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
     message = refused(run_ranks(save_state, 2, path, "divergent"))
@@ -52,6 +54,8 @@ def test_divergent_shapes_and_values_are_refused_naming_each_key_and_rank(tmp_pa
     assert not os.path.exists(path) and leftovers(path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_divergent_values_are_refused_after_writing_and_nothing_is_left(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
     message = refused(run_ranks(save_state, 3, path, "divergent values"))
@@ -60,6 +64,8 @@ def test_divergent_values_are_refused_after_writing_and_nothing_is_left(tmp_path
     assert not os.path.exists(path) and leftovers(path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_identical_replicas_and_per_rank_keys_save_as_before(tmp_path):
     for kind in ("identical", "per-rank keys"):
         path = str(tmp_path / f"{kind}.zarr")
@@ -70,6 +76,8 @@ def test_identical_replicas_and_per_rank_keys_save_as_before(tmp_path):
         "rng.rank0.seed", "rng.rank1.seed", "buf.rank0", "buf.rank1"}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_large_tensors_are_compared_by_value_only_when_asked(tmp_path):
     small = str(tmp_path / "small.zarr")
     assert run_ranks(save_state, 2, small, "large divergent", replica_check_bytes=1024) == [None, None]
@@ -79,6 +87,7 @@ def test_large_tensors_are_compared_by_value_only_when_asked(tmp_path):
     assert "'big'" in refused(run_ranks(save_state, 2, default, "large divergent"))
 
 
+@pytest.mark.distributed
 def test_check_replicas_none_keeps_dcps_behaviour(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
     assert run_ranks(save_state, 2, path, "divergent", check_replicas="none") == [None, None]
@@ -94,6 +103,8 @@ def test_the_error_is_exported():
     assert issubclass(ReplicaMismatchError, ValueError)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_the_cost_benchmark_runs(tmp_path):
     import subprocess
     import sys

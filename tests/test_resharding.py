@@ -9,7 +9,11 @@ import torch
 import zarr
 
 from dcp_zarr import ZarrReader, ZarrWriter
-from tests import distributed as d
+from tests.support.compare import assert_state_equal
+from tests.support.models import load_fresh, make_model, shard, train_and_save
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.distributed]
 
 SAVE_WORLD_SIZES = (1, 2, 3, 4)
 
@@ -17,12 +21,12 @@ SAVE_WORLD_SIZES = (1, 2, 3, 4)
 def save_and_report(rank, world_size, layout, path):
     """Rank program: train, save, and report which chunk keys this rank wrote."""
     writer = ZarrWriter(path)
-    full, shapes = d.train_and_save(rank, world_size, layout, writer)
+    full, shapes = train_and_save(rank, world_size, layout, writer)
     return full, shapes, writer.written_keys
 
 
 def load_each(rank, world_size, layout, paths):
-    return [d.load_fresh(rank, world_size, layout, ZarrReader(p)) for p in paths]
+    return [load_fresh(rank, world_size, layout, ZarrReader(p)) for p in paths]
 
 
 def chunk_files(path: str) -> set[str]:
@@ -42,11 +46,12 @@ def fsdp2_checkpoints(tmp_path_factory):
     saved = {}
     for ws in SAVE_WORLD_SIZES:
         path = str(root / f"ws{ws}.zarr")
-        results = d.run_ranks(save_and_report, ws, "fsdp2", path)
+        results = run_ranks(save_and_report, ws, "fsdp2", path)
         saved[ws] = (path, results[0][0], [r[2] for r in results], [r[1] for r in results])
     return saved
 
 
+@pytest.mark.slow
 def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
     """A chunk, or an inner chunk of a shard the ranks write together (``key#i``; ``key#index`` for its index)."""
     for ws, (path, _, keys_per_rank, _) in fsdp2_checkpoints.items():
@@ -61,6 +66,7 @@ def test_every_chunk_is_written_by_exactly_one_rank(fsdp2_checkpoints):
                 assert parts == sorted([*map(str, range(count)), "index"]), (ws, file, parts)
 
 
+@pytest.mark.slow
 def test_an_array_is_two_files_whatever_the_world_size(fsdp2_checkpoints):
     """Locally, an array that several ranks hold in row blocks is one shard they all write at known offsets: its
     zarr.json and one chunk file at every world size (not one per rank), each inner chunk with its crc32c."""
@@ -77,6 +83,7 @@ def test_an_array_is_two_files_whatever_the_world_size(fsdp2_checkpoints):
             assert weight.shards is not None and weight.shards[0] >= weight.shape[0], (ws, weight.shards)
 
 
+@pytest.mark.slow
 def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_json(fsdp2_checkpoints):
     """Chunk keys use the "." separator (c.0.1): a store has one directory per group or array, never one per chunk
     row, and each array holds its zarr.json beside its chunk files."""
@@ -93,6 +100,7 @@ def test_every_directory_is_a_zarr_node_and_chunks_are_files_beside_its_zarr_jso
         assert nodes == len(zarr.open_group(path, mode="r").members(max_depth=None)) + 1, f"world size {ws}"
 
 
+@pytest.mark.slow
 def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
     """The model really exercises uneven torch.chunk splits and ranks with empty shards."""
     shapes = fsdp2_checkpoints[4][3]
@@ -100,15 +108,17 @@ def test_uneven_and_empty_shards_occur(fsdp2_checkpoints):
     assert len({rank_shapes["embed.weight"] for rank_shapes in shapes}) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_ws", SAVE_WORLD_SIZES)
 def test_fsdp2_loads_at_every_world_size(fsdp2_checkpoints, load_ws):
     sources = [ws for ws in SAVE_WORLD_SIZES if ws != load_ws]
     paths = [fsdp2_checkpoints[ws][0] for ws in sources]
-    loaded = d.run_ranks(load_each, load_ws, "fsdp2", paths)[0]
+    loaded = run_ranks(load_each, load_ws, "fsdp2", paths)[0]
     for ws, state in zip(sources, loaded):
-        d.assert_state_equal(state, fsdp2_checkpoints[ws][1])
+        assert_state_equal(state, fsdp2_checkpoints[ws][1])
 
 
+@pytest.mark.slow
 def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
     for ws, (path, full, _, _) in fsdp2_checkpoints.items():
         group = zarr.open_group(path, mode="r")
@@ -123,6 +133,7 @@ def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
             assert torch.equal(torch.tensor(step[()]), full["optim"]["state"][name]["step"])
 
 
+@pytest.mark.slow
 def test_zarr_reads_full_unsharded_tensors(fsdp2_checkpoints):
     path, full, _, _ = fsdp2_checkpoints[3]
     group = zarr.open_group(path, mode="r")
@@ -131,15 +142,16 @@ def test_zarr_reads_full_unsharded_tensors(fsdp2_checkpoints):
         assert stored.shape == tensor.shape and torch.equal(stored, tensor), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp_tp"])
 def test_2d_meshes_load_at_one_and_three_ranks(tmp_path, layout):
     path = str(tmp_path / f"{layout}.zarr")
-    results = d.run_ranks(save_and_report, 4, layout, path)
+    results = run_ranks(save_and_report, 4, layout, path)
     expected = results[0][0]
     all_keys = [k for r in results for k in r[2]]
     assert len(all_keys) == len(set(all_keys)), "a chunk was written twice"
-    d.assert_state_equal(d.run_ranks(load_each, 1, "plain", [path])[0][0], expected)
-    d.assert_state_equal(d.run_ranks(load_each, 3, "fsdp2", [path])[0][0], expected)
+    assert_state_equal(run_ranks(load_each, 1, "plain", [path])[0][0], expected)
+    assert_state_equal(run_ranks(load_each, 3, "fsdp2", [path])[0][0], expected)
     manifest = zarr.open_group(path, mode="r").attrs["dcp_zarr"]
     assert manifest["saved_world_size"] == 4
     assert manifest["state_dict_type"] == "sharded"
@@ -159,7 +171,7 @@ def replicated_save(rank, world_size, path):
 
 def test_replicated_tensors_are_written_once_by_one_rank(tmp_path):
     path = str(tmp_path / "ddp.zarr")
-    results = d.run_ranks(replicated_save, 2, path)
+    results = run_ranks(replicated_save, 2, path)
     keys = [k for written, _ in results for k in written]
     assert sorted(keys) == sorted(chunk_files(path)) and len(keys) == len(set(keys))
     group = zarr.open_group(path, mode="r")
@@ -168,14 +180,14 @@ def test_replicated_tensors_are_written_once_by_one_rank(tmp_path):
 
 
 def plain_model_state(seed=0):
-    return {"model": d.make_model(seed).state_dict()}
+    return {"model": make_model(seed).state_dict()}
 
 
 def load_plain_into_fsdp2(rank, world_size, path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     import torch.distributed.checkpoint as dcp
 
-    model = d.shard(d.make_model(seed=5), "fsdp2", world_size)
+    model = shard(make_model(seed=5), "fsdp2", world_size)
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, storage_reader=ZarrReader(path))
     set_model_state_dict(model, state["model"])
@@ -186,10 +198,11 @@ def save_fsdp2_model(rank, world_size, path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     import torch.distributed.checkpoint as dcp
 
-    model = d.shard(d.make_model(seed=0), "fsdp2", world_size)
+    model = shard(make_model(seed=0), "fsdp2", world_size)
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=ZarrWriter(path))
 
 
+@pytest.mark.slow
 def test_plain_single_process_save_loads_sharded_and_back(tmp_path):
     import warnings
 
@@ -200,13 +213,13 @@ def test_plain_single_process_save_loads_sharded_and_back(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(expected, storage_writer=ZarrWriter(plain_path))  # no process group at all
-    loaded = d.run_ranks(load_plain_into_fsdp2, 2, plain_path)[0]
-    d.assert_state_equal(loaded, expected["model"])
+    loaded = run_ranks(load_plain_into_fsdp2, 2, plain_path)[0]
+    assert_state_equal(loaded, expected["model"])
 
     sharded_path = str(tmp_path / "sharded.zarr")
-    d.run_ranks(save_fsdp2_model, 3, sharded_path)
+    run_ranks(save_fsdp2_model, 3, sharded_path)
     target = plain_model_state(seed=7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=ZarrReader(sharded_path))  # no process group, a plain model's tensors
-    d.assert_state_equal(target, expected)
+    assert_state_equal(target, expected)

@@ -15,43 +15,31 @@ from dcp_zarr.tools.cli import main as cli_main
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.tools.verify import verify_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
-from tests.s3_server import S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = S3Server()
-    server.make_bucket("ckpts")
-    yield server
-    server.stop()
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.usefixtures("aws_environment")]
 
 
-@pytest.fixture(autouse=True)
-def aws_environment(monkeypatch):
-    # Credentials also in the environment, as users usually have them; no real AWS account is ever reachable.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-def fresh_url(name: str) -> str:
-    return f"s3://ckpts/{name}-{uuid.uuid4().hex[:8]}.zarr"
+def fresh_url(s3, name: str) -> str:
+    return f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}.zarr"
 
 
 def _train_and_save(rank, world_size, url, options):
-    return distributed.train_and_save(rank, world_size, "fsdp2", ZarrWriter(url, storage_options=options))[0]
+    return train_and_save(rank, world_size, "fsdp2", ZarrWriter(url, storage_options=options))[0]
 
 
 def _load_fresh(rank, world_size, url, options):
-    return distributed.load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
+    return load_fresh(rank, world_size, "fsdp2", ZarrReader(url, storage_options=options))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
-    url, options = fresh_url("fsdp2"), s3.storage_options()
+    url, options = fresh_url(s3, "fsdp2"), s3.storage_options()
 
     saved = run_ranks(_train_and_save, 2, url, options)[0]
     loaded = run_ranks(_load_fresh, 3, url, options)[0]
@@ -65,27 +53,31 @@ def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
 
 # Small chunks are the common case (biases, norms, optimizer steps: thousands of them in an LLM checkpoint); on an
 # object store each is a round trip, so they must be in flight together, not batched one after another.
+@pytest.mark.s3
 @pytest.mark.parametrize("numel", [pytest.param(256, id="1KiB-chunks"), pytest.param(1 << 18, id="1MiB-chunks")])
 def test_uploads_within_one_rank_overlap(s3, numel):
     state = {f"w{i}": torch.full((numel,), float(i)) for i in range(12)}
     with s3.slow_puts(0.05) as peak_in_flight:
-        dcp.save(state, storage_writer=ZarrWriter(fresh_url("concurrent"), storage_options=s3.storage_options(),
+        dcp.save(state, storage_writer=ZarrWriter(fresh_url(s3, "concurrent"), storage_options=s3.storage_options(),
                                                   thread_count=4))
         assert peak_in_flight() >= 3
 
 
+@pytest.mark.slow
+@pytest.mark.s3
 def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_for(s3):
     """thread_count sizes the CPU work; on an object store each request mostly waits on the network, so a rank keeps
     REQUESTS_IN_FLIGHT of them going (s3fs's connection pool, 10 by default, is widened to match)."""
     state = {f"w{i}": torch.full((256,), float(i)) for i in range(3 * REQUESTS_IN_FLIGHT)}
     with s3.slow_puts(0.2) as peak_in_flight:
-        dcp.save(state, storage_writer=ZarrWriter(fresh_url("in-flight"), storage_options=s3.storage_options(),
+        dcp.save(state, storage_writer=ZarrWriter(fresh_url(s3, "in-flight"), storage_options=s3.storage_options(),
                                                   thread_count=2))
         assert peak_in_flight() > 10, f"{peak_in_flight()} PUTs in flight at most"
 
 
+@pytest.mark.s3
 def test_verify_finds_a_corrupted_object(s3):
-    url = fresh_url("corrupt")
+    url = fresh_url(s3, "corrupt")
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
     fs = s3.filesystem()
     key = url.removeprefix("s3://") + "/w/c.0"
@@ -99,8 +91,9 @@ def test_verify_finds_a_corrupted_object(s3):
     assert "crc32c mismatch" in problems[0].message
 
 
+@pytest.mark.s3
 def test_the_cli_takes_storage_options(s3, capsys):
-    url = fresh_url("cli")
+    url = fresh_url(s3, "cli")
     dcp.save({"model": {"w": torch.ones(3, 2)}}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
     options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
 
@@ -111,10 +104,11 @@ def test_the_cli_takes_storage_options(s3, capsys):
     assert "not a dcp_zarr checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.s3
 def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
     state = {"model": {"w": torch.randn(4, 3)}, "epoch": 2}
     dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
-    url = fresh_url("converted")
+    url = fresh_url(s3, "converted")
     options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
 
     assert cli_main(["convert", str(tmp_path / "dcp"), url, "--to", "zarr", *options]) == 0
@@ -124,8 +118,9 @@ def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
     assert "already holds a checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.s3
 def test_an_existing_checkpoint_on_s3_is_not_replaced_without_overwrite(s3):
-    url, options = fresh_url("exists"), s3.storage_options()
+    url, options = fresh_url(s3, "exists"), s3.storage_options()
     dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter(url, storage_options=options))
 
     with pytest.raises(BaseException, match="already holds a checkpoint"):
@@ -149,6 +144,7 @@ def test_memory_urls_work_in_one_process():
         open_checkpoint("memory://nothing-here.zarr")
 
 
+@pytest.mark.slow
 def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
     # Port 9 (discard) on localhost: connections are refused at once. The README's "quick answer" options (a small
     # connect timeout, botocore's own retries kept at 3); tests/test_unreachable_endpoints.py has the defaults.

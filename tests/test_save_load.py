@@ -31,25 +31,11 @@ from dcp_zarr import (
 )
 from dcp_zarr.format.dtypes import numpy_as_tensor
 from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
-from tests.distributed import assert_state_equal
+from tests.support.compare import assert_state_equal
+from tests.support.states import DTYPES, random_bits
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
-
-
-def random_bits(shape, dtype, seed=0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, subnormals, -0.0 included) of ``dtype``."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g)
-    return raw.view(dtype).reshape(shape)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -344,9 +330,11 @@ def async_save_and_load(rank, world_size, path, executor):
     return True
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_save(tmp_path, executor):
-    from tests.distributed import run_ranks
+    from tests.support.ranks import run_ranks
 
     assert run_ranks(async_save_and_load, 2, str(tmp_path / f"{executor}.zarr"), executor) == [True, True]
 
@@ -431,6 +419,7 @@ class _SlowWriter(ZarrWriter):
         return super().write_data(plan, planner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True])
 def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_survives(tmp_path, cache):
     sd = {"w": torch.arange(12.0).reshape(3, 4)}

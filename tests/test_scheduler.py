@@ -77,3 +77,42 @@ def test_the_first_error_is_raised_and_later_jobs_stop_being_submitted(budget):
         run_jobs(jobs, 4, batch_bytes=0, max_bytes_in_flight=budget)
     if budget is not None:
         assert len(started) < 300, "submission stops soon after a failure"
+
+
+def test_no_jobs_give_no_results():
+    assert run_jobs([], 8) == []
+
+
+def test_one_thread_runs_every_job_in_order_on_the_calling_thread():
+    order, threads = [], set()
+
+    def job(i):
+        def run():
+            order.append(i)
+            threads.add(threading.current_thread())
+            return i * i
+        return 1 << 30, run  # each its own batch
+
+    assert run_jobs([job(i) for i in range(5)], 1) == [0, 1, 4, 9, 16]
+    assert order == list(range(5)) and threads == {threading.current_thread()}
+
+
+def test_worker_threads_carry_the_given_name():
+    tracker = Tracker()
+    run_jobs([tracker.job(10, i) for i in range(8)], 4, batch_bytes=0, name="probe-io")
+    assert tracker.threads and all(name.startswith("probe-io") for name in tracker.threads)
+
+
+def test_small_jobs_are_batched_until_the_batch_reaches_batch_bytes():
+    tracker = Tracker()
+    # 30 jobs of 10 bytes with batch_bytes=100: three batches of ten, so at most three threads ever run one
+    run_jobs([tracker.job(10, i, seconds=0.01) for i in range(30)], 8, batch_bytes=100)
+    assert 1 < len(tracker.threads) <= 3 and tracker.peak <= 30
+
+
+def test_an_error_on_a_single_thread_propagates():
+    def failing():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        run_jobs([(1, lambda: 1), (1, failing)], 1)

@@ -14,69 +14,65 @@ from zarr.storage import FsspecStore, LocalStore, MemoryStore, ObjectStore
 
 from dcp_zarr import CheckpointExistsError, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.tools.verify import verify_checkpoint
-from tests import distributed
-from tests.distributed import assert_state_equal, run_ranks
-from tests.fault_tools import causes
-from tests.s3_server import CREDENTIALS, S3Server
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes
+from tests.support.models import load_fresh, train_and_save
+from tests.support.ranks import run_ranks
+from tests.support.s3 import CREDENTIALS
 
 obstore_s3 = pytest.importorskip("obstore.store")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-BUCKET = "store-objects"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    server.make_bucket(BUCKET)
-    yield server
-    server.stop()
-
-
-def s3_store(endpoint: str, prefix: str) -> ObjectStore:
+def s3_store(endpoint: str, bucket: str, prefix: str) -> ObjectStore:
     """obstore's S3 client, built in whichever process uses it (each rank its own: stores never travel in plans)."""
-    return ObjectStore(obstore_s3.S3Store(BUCKET, prefix=prefix, endpoint=endpoint, region="us-east-1",
+    return ObjectStore(obstore_s3.S3Store(bucket, prefix=prefix, endpoint=endpoint, region="us-east-1",
                                           access_key_id=CREDENTIALS["key"], secret_access_key=CREDENTIALS["secret"],
                                           client_options={"allow_http": True}))
 
 
-def _save_rank(rank, world_size, endpoint, prefix):
-    return distributed.train_and_save(rank, world_size, "fsdp2", ZarrWriter(store=s3_store(endpoint, prefix)))[0]
+def _save_rank(rank, world_size, endpoint, bucket, prefix):
+    return train_and_save(rank, world_size, "fsdp2", ZarrWriter(store=s3_store(endpoint, bucket, prefix)))[0]
 
 
-def _load_rank(rank, world_size, endpoint, prefix):
-    return distributed.load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, prefix)))
+def _load_rank(rank, world_size, endpoint, bucket, prefix):
+    return load_fresh(rank, world_size, "fsdp2", ZarrReader(store=s3_store(endpoint, bucket, prefix)))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
 def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):
     prefix = f"fsdp2-{uuid.uuid4().hex[:8]}.zarr"
 
-    saved = run_ranks(_save_rank, 2, s3.endpoint, prefix)[0]
-    loaded = run_ranks(_load_rank, 3, s3.endpoint, prefix)[0]
+    saved = run_ranks(_save_rank, 2, s3.endpoint, s3.bucket, prefix)[0]
+    loaded = run_ranks(_load_rank, 3, s3.endpoint, s3.bucket, prefix)[0]
 
     assert_state_equal(loaded, saved)
     # Written in place (no staging prefix beside it) and readable through the URL path (s3fs) as well
-    listing = s3.filesystem().ls(BUCKET)
-    assert f"{BUCKET}/{prefix}" in listing and not [p for p in listing if "partial" in p], listing
-    ckpt = open_checkpoint(f"s3://{BUCKET}/{prefix}", s3.storage_options())
+    listing = s3.filesystem().ls(s3.bucket)
+    assert f"{s3.bucket}/{prefix}" in listing and not [p for p in listing if "partial" in p], listing
+    ckpt = open_checkpoint(f"s3://{s3.bucket}/{prefix}", s3.storage_options())
     assert ckpt.saved_world_size == 2
     assert_state_equal(ckpt.load_full_state_dict(), saved)
     assert verify_checkpoint(ckpt).ok
-    assert_state_equal(open_checkpoint(store=s3_store(s3.endpoint, prefix)).load_full_state_dict(), saved)
+    assert_state_equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).load_full_state_dict(), saved)
 
 
+@pytest.mark.s3
 def test_a_store_object_is_replaced_only_with_overwrite(s3):
     prefix = f"exists-{uuid.uuid4().hex[:8]}.zarr"
-    dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, prefix)))
+    dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
 
     with pytest.raises(BaseException) as info:
-        dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, prefix)))
+        dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
     assert isinstance(causes(info.value)[0], CheckpointExistsError), info.value
     assert "overwrite=True" in str(causes(info.value)[0])
-    assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, prefix)).read_tensor("w"), torch.ones(3))
+    assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.ones(3))
 
-    dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, prefix), overwrite=True))
-    assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, prefix)).read_tensor("w"), torch.zeros(3))
+    dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix), overwrite=True))
+    assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.zeros(3))
 
 
 STATE = {"model": {"w": torch.randn(7, 3), "b": torch.randn(3).to(torch.bfloat16)}, "step": 4, "tags": {"a", "b"}}

@@ -14,9 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr import ObjectStoreError, ZarrReader, ZarrWriter, open_checkpoint
-from tests.fault_tools import causes
+from tests.support.faults import causes
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.usefixtures("aws_environment")]
 
 LIMIT_S = 10  # what issue #11 asks for; before this, 40 s with the README's quick options, 86 s without
 
@@ -29,13 +30,6 @@ def _refused_endpoint() -> str:
 
 ENDPOINTS = {"refused": (_refused_endpoint, "connection refused"),
              "unresolvable": (lambda: "http://nonexistent.invalid:9", "does not resolve")}
-
-
-@pytest.fixture(autouse=True)
-def aws_environment(monkeypatch):
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(name, "x")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
 
 
 def _case(kind: str):

@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from dcp_zarr import InvalidKeyError, MalformedMetadataError, ZarrReader
 from dcp_zarr.save_plan import node_paths
 from dcp_zarr.storage import LocalStorage
-from tests.distributed import assert_state_equal
-from tests.fault_tools import blank_like, causes, load_full, save_plain
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes
+from tests.support.states import blank_like, load_full, save_plain
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 

@@ -22,28 +22,16 @@ from torch.distributed.tensor import DTensor, Shard
 from dcp_zarr import ZarrReader, ZarrWriter
 from dcp_zarr.format.dtypes import tensor_as_numpy
 from dcp_zarr.checkpoint import open_checkpoint
-from tests.distributed import run_ranks
+from tests.support.ranks import run_ranks
+from tests.support.states import DTYPES, random_bits
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+pytestmark = [pytest.mark.slow, pytest.mark.distributed,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
               pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")]
 
-DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.complex64, torch.complex128,
-]
 # With 1 KiB inner chunks the two 64-row arrays become shards (32 rows each) of several inner chunks.
 INNER_BYTES = 1024
 SHARDED = {"big_f32": (torch.float32, (64, 40)), "big_bf16": (torch.bfloat16, (64, 40))}
-
-
-def random_bits(shape, dtype, seed) -> torch.Tensor:
-    """Arbitrary bit patterns of ``dtype``: NaN payloads, infinities, subnormals, -0.0."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g).view(dtype).reshape(shape)
 
 
 def expected_model() -> dict[str, torch.Tensor]:
@@ -228,7 +216,7 @@ def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store):
 
 
 def _fsdp2_save(rank, world_size, path):
-    from tests.distributed import train_and_save
+    from tests.support.models import train_and_save
 
     return train_and_save(rank, world_size, "fsdp2", ZarrWriter(path))[0]
 

@@ -3,7 +3,7 @@
 
 The store holds a 3-rank FSDP2 ToyModel (uneven and empty shards) after 2 AdamW steps, the optimizer state keyed by
 FQN, a JSON value, a torch.save value and a replicated plain tensor. ``expected.pt`` is rank 0's full state of the
-same run (``tests.distributed.full_state``), what any load of the store must reproduce.
+same run (``tests.support.models.full_state``), what any load of the store must reproduce.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dcp_zarr import ZarrWriter  # noqa: E402
-from tests.distributed import build, full_state, run_ranks, train_steps  # noqa: E402
+from tests.support.models import build, full_state, train_steps  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORE = os.path.join(HERE, "format1-fsdp2-3ranks")

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tests.data.make_format1 import save_fixture  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STORE = os.path.join(HERE, "format2-fsdp2-3ranks")

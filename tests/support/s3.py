@@ -1,6 +1,7 @@
 """A real S3-compatible server for tests: moto's ThreadedMotoServer on 127.0.0.1, on a port the kernel picks.
 
-It also counts requests in flight, so a test can see whether a writer's uploads overlap.
+It also counts requests in flight, so a test can see whether a writer's uploads overlap. tests/conftest.py's ``s3``
+fixture starts one per test module, with a bucket of its own (``S3Server.bucket``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import time
 
 from moto.server import ThreadedMotoServer
 
+from tests.support import marks
+
 CREDENTIALS = {"key": "testing", "secret": "testing"}
+# The same credentials in the environment, as users usually have them (tests/conftest.py's ``aws_environment``);
+# no real AWS account is ever reachable from the tests.
+AWS_ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class _InFlight:
@@ -42,6 +48,7 @@ class _InFlight:
 
 class S3Server:
     def __init__(self):
+        marks.require("s3", "starts the loopback S3 server")
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self._server.start()
@@ -49,6 +56,7 @@ class S3Server:
         self.endpoint = f"http://{host}:{port}"
         self._counter = _InFlight(self._server._server.app)
         self._server._server.app = self._counter  # werkzeug looks the app up per request
+        self.bucket: str | None = None  # the bucket tests/conftest.py's ``s3`` fixture made for its module
 
     def storage_options(self, **extra) -> dict:
         return {"endpoint_url": self.endpoint, **CREDENTIALS, **extra}

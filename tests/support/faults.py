@@ -1,0 +1,180 @@
+"""Fault injection: kill hooks that SIGKILL a rank at a chosen filesystem mutation of a save, the state the crash
+trials save, their rank programs (for ``tests.support.ranks.Zygote``), and the causes inside a failed save or load.
+
+Kill points
+    ``install_kill_hooks`` counts every filesystem mutation a rank makes during a save (chunk and zarr.json
+    writes, fsyncs, renames, unlinks) and SIGKILLs the rank at a chosen one: before it, or halfway through a write.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.support.states import random_bits
+
+__all__ = ["CRASH_WRITER_OPTIONS", "causes", "crash_state", "install_kill_hooks", "managed_save_program",
+           "save_program", "sharded_state"]
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside a CheckpointException (DCP keeps ``(exception, traceback)`` pairs)."""
+    failures = getattr(exc, "failures", None)
+    if not failures:
+        return [exc]
+    return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The state the crash trials save: DTensors cut from full tensors that are a pure function of the seed
+# --------------------------------------------------------------------------------------------------
+
+
+def crash_state(seed: int) -> dict:
+    """Full (unsharded) tensors and values; ``sharded_state`` cuts each rank's part of it."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "embed.weight": torch.randn(37, 16, generator=g),
+            "layers.0.w": torch.randn(96, 64, generator=g),  # sharded codec: several inner chunks per shard
+            "layers.0.b": random_bits((20, 9), torch.bfloat16, g),
+            "layers.1.w": random_bits((6, 11), torch.float16, g),
+            "layers.2.w": torch.randn(50, 64, generator=g),  # at 3 ranks: 17/17/16 rows, an edge shard with padding
+            "ids": torch.randint(-(2**40), 2**40, (11,), generator=g),
+            "mask": torch.rand(5, 5, generator=g) > 0.5,
+        },
+        "optim": {
+            "step": torch.tensor(float(seed)),
+            "exp_avg": torch.randn(33, 4, generator=g),
+            "lr": 0.01 * (1 + seed % 7),
+            "betas": (0.9, 0.999),
+            "seen": torch.Size([seed, seed + 1]),  # not JSON: stored as torch.save bytes
+        },
+    }
+
+
+# fqn -> placement kind on a 1-D mesh; everything else is a plain tensor (every rank holds it, DCP dedups it).
+_SHARDING = {"embed.weight": 0, "layers.0.w": 0, "layers.0.b": 1, "layers.2.w": 0, "ids": 0, "exp_avg": 0}
+
+
+def sharded_state(seed: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = crash_state(seed)
+    for group in state.values():
+        for name, value in group.items():
+            if name in _SHARDING:
+                group[name] = distribute_tensor(value, mesh, [Shard(_SHARDING[name])], src_data_rank=None)
+    return state
+
+
+CRASH_WRITER_OPTIONS = {"overwrite": True, "inner_chunk_bytes": 2048, "thread_count": 2}
+
+
+def save_program(rank: int, world_size: int, report, target: str, seed: int, kill: dict | None):
+    """Rank program of a crash trial: save ``sharded_state(seed)`` to ``target``; returns this rank's events in order."""
+    from dcp_zarr import ZarrWriter
+
+    state = sharded_state(seed, world_size)
+    counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
+    report("saving", time.monotonic())
+    dcp.save(state, storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
+    return counter.sequence
+
+
+def managed_save_program(rank: int, world_size: int, report, root: str, step: int, seed: int, options: dict,
+                         kill: dict | None = None):
+    """Rank program of a manager trial: one ``CheckpointManager.save`` of ``sharded_state(seed)`` as ``step``;
+    returns this rank's filesystem events from the save on (retention and ``close`` included), in order."""
+    from dcp_zarr import CheckpointManager
+
+    state = sharded_state(seed, world_size)
+    manager = CheckpointManager(root, **options)
+    counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
+    report("saving", time.monotonic())
+    manager.save(step, state)
+    manager.close()
+    return counter.sequence
+
+
+# --------------------------------------------------------------------------------------------------
+# Kill hooks (installed inside a rank process only)
+# --------------------------------------------------------------------------------------------------
+
+
+class _Counter:
+    def __init__(self, kill: dict | None):
+        self.kill = kill
+        self.count = 0
+        self.sequence: list[str] = []
+        self.lock = threading.Lock()
+
+    def event(self, kind: str) -> bool:
+        """Count one event; True if the rank must die at it."""
+        with self.lock:
+            self.count += 1
+            self.sequence.append(kind)
+            return self.kill is not None and self.count == self.kill["event"]
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # never reached
+
+
+def install_kill_hooks(kill: dict | None) -> _Counter:
+    """Count (and, if ``kill`` says so, die at) every filesystem mutation of a save in this process.
+
+    ``kill = {"event": n, "torn": bool}``: SIGKILL this process at its n-th event; for a write with ``torn``, after
+    writing only the first half of the bytes.
+    """
+    from dcp_zarr.storage import commit
+    from dcp_zarr.storage.local import LocalStorage
+
+    counter = _Counter(kill)
+    original_write, original_flush = LocalStorage.write, LocalStorage.flush
+
+    def write(self, key, buffers):
+        if counter.event("write"):
+            if kill.get("torn"):
+                data = b"".join(bytes(memoryview(b).cast("B")) for b in buffers)
+                path = self._path(key)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+            _die()
+        return original_write(self, key, buffers)
+
+    def flush(self):
+        if counter.event("flush"):
+            _die()
+        return original_flush(self)
+
+    LocalStorage.write, LocalStorage.flush = write, flush
+
+    def wrap(module, name, kind):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            if counter.event(kind):
+                _die()
+            return original(*args, **kwargs)
+
+        setattr(module, name, wrapper)
+
+    wrap(os, "rename", "rename")
+    wrap(os, "replace", "rename")
+    wrap(os, "unlink", "unlink")
+    wrap(os, "remove", "unlink")
+    wrap(os, "rmdir", "rmdir")
+    wrap(commit, "_exchange", "exchange")
+    wrap(commit, "_fsync_directory", "fsync_dir")
+    return counter

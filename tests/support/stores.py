@@ -1,0 +1,52 @@
+"""A store's files on disk, as tests inspect and damage them: digests of a whole tree, its chunk files, and the root
+``zarr.json``'s dcp_zarr manifest read and edited in place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable
+
+__all__ = ["chunk_files", "edit_root_manifest", "root_manifest", "tree_digest"]
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    """relative path -> sha256 of every file (and "dir" for every directory) under ``root``."""
+    digest = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            digest[os.path.relpath(os.path.join(dirpath, name), root)] = "dir"
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                digest[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return digest
+
+
+def chunk_files(root: str) -> list[str]:
+    """Relative paths of every chunk (or shard) file: ``c.0.1`` and a 0-d array's ``c`` (format 3), or everything
+    under a ``c`` directory (format 1 and 2)."""
+    found = []
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), root)
+            parts = rel.split(os.sep)
+            if "c" in parts[:-1] or parts[-1] == "c" or parts[-1].startswith("c."):
+                found.append(rel)
+    return sorted(found)
+
+
+def root_manifest(path) -> dict:
+    """The manifest: the ``dcp_zarr`` attribute of the root ``zarr.json``."""
+    with open(os.path.join(path, "zarr.json")) as f:
+        return json.load(f)["attributes"]["dcp_zarr"]
+
+
+def edit_root_manifest(path, edit: Callable[[dict], Any]) -> None:
+    """Rewrite the root ``zarr.json`` after ``edit`` changed its manifest in place."""
+    with open(os.path.join(path, "zarr.json")) as f:
+        document = json.load(f)
+    edit(document["attributes"]["dcp_zarr"])
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(document, f)
