@@ -39,7 +39,8 @@ def run_benchmark(*args: str, world_size: int | None = 2, timeout: float = 300) 
         [*launcher, str(SCRIPT), *args], cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0:  # torchrun's failure summary buries the ranks' own errors: show those first
-        clues = [line for line in proc.stderr.splitlines() if any(w in line for w in ("Error", "error", "Fatal", "terminate", "File "))]
+        words = ("Error", "error", "Fatal", "terminate", "File ")
+        clues = [line for line in proc.stderr.splitlines() if any(w in line for w in words)]
         pytest.fail(
             f"exit {proc.returncode}\nerror lines:\n" + "\n".join(clues[-60:])
             + f"\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"

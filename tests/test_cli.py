@@ -142,7 +142,8 @@ def test_with_torch_diff_decodes_differing_torch_save_bytes(tmp_path, capsys):
 
 
 def test_the_looking_modules_do_not_import_torch():
-    script = ("import sys, dcp_zarr.tools.cli, dcp_zarr.checkpoint, dcp_zarr.tools.inspection, dcp_zarr.tools.verify, dcp_zarr.tools.diff; "
+    script = ("import sys, dcp_zarr.tools.cli, dcp_zarr.checkpoint, dcp_zarr.tools.inspection, dcp_zarr.tools.verify, "
+              "dcp_zarr.tools.diff; "
               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
 
@@ -163,7 +164,8 @@ def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context
     lines = out.splitlines()
     assert "model/" in lines and "optim/" in lines
     embed = next(line for line in lines if line.strip().startswith("embed.weight"))
-    assert "float32" in embed and "[17, 13]" in embed and "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
+    assert "float32" in embed and "[17, 13]" in embed
+    assert "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
 
 
 @pytest.mark.slow
@@ -287,7 +289,8 @@ def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
 
     assert code == 1 and out.startswith("CORRUPT:")
     assert "array 'model/head.weight' chunk c.0.0 (entry 'model.head.weight'): chunk is missing" in out
-    assert "array 'optim/state/norm.bias/exp_avg' chunk c.0 inner chunk 0 (entry 'optim.state.norm.bias.exp_avg'): crc32c" in out
+    assert ("array 'optim/state/norm.bias/exp_avg' chunk c.0 inner chunk 0 (entry 'optim.state.norm.bias.exp_avg'): "
+            "crc32c") in out
     code, out, _ = run(capsys, "verify", copy, "--json")
     assert code == 1 and len(json.loads(out)["problems"]) == 2
 

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import CheckpointExistsError, IncompleteCheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.tools.convert import ConversionError, convert
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
 from dcp_zarr.tools.diff import diff_checkpoints
-from dcp_zarr.checkpoint import open_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, full_state, load_checkpoint, train_and_save
 from tests.support.ranks import run_ranks

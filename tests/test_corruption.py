@@ -28,14 +28,14 @@ from dcp_zarr import (
     CorruptChunkError,
     IncompleteCheckpointError,
     MalformedMetadataError,
-    UntrustedTypeError,
     NotACheckpointError,
+    UntrustedTypeError,
     ZarrCheckpointError,
     ZarrReader,
     ZarrWriter,
 )
-from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.encoding import checksum
+from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, sharded_state
 from tests.support.ranks import run_ranks, start_forkserver
@@ -266,7 +266,8 @@ def _without_checksum(document: dict) -> None:
 
 
 METADATA_CASES = [
-    ("root zarr.json is not JSON", _write("zarr.json", b"{\"zarr_format\": 3, "), MalformedMetadataError, "not valid JSON"),
+    ("root zarr.json is not JSON", _write("zarr.json", b"{\"zarr_format\": 3, "), MalformedMetadataError,
+     "not valid JSON"),
     ("root zarr.json is not UTF-8", _write("zarr.json", b"\xff\xfe\x00garbage"), MalformedMetadataError, "zarr.json"),
     ("root zarr.json nests without end", _write("zarr.json", b"[" * 100_000), MalformedMetadataError, "zarr.json"),
     ("root zarr.json is a list", _write("zarr.json", b"[]"), NotACheckpointError, "zarr_format"),
@@ -300,7 +301,8 @@ METADATA_CASES = [
     ("malformed tagged JSON value", _edit_entry("optim.betas", value={"__tuple__": 5}), MalformedMetadataError,
      "'optim.betas'"),
     ("malformed float tag", _edit_entry("optim.lr", value={"__float__": "fast"}), MalformedMetadataError, "'optim.lr'"),
-    ("bytes tag holding a number", _edit_entry("optim.lr", value={"__bytes__": 5}), MalformedMetadataError, "'optim.lr'"),
+    ("bytes tag holding a number", _edit_entry("optim.lr", value={"__bytes__": 5}), MalformedMetadataError,
+     "'optim.lr'"),
     ("a value nested 900 deep", _nested_value("optim.lr", 900), MalformedMetadataError, "'optim.lr'"),
     ("a value nested 100,000 deep", _nested_value("optim.lr", 100_000), MalformedMetadataError, "zarr.json"),
     ("set tag holding a number", _edit_entry("optim.lr", value={"__set__": 5}), MalformedMetadataError, "'optim.lr'"),
@@ -317,14 +319,16 @@ METADATA_CASES = [
     ("array data type disagrees with the manifest",
      _edit_array("model/embed.weight", lambda d: d.update(data_type="float64")), MalformedMetadataError, "float64"),
     ("array codecs changed (compressed)",
-     _edit_array("model/embed.weight", lambda d: d["codecs"].insert(1, {"name": "zstd", "configuration": {"level": 1}})),
+     _edit_array("model/embed.weight",
+                 lambda d: d["codecs"].insert(1, {"name": "zstd", "configuration": {"level": 1}})),
      MalformedMetadataError, "'model/embed.weight'"),
     ("array without its checksum codec", _edit_array("model/embed.weight", _without_checksum),
      MalformedMetadataError, "'model/embed.weight'"),
     ("inner chunk rows changed", _edit_array("model/layers.0.w", lambda d: d["codecs"][0]["configuration"].update(
         chunk_shape=[4, 64])), MalformedMetadataError, "'model/layers.0.w'"),
     ("consistent but wrong dtype (float64 in both)", lambda p: (_edit_entry(E, dtype="torch.float64")(p), _edit_array(
-        "model/embed.weight", lambda d: d.update(data_type="float64"))(p)), ZarrCheckpointError, "'model/embed.weight'"),
+        "model/embed.weight", lambda d: d.update(data_type="float64"))(p)), ZarrCheckpointError,
+     "'model/embed.weight'"),
     ("consistent but wrong shape (in both)", lambda p: (
         _edit_entry(E, shape=[74, 16])(p),
         _edit_array("model/embed.weight", lambda d: d.update(shape=[74, 16]))(p)), BaseException, "embed.weight"),

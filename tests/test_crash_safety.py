@@ -30,11 +30,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import CheckpointExistsError, MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr.checkpoint import open_checkpoint
+from dcp_zarr.format.manifest import read_manifest
+from dcp_zarr.storage import LocalStorage
 from dcp_zarr.storage import commit as commit_module
 from dcp_zarr.storage.commit import STAGING_MARK
-from dcp_zarr.format.manifest import read_manifest
-from dcp_zarr.checkpoint import open_checkpoint
-from dcp_zarr.storage import LocalStorage
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, save_program
@@ -178,8 +178,8 @@ def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(z
             ws.prepare(fresh=fresh)
             seed = next(seeds)
             outcomes = _run_trial(zygote, ws, seed, kill=point)
-            label = f"{'fresh' if fresh else 'overwrite'} trial, rank {point['rank']} killed at event {point['event']}" \
-                    f" ({point['kind']}{', torn' if point['torn'] else ''})"
+            label = (f"{'fresh' if fresh else 'overwrite'} trial, rank {point['rank']} killed at event "
+                     f"{point['event']} ({point['kind']}{', torn' if point['torn'] else ''})")
             assert outcomes[point["rank"]][0] == "died", f"{label}: the kill point was never reached: {outcomes}"
             outcome = ws.check(seed, label)
             kind = point["kind"] + (" (torn)" if point["torn"] else "")

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import UnsafeFileError, ZarrCheckpointError, ZarrLoadPlanner, ZarrReader, ZarrWriter, open_checkpoint
-from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.encoding import checksum, layout_from_array_metadata, shard_index_bytes
+from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from tests.support.faults import causes
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError
+from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
 from dcp_zarr.storage.commit import STAGING_MARK
-from dcp_zarr.lifecycle.lease import LEASE_KEY
 from tests.support.compare import assert_state_equal
 from tests.support.faults import crash_state, managed_save_program
 from tests.support.ranks import run_ranks
@@ -58,7 +58,8 @@ def test_keep_last_and_keep_every_delete_only_what_they_no_longer_keep(tmp_path)
         assert manager.steps() == [0, 4, 8, 9, 10]
         assert manager.latest_step() == 10
         assert [saved_step(manager, s) for s in manager.steps()] == [0, 4, 8, 9, 10]
-    assert sorted(os.listdir(root)) == sorted([RECORDS, "notes.txt", "other.zarr"] + [step_name(s) for s in (0, 4, 8, 9, 10)])
+    expected = [RECORDS, "notes.txt", "other.zarr"] + [step_name(s) for s in (0, 4, 8, 9, 10)]
+    assert sorted(os.listdir(root)) == sorted(expected)
     assert os.listdir(root / RECORDS) == [], "the lease is given back at close, and no record is left"
 
 
@@ -293,7 +294,8 @@ def test_sigkill_at_random_moments_of_a_managed_save_never_leaves_an_incomplete_
 @pytest.mark.distributed
 @pytest.mark.s3
 def test_sigkill_of_a_managed_save_on_an_object_store_cleans_up_after_itself(zygote, s3, aws_environment):
-    outcomes = _run_kill_trials(zygote, f"s3://{s3.bucket}/job", 12, random.Random(TRIAL_SEED + 1), s3.storage_options())
+    outcomes = _run_kill_trials(zygote, f"s3://{s3.bucket}/job", 12, random.Random(TRIAL_SEED + 1),
+                                s3.storage_options())
     print(f"\nmanaged save killed at random moments, S3: {outcomes}")
     assert outcomes["new"] + outcomes["previous"] == 12 and outcomes["previous"] > 0
 
@@ -462,7 +464,7 @@ def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, 
     with CheckpointManager(tmp_path):
         assert main(["list", str(tmp_path)]) == 0
         out = capsys.readouterr().out
-    assert f"a manager holds it: held by manager" in out and "incomplete (never loaded)" in out
+    assert "a manager holds it: held by manager" in out and "incomplete (never loaded)" in out
 
 
 def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tmp_path, capsys):

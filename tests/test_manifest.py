@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, ZarrWriter, open_checkpoint
 from dcp_zarr.format import manifest as manifest_module
-from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from dcp_zarr.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
+from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, load_fresh, train_and_save
 from tests.support.ranks import run_ranks

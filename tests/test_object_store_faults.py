@@ -3,8 +3,8 @@ exponential backoff and the save or load succeeds; permanent ones (403, a missin
 the key named and nothing committed.
 
 The store is a moto S3 server on 127.0.0.1 behind a small HTTP proxy in this file that injects the faults. The
-clients' own retries are turned off (botocore ``total_max_attempts=1``, ``S3FileSystem.retries = 1``) so that every fault reaches
-dcp_zarr's retry layer (dcp_zarr/storage/retry.py); one test keeps them on, as users will.
+clients' own retries are turned off (botocore ``total_max_attempts=1``, ``S3FileSystem.retries = 1``) so that every
+fault reaches dcp_zarr's retry layer (dcp_zarr/storage/retry.py); one test keeps them on, as users will.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import RetryPolicy as PublicRetryPolicy
 from dcp_zarr import ZarrReader, ZarrWriter, open_checkpoint
-from dcp_zarr.storage import open_storage, retry
-from dcp_zarr.storage import zarr_store
-from dcp_zarr.storage.retry import ObjectStoreError, RetryPolicy, Retrying, call_with_retry, is_transient
+from dcp_zarr.storage import open_storage, retry, zarr_store
+from dcp_zarr.storage.retry import ObjectStoreError, Retrying, RetryPolicy, call_with_retry, is_transient
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state
 from tests.support.states import load_full, save_plain
@@ -109,7 +108,8 @@ class FaultProxy:
 
             def _forward(self, body: bytes):
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection")}
                 headers["Content-Length"] = str(len(body))
                 upstream.request(self.command, self.path, body=body, headers=headers)
                 response = upstream.getresponse()
@@ -526,7 +526,8 @@ def test_s3_error_codes_that_botocore_retries_are_transient_whatever_the_status(
 def test_the_default_policy_backs_off_exponentially_to_a_cap():
     policy = retry.RetryPolicy()
     rng = random.Random(0)
-    ceilings = [min(policy.max_delay, policy.initial_delay * policy.multiplier ** n) for n in range(policy.attempts - 1)]
+    ceilings = [min(policy.max_delay, policy.initial_delay * policy.multiplier ** n)
+                for n in range(policy.attempts - 1)]
     delays = [policy.delay(n + 1, rng) for n in range(policy.attempts - 1)]
     assert ceilings == sorted(ceilings) and ceilings[-1] == policy.max_delay
     assert all(c * (1 - policy.jitter) <= d <= c for c, d in zip(ceilings, delays))
@@ -542,7 +543,8 @@ def test_call_with_retry_sleeps_between_attempts_and_names_the_key():
             raise _client_error(503, "SlowDown")
         return "done"
 
-    assert call_with_retry(flaky, what="write", key="m/w/c/0", url="s3://b/x", policy=FAST, sleep=slept.append) == "done"
+    result = call_with_retry(flaky, what="write", key="m/w/c/0", url="s3://b/x", policy=FAST, sleep=slept.append)
+    assert result == "done"
     assert len(calls) == 3 and len(slept) == 2 and slept[0] <= FAST.initial_delay < slept[1] * 2 + 1e-9
 
     def denied():

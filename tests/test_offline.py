@@ -14,9 +14,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from dcp_zarr import (
     CorruptChunkError,
     IncompleteCheckpointError,
-    MalformedMetadataError,
-    UntrustedTypeError,
     NotACheckpointError,
+    UntrustedTypeError,
     ZarrWriter,
 )
 from dcp_zarr.checkpoint import open_checkpoint

@@ -23,7 +23,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrWriter, assert_step_present
 from tests.support.compare import assert_state_equal
-from tests.support.models import full_state, load_checkpoint, make_model, make_optimizer, prime_optimizer, shard_fsdp2, train_steps
+from tests.support.models import (
+    full_state,
+    load_checkpoint,
+    make_model,
+    make_optimizer,
+    prime_optimizer,
+    shard_fsdp2,
+    train_steps,
+)
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -173,8 +181,8 @@ def _mismatched_tables(world_size, root):
     for name, build in (("count", without_spare), ("shape", reversed_order)):
         _, optim = _fsdp2(world_size, seed=1, optimizer=build)
         request = {"optim": optim.state_dict()}
-        errors[name] = _error(lambda: dcp.load(request, storage_reader=ZarrReader(f"{root}/fqn"),
-                                               planner=ZarrLoadPlanner()))
+        errors[name] = _error(lambda request=request: dcp.load(request, storage_reader=ZarrReader(f"{root}/fqn"),
+                                                               planner=ZarrLoadPlanner()))  # called at once, here
     return errors
 
 

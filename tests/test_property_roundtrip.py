@@ -86,7 +86,8 @@ nested = st.recursive(
 state_dicts = st.dictionaries(keys, nested, min_size=1, max_size=4)
 _g = torch.Generator().manual_seed(5)
 EDGES = {  # always run, whatever hypothesis draws: a scalar, rank 5, a 0-size dim, of the exotic dtypes
-    "model": {"scalar": random_bits((), torch.bfloat16, _g), "rank5": random_bits((2, 1, 3, 1, 2), torch.complex128, _g),
+    "model": {"scalar": random_bits((), torch.bfloat16, _g),
+              "rank5": random_bits((2, 1, 3, 1, 2), torch.complex128, _g),
               "empty": random_bits((3, 0, 2), torch.float8_e5m2, _g), "bits": random_bits((5, 7), torch.uint64, _g)},
     "step": 3,
     "tagged": {"empty_bytes": b"", "frozen": frozenset({1, 2})},
@@ -159,7 +160,8 @@ NESTED_2D = (4, (2, 2), [  # always run: nested shards whose boundaries (3, 5, 8
     {"name": "nested", "shape": [10, 3], "dtype": torch.bfloat16, "seed": 1, "save": ["S0", "S0"], "load": ["S1", "R"]},
     {"name": "crossed", "shape": [3, 5], "dtype": torch.int64, "seed": 2, "save": ["S1", "S0"], "load": ["S0", "S0"]},
     {"name": "scalar", "shape": [], "dtype": torch.complex64, "seed": 3, "save": ["R", "R"], "load": ["R", "R"]},
-    {"name": "empty", "shape": [0, 4], "dtype": torch.float8_e4m3fn, "seed": 4, "save": ["S0", "S1"], "load": ["R", "S1"]},
+    {"name": "empty", "shape": [0, 4], "dtype": torch.float8_e4m3fn, "seed": 4, "save": ["S0", "S1"],
+     "load": ["R", "S1"]},
 ], 16)
 
 

@@ -161,7 +161,8 @@ def test_2d_meshes_load_at_one_and_three_ranks(tmp_path, layout):
 def replicated_save(rank, world_size, path):
     """Every rank holds the same plain tensors (DDP-style): DCP's deduplication must leave one writer each."""
     torch.manual_seed(0)
-    state = {"model": {"w": torch.randn(9, 4), "b": torch.randn(4)}, "optim": {"state": {"w": {"step": torch.tensor(0.0)}}}}
+    state = {"model": {"w": torch.randn(9, 4), "b": torch.randn(4)},
+             "optim": {"state": {"w": {"step": torch.tensor(0.0)}}}}
     writer = ZarrWriter(path)
     import torch.distributed.checkpoint as dcp
 
@@ -184,8 +185,8 @@ def plain_model_state(seed=0):
 
 
 def load_plain_into_fsdp2(rank, world_size, path):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     model = shard(make_model(seed=5), "fsdp2", world_size)
     state = {"model": get_model_state_dict(model)}
@@ -195,8 +196,8 @@ def load_plain_into_fsdp2(rank, world_size, path):
 
 
 def save_fsdp2_model(rank, world_size, path):
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model = shard(make_model(seed=0), "fsdp2", world_size)
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=ZarrWriter(path))

@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrWriter
-from dcp_zarr.tools.cli import main as cli_main
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
+from dcp_zarr.tools.cli import main as cli_main
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.models import load_fresh, train_and_save
@@ -78,7 +78,8 @@ def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_fo
 @pytest.mark.s3
 def test_verify_finds_a_corrupted_object(s3):
     url = fresh_url(s3, "corrupt")
-    dcp.save({"w": torch.arange(1000, dtype=torch.float32)}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+    dcp.save({"w": torch.arange(1000, dtype=torch.float32)},
+             storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
     fs = s3.filesystem()
     key = url.removeprefix("s3://") + "/w/c.0"
     data = bytearray(fs.cat_file(key))
@@ -152,7 +153,8 @@ def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
                "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}}
     start = time.monotonic()
 
-    with pytest.raises(ZarrCheckpointError, match=r"s3://ckpts/any\.zarr.*'zarr\.json'.*Could not connect to the endpoint"):
+    unreachable = r"s3://ckpts/any\.zarr.*'zarr\.json'.*Could not connect to the endpoint"
+    with pytest.raises(ZarrCheckpointError, match=unreachable):
         open_checkpoint("s3://ckpts/any.zarr", options)
 
     assert time.monotonic() - start < 10  # a store that never answered is not retried (it took 40 s before)

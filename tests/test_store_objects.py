@@ -71,7 +71,8 @@ def test_a_store_object_is_replaced_only_with_overwrite(s3):
     assert "overwrite=True" in str(causes(info.value)[0])
     assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.ones(3))
 
-    dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix), overwrite=True))
+    store = s3_store(s3.endpoint, s3.bucket, prefix)
+    dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=store, overwrite=True))
     assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.zeros(3))
 
 

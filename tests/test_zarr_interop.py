@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_zarr import ZarrReader, ZarrWriter
-from dcp_zarr.format.dtypes import tensor_as_numpy
 from dcp_zarr.checkpoint import open_checkpoint
+from dcp_zarr.format.dtypes import tensor_as_numpy
 from tests.support.ranks import run_ranks
 from tests.support.states import DTYPES, random_bits
 

@@ -80,7 +80,8 @@ CRASH_WRITER_OPTIONS = {"overwrite": True, "inner_chunk_bytes": 2048, "thread_co
 
 
 def save_program(rank: int, world_size: int, report, target: str, seed: int, kill: dict | None):
-    """Rank program of a crash trial: save ``sharded_state(seed)`` to ``target``; returns this rank's events in order."""
+    """Rank program of a crash trial: save ``sharded_state(seed)`` to ``target``; returns this rank's events, in
+    order."""
     from dcp_zarr import ZarrWriter
 
     state = sharded_state(seed, world_size)

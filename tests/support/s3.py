@@ -18,7 +18,8 @@ from tests.support import marks
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 # The same credentials in the environment, as users usually have them (tests/conftest.py's ``aws_environment``);
 # no real AWS account is ever reachable from the tests.
-AWS_ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+AWS_ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 class _InFlight:

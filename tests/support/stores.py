@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["chunk_files", "edit_root_manifest", "root_manifest", "tree_digest"]
 
