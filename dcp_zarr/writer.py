@@ -43,7 +43,7 @@ from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, commit, is_local, open_storage, store_objects
+from dcp_zarr.storage import Storage, commit, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.version import versions
 
@@ -149,13 +149,16 @@ class ZarrWriter(StorageWriter, WriterStaging):
         # before anything is written
         checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)
         self._nodes = nodes = node_paths(plans)
-        array_shards = self.store is None and is_local(self.path)  # several ranks writing one file: local files only
-        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes, array_shards=array_shards)
         self._world_size = len(plans)
         self.save_id = uuid.uuid4().hex[:12]
         # A store object is written in place, by each rank through its own store: the location is only a name.
         self._staging = self._target() if self.store is not None else commit.staging_location(self.path, self.save_id)
-        commit.prepare_staging(self._open(self._staging))
+        staging = self._open(self._staging)
+        # One shard file per array, filled by several ranks, needs a backend that writes parts of a file (local
+        # files do; an object is written whole, by one writer).
+        self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes,
+                                            array_shards=staging.writes_at_offsets)
+        commit.prepare_staging(staging)
         return [dataclasses.replace(plan, storage_data=assignment)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
 
