@@ -71,6 +71,18 @@ def test_without_keep_last_every_checkpoint_stays_and_steps_sort_numerically(tmp
         assert manager.path(20) == str(tmp_path / "step-00000020.zarr")
 
 
+def test_a_store_named_without_the_padding_is_a_step_too_and_loads(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_zarr import ZarrWriter
+
+    dcp.save(state(3), storage_writer=ZarrWriter(tmp_path / "step-3.zarr"))  # written by hand, not by a manager
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == [3] and saved_step(manager, 3) == 3
+        target = {"w": torch.zeros(4, 3), "meta": {"step": -1, "name": ""}}
+        assert manager.load(target) == 3 and target["meta"]["step"] == 3
+
+
 def test_loading_the_latest_resumes_and_returns_its_step(tmp_path):
     with CheckpointManager(tmp_path, keep_last=1) as manager:
         manager.save(1, state(1))

@@ -145,28 +145,34 @@ class CheckpointManager:
         """Load the latest complete checkpoint (or ``step``) into ``state_dict`` in place, at any world size; returns
         the step. ``planner`` defaults to ``ZarrLoadPlanner`` (any optimizer key form loads)."""
         self._check_open()
-        stores = self.root.step_stores() if self._rank == 0 else []
-        if step is None:
-            complete = [s.step for s in stores if s.complete]
-            step = self._from_rank0(complete[-1] if complete else None)  # every rank loads the one rank 0 found
-            if step is None:
-                raise StepNotFoundError(f"no complete checkpoint under {self.root.url} to load{_seen(stores)}")
-        else:
+        if step is not None:
             step = _checked_step(step, self.root.url)
-            found = self._from_rank0(any(s.step == step and s.complete for s in stores))
-            if not found:
-                raise StepNotFoundError(f"{self.root.url} has no complete checkpoint of step {step}; complete steps: "
-                                        f"{', '.join(str(s.step) for s in stores if s.complete) or 'none'}"
-                                        f"{_seen(stores)}")
+        # Rank 0 looks, every rank loads what it found (a listing elsewhere could race with a save in flight).
+        step, name, missing = self._from_rank0(self._find(step) if self._rank == 0 else None)
+        if missing:
+            raise StepNotFoundError(missing)
         with self._lock:
             self._in_use.add(step)
         try:
-            reader = ZarrReader(self.path(step), storage_options=self.storage_options, **self.reader_options)
+            reader = ZarrReader(self.root.location(name), storage_options=self.storage_options, **self.reader_options)
             dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else ZarrLoadPlanner())
         finally:
             with self._lock:
                 self._in_use.discard(step)
         return step
+
+    def _find(self, step: int | None) -> tuple[int | None, str | None, str | None]:
+        """(step, store name, None), or (None, None, why not) for ``step`` (None: the latest complete one)."""
+        stores = self.root.step_stores()
+        complete = {s.step: s.name for s in stores if s.complete}
+        if step is None:
+            if not complete:
+                return None, None, f"no complete checkpoint under {self.root.url} to load{_seen(stores)}"
+            step = max(complete)
+        if step not in complete:
+            return None, None, (f"{self.root.url} has no complete checkpoint of step {step}; complete steps: "
+                                f"{', '.join(map(str, sorted(complete))) or 'none'}{_seen(stores)}")
+        return step, complete[step], None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
