@@ -74,7 +74,7 @@ class CheckpointManager:
                 lease = Lease(self.root, timeout_s=lease_timeout_s)
                 lease.acquire()
                 self._lease = lease
-                self._clean()
+                self.root.clean_leftovers()  # nothing runs here now but what is gone: the lease says so
             except Exception as exc:  # every rank must hear of it, or the others would wait for rank 0 forever
                 failure = exc
         message = self._from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
@@ -229,7 +229,7 @@ class CheckpointManager:
 
     def _after_failure(self) -> None:
         if self._lease is not None:
-            self._clean()  # nothing of this manager's is in flight now: what the failed save left can go
+            self.root.clean_leftovers()  # nothing of this manager's is in flight now: what the failed save left can go
 
     def _apply_retention(self) -> None:
         complete = {s.step: s.name for s in self.root.step_stores() if s.complete}
@@ -239,11 +239,6 @@ class CheckpointManager:
         for step in doomed:
             self._lease.check()
             self.root.delete_step(step, complete[step])
-
-    def _clean(self) -> None:
-        """Remove what saves and deletions that are no longer running left behind (the lease says none is)."""
-        self.root.clean_leftovers()
-
 
 def _positive_or_none(name: str, value):
     if value is None:

@@ -40,6 +40,10 @@ _RECORD = re.compile(r"^(saving|deleting)-(\d+)\.json$")
 STEP_DIGITS = 8
 
 
+def _record_key(kind: str, step: int) -> str:
+    return f"{RECORDS}/{kind}-{step:0{STEP_DIGITS}d}.json"
+
+
 def step_name(step: int) -> str:
     """``step-00000042.zarr``: names sort by step up to 10**8 (larger steps still parse)."""
     return f"step-{step:0{STEP_DIGITS}d}.zarr"
@@ -86,14 +90,19 @@ class CheckpointRoot:
 
     def names(self) -> list[str]:
         """The names directly under the root (directories and objects, one level)."""
+        return self._list("")
+
+    def _list(self, directory: str) -> list[str]:
+        """The names directly under ``directory`` of the root (none if it does not exist), sorted."""
         if self.local:
-            return sorted(os.listdir(self.path))
+            path = os.path.join(self.path, directory)
+            return sorted(os.listdir(path)) if os.path.isdir(path) else []
         from zarr.core.sync import sync
 
         self._forget_listings()
 
         async def listing():
-            return [name async for name in self._store.list_dir("")]
+            return [name async for name in self._store.list_dir(directory)]
 
         return sorted(n.rstrip("/") for n in sync(listing()))
 
@@ -148,31 +157,17 @@ class CheckpointRoot:
     def records(self) -> list[tuple[str, int]]:
         """``("saving" | "deleting", step)`` for every record in ``.dcp-zarr/``."""
         found = []
-        for name in self._record_names():
+        for name in self._list(RECORDS):
             match = _RECORD.match(name)
             if match:
                 found.append((match.group(1), int(match.group(2))))
         return found
 
-    def _record_names(self) -> list[str]:
-        if self.local:
-            directory = os.path.join(self.path, RECORDS)
-            return sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-        from zarr.core.sync import sync
-
-        self._forget_listings()
-
-        async def listing():
-            return [name async for name in self._store.list_dir(RECORDS)]
-
-        return sorted(n.rstrip("/") for n in sync(listing()))
-
     def write_record(self, kind: str, step: int, document: dict) -> None:
-        key = f"{RECORDS}/{kind}-{step:0{STEP_DIGITS}d}.json"
-        self.write_json(key, document)
+        self.write_json(_record_key(kind, step), document)
 
     def remove_record(self, kind: str, step: int) -> None:
-        self._storage.remove(f"{RECORDS}/{kind}-{step:0{STEP_DIGITS}d}.json")
+        self._storage.remove(_record_key(kind, step))
 
     def write_json(self, key: str, document: dict) -> None:
         if self.local:
