@@ -24,6 +24,7 @@ from dcp_zarr.format.encoding import (
 )
 from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.storage import Storage
+from dcp_zarr.storage.base import StoredValue
 
 
 def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequence[int]
@@ -144,9 +145,17 @@ class RegionReader:
     def _read_piece(self, key: str, offset: int, length: int | None, shape: tuple[int, ...],
                     inside: tuple[slice, ...], target: np.ndarray, name: str) -> int:
         """Read one stored piece (a chunk, or an inner chunk of a shard), verify it, copy ``inside`` to ``target``."""
-        return self._read_run(key, [_Piece(offset, length, shape, inside, target, name)])
+        piece = _Piece(offset, length, shape, inside, target, name)
+        with self._open(key, self._where(piece)) as value:
+            return self._read_run(value, [piece])
 
-    def _read_run(self, key: str, pieces: list[_Piece]) -> int:
+    def _open(self, key: str, where: str) -> StoredValue:
+        try:
+            return self.storage.open_value(key)
+        except FileNotFoundError as exc:
+            raise CorruptChunkError(f"{where}: missing from the store") from exc
+
+    def _read_run(self, value: StoredValue, pieces: list[_Piece]) -> int:
         """Read pieces that lie back to back in one stored file (consecutive inner chunks of a shard) with one
         request, verify each, and copy each one's ``inside`` to its ``target``: on an object store every request is
         a round trip, so a region over 4 inner chunks is 1 ranged GET, not 4.
@@ -168,7 +177,7 @@ class RegionReader:
             buffers += [as_bytes(payload), memoryview(stored_crc)]
             scratch.append((payload, stored_crc, whole))
         try:
-            got = self.storage.read_range_into(key, pieces[0].offset, buffers)
+            got = value.read_range_into(pieces[0].offset, buffers)
         except FileNotFoundError as exc:
             raise CorruptChunkError(f"{self._where(pieces[0])}: missing from the store") from exc
         for piece, (payload, stored_crc, whole) in zip(pieces, scratch):
@@ -188,12 +197,12 @@ class RegionReader:
     def _shard_name(self, coords) -> str:
         return f"{self.storage.url}: array {self.node!r} shard {self.layout.chunk_key(coords)}"
 
-    def _index(self, key: str, coords) -> np.ndarray:
+    def _index(self, value: StoredValue, coords) -> np.ndarray:
         with self._lock:
             if coords in self._indexes:
                 return self._indexes[coords]
         try:
-            tail = self.storage.read_tail(key, shard_index_bytes(self.layout))
+            tail = value.read_tail(shard_index_bytes(self.layout))
         except FileNotFoundError as exc:
             raise CorruptChunkError(f"{self._shard_name(coords)}: missing from the store") from exc
         index = decode_shard_index(tail, self.layout, self._shard_name(coords))
@@ -202,8 +211,12 @@ class RegionReader:
         return index
 
     def _read_from_shard(self, key: str, coords, inside: tuple[slice, ...], target: np.ndarray) -> int:
+        with self._open(key, self._shard_name(coords)) as value:
+            return self._read_shard_pieces(value, self._index(value, coords), coords, inside, target)
+
+    def _read_shard_pieces(self, value: StoredValue, index: np.ndarray, coords, inside: tuple[slice, ...],
+                           target: np.ndarray) -> int:
         layout = self.layout
-        index = self._index(key, coords)
         inner = layout.inner_rows
         fetched = shard_index_bytes(layout)
         row_slice, rest = inside[0], inside[1:]
@@ -222,10 +235,10 @@ class RegionReader:
                            (slice(lo - i * inner, hi - i * inner), *rest),
                            target[lo - row_slice.start: hi - row_slice.start], name)
             if run and run_end != piece.offset:  # not back to back: a request of its own
-                fetched += self._read_run(key, run)
+                fetched += self._read_run(value, run)
                 run = []
             run.append(piece)
             run_end = int(offset) + int(length)
         if run:
-            fetched += self._read_run(key, run)
+            fetched += self._read_run(value, run)
         return fetched

@@ -99,6 +99,16 @@ def test_a_symlinked_array_directory_is_never_followed(store, tmp_path):
     assert isinstance(cause, UnsafeFileError) and "symbolic link" in str(cause), repr(cause)
 
 
+def test_a_symlinked_group_directory_is_never_followed_after_its_siblings_were_read(store, tmp_path):
+    """Directories are checked one lstat each and remembered: "model" read fine first must not vouch for "extra"."""
+    group = os.path.join(store, "extra")
+    outside = str(tmp_path / "outside-group")
+    shutil.move(group, outside)
+    os.symlink(outside, group)
+    cause = load_cause(store)
+    assert isinstance(cause, UnsafeFileError) and "symbolic link" in str(cause) and "extra" in str(cause), repr(cause)
+
+
 def test_a_directory_in_place_of_a_chunk_is_named(store):
     chunk = first_chunk(store, "model/b")
     os.remove(chunk)

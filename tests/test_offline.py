@@ -19,7 +19,7 @@ from dcp_zarr import (
     ZarrWriter,
 )
 from dcp_zarr.checkpoint import open_checkpoint
-from dcp_zarr.storage.local import LocalStorage
+from dcp_zarr.storage.local import LocalStorage, OpenFile
 from tests.support.compare import assert_state_equal
 from tests.support.models import train_and_save
 from tests.support.ranks import run_ranks
@@ -130,15 +130,31 @@ def test_inner_chunks_back_to_back_in_a_shard_are_read_with_one_request(saved, m
     (each inner chunk still checked by its own crc32c), after the index; on an object store each read is a round
     trip."""
     calls = []
-    original = LocalStorage.read_range_into
-    monkeypatch.setattr(LocalStorage, "read_range_into",
-                        lambda self, key, start, buffers: calls.append(key) or original(self, key, start, buffers))
+    original = OpenFile.read_range_into
+    monkeypatch.setattr(OpenFile, "read_range_into",
+                        lambda self, start, buffers: calls.append(self.key) or original(self, start, buffers))
     ckpt = open_checkpoint(saved[0])
 
     rows = ckpt.read_tensor("model.embed.weight", region=(slice(10, 59), slice(3, 40)))
 
     assert torch.equal(rows, saved[1]["model"]["embed.weight"][10:59, 3:40])
     assert calls == ["model/embed.weight/c.0.0"], calls
+
+
+def test_a_shards_index_and_its_inner_chunks_are_read_through_one_open_file(saved, monkeypatch):
+    """The index, then the run of inner chunks: one open of the shard file, not one per read (a load of 800 arrays
+    opened each shard twice)."""
+    opened = []
+    original = LocalStorage._open_for_reading
+    monkeypatch.setattr(LocalStorage, "_open_for_reading",
+                        lambda self, key: opened.append(key) or original(self, key))
+    ckpt = open_checkpoint(saved[0])
+    opened.clear()
+
+    rows = ckpt.read_tensor("model.embed.weight", region=(slice(10, 59), slice(3, 40)))
+
+    assert torch.equal(rows, saved[1]["model"]["embed.weight"][10:59, 3:40])
+    assert opened.count("model/embed.weight/c.0.0") == 1, opened
 
 
 def test_regions_follow_basic_indexing(saved):

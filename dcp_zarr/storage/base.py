@@ -9,6 +9,30 @@ from collections.abc import Sequence
 from dcp_zarr.errors import MetadataTooLargeError
 
 
+class StoredValue:
+    """Reads of one stored value through its storage's own calls (``Storage.open_value``); missing keys raise
+    ``FileNotFoundError`` at the first read."""
+
+    def __init__(self, storage: Storage, key: str):
+        self.storage = storage
+        self.key = key
+
+    def read_tail(self, length: int) -> bytes:
+        return self.storage.read_tail(self.key, length)
+
+    def read_range_into(self, start: int, buffers: list[memoryview]) -> int:
+        return self.storage.read_range_into(self.key, start, buffers)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> StoredValue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Storage(abc.ABC):
     """A flat key space (zarr's: ``model/w/c/0``, ``model/w/zarr.json``) under one checkpoint root."""
 
@@ -57,6 +81,11 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_tail(self, key: str, length: int) -> bytes:
         """The last ``length`` bytes (all of it if shorter)."""
+
+    def open_value(self, key: str) -> StoredValue:
+        """A handle for several reads of one value (a shard's index, then runs of its inner chunks): a backend that
+        pays per open (local files) opens it once. Use it as a context manager."""
+        return StoredValue(self, key)
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...

@@ -10,7 +10,7 @@ import stat
 from collections.abc import Sequence
 
 from dcp_zarr.errors import InvalidKeyError, UnsafeFileError
-from dcp_zarr.storage.base import Storage
+from dcp_zarr.storage.base import Storage, StoredValue
 
 # writev accepts at most IOV_MAX buffers per call (1024 on Linux).
 _IOV_MAX = getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -24,7 +24,6 @@ class LocalStorage(Storage):
         self.url = self.root
         self.sync_files = sync_files
         self._directories: set[str] = set()  # made already: one mkdir per directory, not one per file written
-        self._real_root = os.path.realpath(self.root)  # the root itself may be reached through a link
         self._safe_directories: set[str] = set()  # checked to hold no symbolic link below the root
 
     def _path(self, key: str) -> str:
@@ -84,14 +83,22 @@ class LocalStorage(Storage):
         return fd
 
     def _check_directory(self, directory: str, key: str) -> None:
-        """No directory between the root and ``key`` is a symbolic link (checked once per directory)."""
-        if directory in self._safe_directories:
-            return
-        inside = os.path.normpath(os.path.join(self._real_root, os.path.relpath(directory, self.root)))
-        if os.path.realpath(directory) != inside:
-            raise UnsafeFileError(f"{self.root}: a directory on the way to {key!r} is a symbolic link; files of a "
-                                  "checkpoint are never followed out of its directory")
-        self._safe_directories.add(directory)
+        """No directory between the root and ``key`` is a symbolic link: one ``lstat`` per directory not checked
+        before, about one per array (a ``realpath`` per array directory, an lstat per path component, took 13% of
+        a profiled load of 800 tensors)."""
+        unchecked = []
+        while directory != self.root and directory not in self._safe_directories:
+            unchecked.append(directory)
+            directory = os.path.dirname(directory)
+        for directory in reversed(unchecked):
+            try:
+                mode = os.lstat(directory).st_mode
+            except OSError:
+                return  # missing (or under a file): the open that follows says so, naming the file
+            if stat.S_ISLNK(mode):
+                raise UnsafeFileError(f"{self.root}: a directory on the way to {key!r} is a symbolic link; files of a "
+                                      "checkpoint are never followed out of its directory")
+            self._safe_directories.add(directory)
 
     def read(self, key: str) -> bytes:
         fd = self._open_for_reading(key)
@@ -111,32 +118,16 @@ class LocalStorage(Storage):
 
     def read_range_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
         # Straight into the caller's (destination tensor's) memory: no intermediate buffer to allocate and copy.
-        fd = self._open_for_reading(key)
-        try:
-            pending = [b for b in buffers if len(b)]
-            total = 0
-            while pending:
-                n = os.preadv(fd, pending, start + total)
-                if n == 0:
-                    break
-                total += n
-                while pending and n >= len(pending[0]):
-                    n -= len(pending[0])
-                    pending.pop(0)
-                if n:
-                    pending[0] = pending[0][n:]
-            return total
-        finally:
-            os.close(fd)
+        with self.open_value(key) as value:
+            return value.read_range_into(start, buffers)
 
     def read_tail(self, key: str, length: int) -> bytes:
-        fd = self._open_for_reading(key)
-        try:
-            size = os.fstat(fd).st_size
-            start = max(0, size - length)
-            return os.pread(fd, size - start, start)
-        finally:
-            os.close(fd)
+        with self.open_value(key) as value:
+            return value.read_tail(length)
+
+    def open_value(self, key: str) -> OpenFile:
+        """The file opened once (checked as ``_open_for_reading`` checks it); ``FileNotFoundError`` if absent."""
+        return OpenFile(self, key, self._open_for_reading(key))
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
@@ -159,6 +150,39 @@ class LocalStorage(Storage):
         """
         if self.sync_files and os.path.isdir(self.root):
             _syncfs(self.root)
+
+
+class OpenFile(StoredValue):
+    """A local file open for reading: a shard's index and its runs of inner chunks cost one open, not one each."""
+
+    def __init__(self, storage: LocalStorage, key: str, fd: int):
+        super().__init__(storage, key)
+        self.fd = fd
+
+    def read_range_into(self, start: int, buffers: list[memoryview]) -> int:
+        pending = [b for b in buffers if len(b)]
+        total = 0
+        while pending:
+            n = os.preadv(self.fd, pending, start + total)
+            if n == 0:
+                break
+            total += n
+            while pending and n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            if n:
+                pending[0] = pending[0][n:]
+        return total
+
+    def read_tail(self, length: int) -> bytes:
+        size = os.fstat(self.fd).st_size
+        start = max(0, size - length)
+        return os.pread(self.fd, size - start, start)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _syncfs(path: str) -> None:
