@@ -34,6 +34,27 @@ def describe_source(value) -> dict:
     return {"type": "unknown"}
 
 
+class SourceDescriptions:
+    """``describe_source`` once per kind of holder: the thousands of DTensors of one model share a mesh and
+    placements, so they share one description, which each rank's results then pickle once."""
+
+    def __init__(self) -> None:
+        self._known: dict = {}
+
+    def __call__(self, value) -> dict:
+        if isinstance(value, DTensor):
+            key: tuple = (DTENSOR, value.placements, value.device_mesh)
+        else:
+            key = (type(value),)
+        try:
+            return self._known[key]
+        except KeyError:
+            description = self._known[key] = describe_source(value)
+            return description
+        except TypeError:  # an unhashable placement or mesh: describe it alone
+            return describe_source(value)
+
+
 def summarize_sources(sources: list[dict]) -> dict:
     """The checkpoint's state_dict_type and the device meshes its DTensors lived on."""
     meshes = []
