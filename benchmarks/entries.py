@@ -9,8 +9,9 @@ ZarrWriter/ZarrReader against DCP's FileSystemWriter/Reader at its best thread c
 every tensor shrinks, so the per-entry cost (not the bytes) decides the time. Every kind and thread count runs in
 each round, in rotating order; medians of the slowest rank's times over ``--repeats`` rounds (one untimed round
 first). FileSystemWriter is timed at 1, 2, 4 and 8 threads and its best median is the peer; dcp_zarr at
-``--zarr-threads``. A null writer (stores nothing) gives ``dcp.save``'s own cost for these entries, which every writer
-pays: ``save_over_null_s`` is what each writer adds to it.
+``--zarr-threads`` (its default unless given; the first one listed is the one compared). A null writer (stores
+nothing) gives ``dcp.save``'s own cost for these entries, which every writer pays: ``save_over_null_s`` is what
+each writer adds to it.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class NullWriter(StorageWriter):
 
 def save(kind: str, threads: int, state_dict, path: str) -> None:
     if kind == "zarr":
-        writer = ZarrWriter(path, thread_count=threads)
+        writer = ZarrWriter(path, thread_count=threads) if threads else ZarrWriter(path)
     elif kind == "fs":
         writer = FileSystemWriter(path, thread_count=threads, sync_files=True)
     else:
@@ -103,7 +104,10 @@ def save(kind: str, threads: int, state_dict, path: str) -> None:
 
 
 def load(kind: str, threads: int, state_dict, path: str) -> None:
-    reader = ZarrReader(path, thread_count=threads) if kind == "zarr" else FileSystemReader(path)
+    if kind != "zarr":
+        reader = FileSystemReader(path)
+    else:
+        reader = ZarrReader(path, thread_count=threads) if threads else ZarrReader(path)
     dcp.load(state_dict, storage_reader=reader)
 
 
@@ -112,13 +116,20 @@ def main(argv=None) -> int:
     parser.add_argument("--count", type=int, default=800, help="tensors (default 800)")
     parser.add_argument("--entry-bytes", type=int, default=1 << 20, help="global bytes per tensor (default 1 MiB)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--zarr-threads", type=int, default=4)
+    parser.add_argument("--zarr-threads", default=None,
+                        help="ZarrWriter/ZarrReader thread counts, comma-separated (default: the writer's own "
+                             "default); the ratios use the first")
     parser.add_argument("--fs-threads", default="1,2,4,8", help="FileSystemWriter thread counts (default 1,2,4,8)")
     parser.add_argument("--target", default=None,
                         help="directory for the checkpoints (default: a temp dir in /dev/shm)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--owned", action="store_true",
                         help="plain tensors, each held by one rank (the small-tensor case), not sharded DTensors")
+    parser.add_argument("--keep-stores", action="store_true",
+                        help="delete the stores at the end, not each one after its load: on ext4 without a journal "
+                             "(this VM's disk) creating a file right after thousands were deleted scans the recently "
+                             "deleted inodes (benchmarks/reports/performance.md), which taxes the writer that made "
+                             "the most files")
     parser.add_argument("--quick", action="store_true", help="60 x 64 KiB, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
@@ -132,7 +143,8 @@ def run(args, rt) -> dict:
     base = args.target or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     root = os.path.join(base, "dcp-zarr-entries")
     fs_threads = [int(t) for t in args.fs_threads.split(",")]
-    peers = [("zarr", args.zarr_threads), ("null", 1)] + [("fs", t) for t in fs_threads]
+    zarr_threads = [int(t) for t in args.zarr_threads.split(",")] if args.zarr_threads else [0]  # 0: the default
+    peers = [("zarr", t) for t in zarr_threads] + [("null", 1)] + [("fs", t) for t in fs_threads]
     times: dict[str, list[float]] = {f"{op}/{k}/{t}": [] for op in ("save", "load") for k, t in peers
                                      if (op, k) != ("load", "null")}
     files: dict[str, dict] = {}
@@ -158,19 +170,22 @@ def run(args, rt) -> dict:
                 times[f"load/{kind}/{threads}"].append(load_time.max_s)
             if rt.rank == 0:
                 files.setdefault(kind, footprint(path))
-                shutil.rmtree(path)
+                if not args.keep_stores:
+                    shutil.rmtree(path)
             dist.barrier()
     medians = {name: statistics.median(values) for name, values in times.items()}
     best_fs = {op: min(medians[f"{op}/fs/{t}"] for t in fs_threads) for op in ("save", "load")}
-    zarr = {op: medians[f"{op}/zarr/{args.zarr_threads}"] for op in ("save", "load")}
+    zarr = {op: medians[f"{op}/zarr/{zarr_threads[0]}"] for op in ("save", "load")}
     nbytes = sum(_local(v).numel() * v.element_size() for v in state_dict.values())
     nbytes = int(sum(gather_floats(nbytes)))
     if rt.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     return {
-        "world_size": rt.world_size, "owned": args.owned, "count": args.count, "entry_bytes": args.entry_bytes,
+        "zarr_threads": zarr_threads, "world_size": rt.world_size, "owned": args.owned, "count": args.count,
+        "entry_bytes": args.entry_bytes,
         "bytes": nbytes,
-        "target": base, "torch": torch.__version__, "repeats": args.repeats, "medians_s": medians,
+        "target": base, "keep_stores": args.keep_stores, "torch": torch.__version__, "repeats": args.repeats,
+        "medians_s": medians,
         "samples_s": times, "files": files,
         "save_speedup_zarr_vs_best_fs": best_fs["save"] / zarr["save"],
         # time each writer adds to dcp.save's own cost (the null writer's), and their ratio
