@@ -17,6 +17,7 @@ each writer adds to it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -93,11 +94,45 @@ class NullWriter(StorageWriter):
         return None
 
 
+class RawWriter(NullWriter):
+    """Each rank ``pwrite``s every item's bytes into one file of its own, and nothing else (no checksum, no
+    metadata, no fsync): the least any writer that stores the bytes once adds to ``dcp.save``'s own cost.
+    Not loadable."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        os.makedirs(self.path, exist_ok=True)
+
+    def write_data(self, plan, planner):
+        results = []
+        fd = os.open(os.path.join(self.path, f"rank{dist.get_rank()}"), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            offset = 0
+            for item in plan.items:
+                data = _local(planner.resolve_data(item)).numpy().data.cast("B")
+                os.pwrite(fd, data, offset)
+                offset += len(data)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=None))
+        finally:
+            os.close(fd)
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+
+# Writers that store nothing loadable: saved only.
+SAVE_ONLY = ("null", "raw")
+
+
 def save(kind: str, threads: int, state_dict, path: str) -> None:
     if kind == "zarr":
         writer = ZarrWriter(path, thread_count=threads) if threads else ZarrWriter(path)
     elif kind == "fs":
         writer = FileSystemWriter(path, thread_count=threads, sync_files=True)
+    elif kind == "raw":
+        writer = RawWriter(path)
     else:
         writer = NullWriter()
     dcp.save(state_dict, storage_writer=writer)
@@ -130,6 +165,10 @@ def main(argv=None) -> int:
                              "(this VM's disk) creating a file right after thousands were deleted scans the recently "
                              "deleted inodes (benchmarks/reports/performance.md), which taxes the writer that made "
                              "the most files")
+    parser.add_argument("--raw", action="store_true",
+                        help="also time a raw writer: one pwrite per item into a file per rank, nothing else")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() around every timed save and load (every writer alike)")
     parser.add_argument("--quick", action="store_true", help="60 x 64 KiB, 1 repeat")
     args = parser.parse_args(argv)
     if args.quick:
@@ -138,15 +177,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def frozen(operation, freeze: bool):
+    """``operation``, with ``gc.freeze()`` around it when asked: the objects alive before it are then left out of
+    every garbage collection it triggers, as a training loop that manages the collector itself (torchtitan turns
+    automatic collection off) would have them; ``gc.unfreeze()`` after."""
+    if not freeze:
+        return operation
+
+    def run_frozen():
+        gc.freeze()
+        try:
+            return operation()
+        finally:
+            gc.unfreeze()
+
+    return run_frozen
+
+
 def run(args, rt) -> dict:
     state_dict = build_state_dict(args.count, args.entry_bytes, rt.mesh, args.owned)
     base = args.target or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     root = os.path.join(base, "dcp-zarr-entries")
     fs_threads = [int(t) for t in args.fs_threads.split(",")]
     zarr_threads = [int(t) for t in args.zarr_threads.split(",")] if args.zarr_threads else [0]  # 0: the default
-    peers = [("zarr", t) for t in zarr_threads] + [("null", 1)] + [("fs", t) for t in fs_threads]
+    peers = ([("zarr", t) for t in zarr_threads] + [("null", 1)] + ([("raw", 1)] if args.raw else [])
+             + [("fs", t) for t in fs_threads])
     times: dict[str, list[float]] = {f"{op}/{k}/{t}": [] for op in ("save", "load") for k, t in peers
-                                     if (op, k) != ("load", "null")}
+                                     if op == "save" or k not in SAVE_ONLY}
     files: dict[str, dict] = {}
     if rt.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -156,13 +213,18 @@ def run(args, rt) -> dict:
         order = peers[repeat % len(peers):] + peers[:repeat % len(peers)]
         for kind, threads in order:
             path = os.path.join(root, f"{kind}-{threads}-{repeat}")
-            elapsed, _ = timed_region(lambda: save(kind, threads, state_dict, path), rt.device)
-            if kind == "null":
+            elapsed, _ = timed_region(frozen(lambda: save(kind, threads, state_dict, path), args.gc_freeze),
+                                      rt.device)
+            if kind in SAVE_ONLY:
                 if repeat:
-                    times["save/null/1"].append(elapsed.max_s)
+                    times[f"save/{kind}/1"].append(elapsed.max_s)
+                if rt.rank == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+                dist.barrier()
                 continue
             loaded = {k: torch.zeros_like(v) for k, v in state_dict.items()}
-            load_time, _ = timed_region(lambda: load(kind, threads, loaded, path), rt.device)
+            load_time, _ = timed_region(frozen(lambda: load(kind, threads, loaded, path), args.gc_freeze),
+                                        rt.device)
             if not all(torch.equal(_local(loaded[k]), _local(v)) for k, v in state_dict.items()):
                 raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
             if repeat:
@@ -184,7 +246,8 @@ def run(args, rt) -> dict:
         "zarr_threads": zarr_threads, "world_size": rt.world_size, "owned": args.owned, "count": args.count,
         "entry_bytes": args.entry_bytes,
         "bytes": nbytes,
-        "target": base, "keep_stores": args.keep_stores, "torch": torch.__version__, "repeats": args.repeats,
+        "target": base, "keep_stores": args.keep_stores, "gc_freeze": args.gc_freeze, "torch": torch.__version__,
+        "repeats": args.repeats,
         "medians_s": medians,
         "samples_s": times, "files": files,
         "save_speedup_zarr_vs_best_fs": best_fs["save"] / zarr["save"],
