@@ -25,9 +25,9 @@ def default_thread_count() -> int:
     mask shared by the ranks on this host, ``LOCAL_WORLD_SIZE`` as torchrun sets it), 1 to ``MAX_DEFAULT_THREADS``.
 
     Local writes and reads are CPU work (copies and checksums); threads beyond a rank's share of the cores only add
-    switching: on 2 cores with 2 ranks, 4 threads each cost rank 0 ~0.1 s more CPU per 800 x 1 MiB save than 1
-    (benchmarks/reports/performance.md). Object stores keep many requests in flight regardless
-    (``Storage.requests_in_flight``).
+    switching: on 2 cores with 2 ranks, 4 threads each cost rank 0 about 0.1 s more CPU per 800 x 1 MiB save than 1,
+    for the same wall time within noise (benchmarks/reports/performance.md). Object stores keep many requests in
+    flight regardless (``Storage.requests_in_flight``).
     """
     try:
         cores = len(os.sched_getaffinity(0))
