@@ -167,15 +167,36 @@ def test_zarr_kind_without_dcp_zarr_fails_with_a_clear_message(tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_entries_quick_times_every_writer_and_counts_files(tmp_path):
+    """entries.py --quick on 2 ranks, with the raw writer, two zarr thread counts, kept stores and a frozen collector:
+    every kind is timed, the zarr store is 2 files per array (60 arrays + the root), and nothing is left behind."""
+    out = tmp_path / "e.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(BENCHMARKS / "entries.py"), "--quick", "--raw", "--zarr-threads", "0,2", "--fs-threads", "1",
+         "--keep-stores", "--gc-freeze", "--target", str(tmp_path / "t"), "--out", str(out)],
+        cwd=REPO_ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert set(result["medians_s"]) == {"save/zarr/0", "save/zarr/2", "save/null/1", "save/raw/1", "save/fs/1",
+                                        "load/zarr/0", "load/zarr/2", "load/fs/1"}
+    assert all(t > 0 for t in result["medians_s"].values())
+    assert result["files"]["zarr"]["files"] == 2 * 60 + 1 and result["keep_stores"] and result["gc_freeze"]
+    assert result["zarr_threads"] == [0, 2]
+    assert list((tmp_path / "t").iterdir()) == [], "every store is removed at the end"
+
+
 def test_file_ops_reports_every_operation_and_leaves_nothing_behind(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "file_ops.py"), "--target", str(tmp_path), "--count", "20",
                            "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"{tmp_path}: 20 operations per run")
-    timings = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in lines[1:]}
-    assert set(timings) == {"mkdir", "create + write 2 KiB", "one zarr array (2 mkdir, 2 files)"}
-    assert all(t > 0 for t in timings.values())
+    timings = {line.rsplit(None, 2)[0].strip(): [float(t) for t in line.split()[-2:]] for line in lines[1:]}
+    assert set(timings) == {"mkdir", "create + write 2 KiB", "one zarr array (mkdir, 2 files)"}
+    assert all(fresh > 0 and after > 0 for fresh, after in timings.values())
     assert list(tmp_path.iterdir()) == [], "every timed directory is removed"
 
 
