@@ -29,7 +29,7 @@ from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.entry_reader import stored_value, tensor_reader
 from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, read_manifest
-from dcp_zarr.scheduler import default_thread_count, run_jobs
+from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
@@ -48,8 +48,7 @@ class ZarrReader(StorageReader):
         store: a zarr store object instead of ``path`` (``zarr.storage.ObjectStore``, ``FsspecStore``, ...); each
             rank passes its own.
         storage_options: passed to fsspec for URLs.
-        thread_count: concurrent chunk reads per rank (default: one per core this rank may use, at most 4;
-            ``scheduler.default_thread_count``).
+        thread_count: concurrent chunk reads per rank.
         safe_globals: extra types that non-tensor values saved as ``torch.save`` bytes may contain (numpy arrays,
             your own classes); passed to ``torch.serialization.safe_globals``. Nothing else from the store is
             ever unpickled.
@@ -57,14 +56,14 @@ class ZarrReader(StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
-                 thread_count: int | None = None,
+                 thread_count: int = 4,
                  safe_globals: list | None = None, retry: RetryPolicy | None = None):
         self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)
         self.retry = retry
         self._retrying = Retrying(retry)  # shared by every storage this reader opens (retry.py)
         self.safe_globals = list(safe_globals or [])
         self.storage_options = storage_options
-        self.thread_count = default_thread_count() if thread_count is None else max(1, int(thread_count))
+        self.thread_count = max(1, int(thread_count))
         self.manifest: Manifest | None = None
         self.bytes_read = 0
 

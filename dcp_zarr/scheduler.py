@@ -6,7 +6,6 @@ A checkpoint of 5,000 small tensors is 5,000 chunk writes; a Future per write co
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,28 +15,6 @@ from typing import TypeVar
 T = TypeVar("T")
 
 BATCH_BYTES = 1 << 20
-# The most IO threads a rank uses by default, however many cores it has.
-MAX_DEFAULT_THREADS = 4
-
-
-def default_thread_count() -> int:
-    """IO threads per rank when the caller names none: one per core this rank may use (the cores in its affinity
-    mask shared by the ranks on this host, ``LOCAL_WORLD_SIZE`` as torchrun sets it), 1 to ``MAX_DEFAULT_THREADS``.
-
-    Local writes and reads are CPU work (copies and checksums); threads beyond a rank's share of the cores only add
-    switching: on 2 cores with 2 ranks, 4 threads each cost rank 0 about 0.1 s more CPU per 800 x 1 MiB save than 1,
-    for the same wall time within noise (benchmarks/reports/performance.md). Object stores keep many requests in
-    flight regardless (``Storage.requests_in_flight``).
-    """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(MAX_DEFAULT_THREADS, cores // local_ranks))
 
 
 def run_jobs(jobs: Sequence[tuple[int, Callable[[], T]]], thread_count: int, batch_bytes: int = BATCH_BYTES,

@@ -41,7 +41,7 @@ from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
 from dcp_zarr.format.values import NotJSONError, encode_value
 from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
-from dcp_zarr.scheduler import default_thread_count, run_jobs
+from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.staging import WriterStaging
 from dcp_zarr.storage import Storage, commit, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
@@ -65,8 +65,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             ``MemoryStore``, ``LocalStore``): each rank passes its own. Committed as on an object store (the root
             ``zarr.json`` last, in place), except a ``LocalStore``, which is saved as its directory path would be.
         storage_options: passed to fsspec for URLs (credentials, ``endpoint_url``, ...).
-        thread_count: concurrent chunk writes per rank (default: one per core this rank may use, at most 4;
-            ``scheduler.default_thread_count``).
+        thread_count: concurrent chunk writes per rank.
         sync_files: fsync chunks and directories before the commit (local paths).
         overwrite: replace a checkpoint already at ``path`` (after the new one is complete, locally).
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
@@ -80,7 +79,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
-                 thread_count: int | None = None,
+                 thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None):
@@ -88,7 +87,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
         self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
         self.storage_options = storage_options
-        self.thread_count = default_thread_count() if thread_count is None else max(1, int(thread_count))
+        self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import pytest
 
-from dcp_zarr.scheduler import MAX_DEFAULT_THREADS, default_thread_count, run_jobs
+from dcp_zarr.scheduler import run_jobs
 
 
 class Tracker:
@@ -117,19 +116,3 @@ def test_an_error_on_a_single_thread_propagates():
 
     with pytest.raises(OSError, match="disk full"):
         run_jobs([(1, lambda: 1), (1, failing)], 1)
-
-
-def test_the_default_thread_count_is_this_ranks_share_of_its_cores(monkeypatch):
-    """One thread per core this rank may use: its affinity mask shared by the ranks on the host, 1 to 4."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert default_thread_count() == 1
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert default_thread_count() == 2
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert default_thread_count() == MAX_DEFAULT_THREADS
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")  # more ranks than cores: still one thread
-    assert default_thread_count() == 1
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
-    assert default_thread_count() == MAX_DEFAULT_THREADS

@@ -89,7 +89,10 @@ class LocalStorage(Storage):
         unchecked = []
         while directory != self.root and directory not in self._safe_directories:
             unchecked.append(directory)
-            directory = os.path.dirname(directory)
+            parent = os.path.dirname(directory)
+            if parent == directory:  # _path keeps every key under the root; never walk past "/"
+                raise InvalidKeyError(f"{self.root}: key {key!r} is not inside the checkpoint directory")
+            directory = parent
         for directory in reversed(unchecked):
             try:
                 mode = os.lstat(directory).st_mode
