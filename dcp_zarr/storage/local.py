@@ -52,11 +52,7 @@ class LocalStorage(Storage):
             while pending:
                 written = os.pwritev(fd, pending[:_IOV_MAX], offset)
                 offset += written
-                while pending and written >= len(pending[0]):
-                    written -= len(pending[0])
-                    pending.pop(0)
-                if written:
-                    pending[0] = pending[0][written:]
+                _consume(pending, written)
         except OSError as exc:
             exc.filename = exc.filename or path  # pwritev's ENOSPC / EFBIG / EIO do not say which file
             raise
@@ -155,6 +151,15 @@ class LocalStorage(Storage):
             _syncfs(self.root)
 
 
+def _consume(pending: list[memoryview], done: int) -> None:
+    """Drop the first ``done`` bytes from ``pending`` after a partial ``pwritev``/``preadv``."""
+    while pending and done >= len(pending[0]):
+        done -= len(pending[0])
+        pending.pop(0)
+    if done:
+        pending[0] = pending[0][done:]
+
+
 class OpenFile(StoredValue):
     """A local file open for reading: a shard's index and its runs of inner chunks cost one open, not one each."""
 
@@ -170,11 +175,7 @@ class OpenFile(StoredValue):
             if n == 0:
                 break
             total += n
-            while pending and n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            if n:
-                pending[0] = pending[0][n:]
+            _consume(pending, n)
         return total
 
     def read_tail(self, length: int) -> bytes:
