@@ -72,16 +72,15 @@ def inner_chunk_runs(layout: ChunkLayout, first_row: int, rows: int, itemsize: i
         yield (first_row + start) // inner, slice(start, min(rows, start + step))
 
 
-def write_inner_chunks(storage: Storage, key: str, data: np.ndarray, first_inner: int, layout: ChunkLayout) -> None:
-    """Encode whole inner chunks of an array-spanning shard and write them where they lie in its file."""
-    storage.write_at(key, first_inner * inner_chunk_stored_bytes(layout, data.itemsize),
-                     encode_inner_chunks(data, layout))
-
-
-def write_full_shard_index(storage: Storage, key: str, layout: ChunkLayout, itemsize: int) -> None:
-    """The index at the end of an array-spanning shard: one rank writes it (the ranks' runs fill the rest)."""
-    offset = layout.inner_chunks_per_chunk * inner_chunk_stored_bytes(layout, itemsize)
-    storage.write_at(key, offset, full_shard_index(layout, itemsize))
+def write_inner_chunks(storage: Storage, key: str, data: np.ndarray, first_inner: int, layout: ChunkLayout,
+                       with_index: bool = False) -> None:
+    """Encode whole inner chunks of an array-spanning shard and write them where they lie in its file; with
+    ``with_index`` (the run holding the shard's last inner chunk) the shard's index too, which comes right after
+    that chunk: one write, not a second open and write of the file."""
+    buffers = encode_inner_chunks(data, layout)
+    if with_index:
+        buffers += full_shard_index(layout, data.itemsize)
+    storage.write_at(key, first_inner * inner_chunk_stored_bytes(layout, data.itemsize), buffers)
 
 
 class _Piece(NamedTuple):

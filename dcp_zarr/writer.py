@@ -28,7 +28,6 @@ from dcp_zarr.chunk_io import (
     chunks_of_box,
     inner_chunk_runs,
     write_chunk,
-    write_full_shard_index,
     write_inner_chunks,
 )
 from dcp_zarr.entry_reader import untrusted_types
@@ -189,8 +188,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 offsets = tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
                 if spec.layout.spans_array and storage.writes_at_offsets:
-                    written, shard_jobs = _array_shard_jobs(storage, spec, tensor, offsets[0],
-                                                            item.index.fqn in assignment.describes)
+                    written, shard_jobs = _array_shard_jobs(storage, spec, tensor, offsets[0])
                     chunk_keys.extend(written)
                     jobs.extend(shard_jobs)
                     if not _on_host(tensor):
@@ -288,11 +286,11 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-def _array_shard_jobs(storage, spec: ArraySpec, tensor: torch.Tensor, first_row: int, writes_index: bool
+def _array_shard_jobs(storage, spec: ArraySpec, tensor: torch.Tensor, first_row: int
                       ) -> tuple[list[str], list[tuple[int, partial]]]:
-    """This rank's writes into an array-spanning shard: runs of its inner chunks at their offsets, and the index if
-    this rank writes the array's metadata. Also what it writes, ``"node/c.0.0#3"`` per inner chunk, so tests can
-    prove that no inner chunk is written by two ranks."""
+    """This rank's writes into an array-spanning shard: runs of its inner chunks at their offsets, the index with
+    the shard's last inner chunk (it follows that chunk in the file). Also what it writes, ``"node/c.0.0#3"`` per
+    inner chunk, so tests can prove that no inner chunk is written by two ranks."""
     layout = spec.layout
     key = f"{spec.node}/{layout.chunk_key((0,) * len(layout.shape))}"
     host = tensor_as_numpy(tensor) if _on_host(tensor) else None
@@ -303,18 +301,18 @@ def _array_shard_jobs(storage, spec: ArraySpec, tensor: torch.Tensor, first_row:
     for first, rows in inner_chunk_runs(layout, first_row, held_rows, spec.itemsize, _SHARD_RUN_BYTES):
         count = -(-(rows.stop - rows.start) // layout.inner_rows)
         written.extend(f"{key}#{i}" for i in range(first, first + count))
-        job = (partial(write_inner_chunks, storage, key, host[rows], first, layout) if host is not None else
-               partial(_write_rows_from_device, storage, key, tensor, rows, first, layout))
+        with_index = first + count == layout.inner_chunks_per_chunk
+        if with_index:
+            written.append(f"{key}#index")
+        job = (partial(write_inner_chunks, storage, key, host[rows], first, layout, with_index) if host is not None
+               else partial(_write_rows_from_device, storage, key, tensor, rows, first, layout, with_index))
         jobs.append(((rows.stop - rows.start) * row_bytes, job))
-    if writes_index:
-        written.append(f"{key}#index")
-        jobs.append((0, partial(write_full_shard_index, storage, key, layout, spec.itemsize)))
     return written, jobs
 
 
 def _write_rows_from_device(storage, key: str, tensor: torch.Tensor, rows: slice, first: int,
-                            layout: ChunkLayout) -> None:
-    write_inner_chunks(storage, key, tensor_as_numpy(tensor[rows].to("cpu")), first, layout)
+                            layout: ChunkLayout, with_index: bool) -> None:
+    write_inner_chunks(storage, key, tensor_as_numpy(tensor[rows].to("cpu")), first, layout, with_index)
 
 
 def _region_bytes(tensor: torch.Tensor, region: tuple[slice, ...]) -> int:

@@ -44,7 +44,7 @@ class LocalStorage(Storage):
         path = self._path(key)
         directory = os.path.dirname(path)
         if directory not in self._directories:
-            os.makedirs(directory, exist_ok=True)
+            _make_directory(directory)
             self._directories.add(directory)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
         try:
@@ -149,6 +149,18 @@ class LocalStorage(Storage):
         """
         if self.sync_files and os.path.isdir(self.root):
             _syncfs(self.root)
+
+
+def _make_directory(directory: str) -> None:
+    """``os.makedirs(directory, exist_ok=True)`` in one ``mkdir`` when the parent exists, which is nearly always:
+    makedirs adds a ``stat`` of the parent, and another when the directory exists (every rank makes every array's
+    directory it writes into, so most calls find it made)."""
+    try:
+        os.mkdir(directory)
+    except FileExistsError:
+        pass  # a directory (or, if not, the open that follows fails naming the file)
+    except FileNotFoundError:
+        os.makedirs(directory, exist_ok=True)
 
 
 def _consume(pending: list[memoryview], done: int) -> None:
