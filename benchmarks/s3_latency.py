@@ -9,8 +9,10 @@ FsspecWriter/FsspecReader, with the requests each one makes counted by method.
 This process runs the S3 server (moto, from the test extras) behind a middleware that sleeps ``--latency-ms`` before
 every request and counts requests; the sleeps of concurrent requests overlap, so it models a distant server, not a
 slow one. The ranks (``torchrun``, launched from here) set the latency and read the counts through the middleware's
-``/__bench__/`` path. Each round saves and loads with every kind, in rotating order; one untimed round first; medians
-of the slowest rank's times.
+``/__bench__/`` path, which also reports the server's CPU time per operation (``server_cpu_medians_s``): moto serves
+in Python under one GIL, so a figure near an operation's wall time means the server, not the client, set its pace.
+Each round saves and loads with every kind, in rotating order; one untimed round first; medians of the slowest
+rank's times.
 
 Kinds: ``fsspec`` (DCP's FsspecWriter/Reader) and one dcp_zarr kind per ``--backends`` entry: ``zarr`` (a URL, so
 zarr's FsspecStore over s3fs) and ``zarr-obstore`` (``store=zarr.storage.ObjectStore(obstore S3Store)``, built on
@@ -47,6 +49,7 @@ class LatencyAndCounts:
         self.latency_s = 0.0
         self.counts: Counter = Counter()
         self.lock = threading.Lock()
+        self.cpu_at_reset = time.process_time()
 
     def __call__(self, environ, start_response):
         path = environ.get("PATH_INFO", "")
@@ -62,9 +65,13 @@ class LatencyAndCounts:
         if path == "/__bench__/latency":
             self.latency_s = float(query.removeprefix("ms=")) / 1000
         with self.lock:
-            body = json.dumps(dict(self.counts)).encode()
+            # the server's CPU since the last reset: this process does nothing else, and moto serves requests in
+            # Python, one at a time under the GIL, so a figure near the operation's wall time means a saturated server
+            body = json.dumps({"methods": dict(self.counts),
+                               "server_cpu_s": time.process_time() - self.cpu_at_reset}).encode()
             if path == "/__bench__/reset":
                 self.counts.clear()
+                self.cpu_at_reset = time.process_time()
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
         return [body]
 
@@ -124,6 +131,7 @@ def measure(args, rt) -> dict:
     latencies = [float(x) for x in args.latency_ms.split(",")]
     times: dict[str, list[float]] = {}
     requests: dict[str, dict] = {}
+    server_cpu: dict[str, list[float]] = {}
 
     kinds = tuple(ZARR_KINDS[b] for b in args.backends.split(",")) + ("fsspec",)
 
@@ -145,12 +153,15 @@ def measure(args, rt) -> dict:
             reader = FsspecReader(url, **options)
         dcp.load(target, storage_reader=reader)
 
-    def counted(name: str, fn) -> float:
+    def counted(name: str, fn, timed: bool) -> float:
         if rt.rank == 0:
             control(args.endpoint, "reset")
         elapsed, _ = timed_region(fn, rt.device)
         if rt.rank == 0:
-            requests.setdefault(name, control(args.endpoint, "counts"))
+            report = control(args.endpoint, "counts")
+            requests.setdefault(name, report["methods"])
+            if timed:
+                server_cpu.setdefault(name, []).append(report["server_cpu_s"])
         return elapsed.max_s
 
     for latency in latencies:
@@ -162,9 +173,9 @@ def measure(args, rt) -> dict:
             for kind in kinds[turn:] + kinds[:turn]:
                 url = f"s3://{BUCKET}/{kind}-{latency:g}ms-{repeat}"
                 name = f"{kind}/{latency:g}ms"
-                save_s = counted(f"save/{name}", lambda: save(kind, url))
+                save_s = counted(f"save/{name}", lambda: save(kind, url), timed=repeat > 0)
                 target = zeroed_copy(state_dict)
-                load_s = counted(f"load/{name}", lambda: load(kind, url, target))
+                load_s = counted(f"load/{name}", lambda: load(kind, url, target), timed=repeat > 0)
                 if not locally_equal(target, state_dict):
                     raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
                 if repeat:
@@ -179,7 +190,8 @@ def measure(args, rt) -> dict:
               for op in ("save", "load") for lat in latencies for kind in kinds if kind != "fsspec"}
     return {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
             "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
-            "medians_s": medians, "samples_s": times, "requests": requests, **ratios}
+            "medians_s": medians, "samples_s": times, "requests": requests,
+            "server_cpu_medians_s": {name: statistics.median(v) for name, v in server_cpu.items()}, **ratios}
 
 
 def _obstore(url: str, endpoint: str):
