@@ -27,19 +27,14 @@ from dcp_zarr.storage import Storage
 MAX_ARRAY_METADATA_BYTES = 1 << 20
 
 
-def tensor_reader(storage: Storage, entry: Entry, fqn: str) -> RegionReader:
-    """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest."""
+def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | None = None) -> RegionReader:
+    """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest: the copy in the
+    root's consolidated metadata when given (``Manifest.node_documents``), else the array's own, read here."""
     if not isinstance(entry, TensorEntry):
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry.kind}, not a tensor")
     node = entry.node
-    try:
-        array_doc = storage.read_json(f"{node}/zarr.json", max_bytes=MAX_ARRAY_METADATA_BYTES)
-    except FileNotFoundError:
-        raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
-    except MalformedMetadataError:
-        raise
-    except (ValueError, RecursionError) as exc:
-        raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
+    if array_doc is None:
+        array_doc = array_document(storage, node, fqn)
     layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
     if layout.shape != entry.shape:
         raise MalformedMetadataError(
@@ -59,6 +54,18 @@ def tensor_reader(storage: Storage, entry: Entry, fqn: str) -> RegionReader:
                 f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
                 f"but a {entry.dtype} entry is stored with {expected[field]!r}")
     return RegionReader(storage, node, layout, np_dtype)
+
+
+def array_document(storage: Storage, node: str, fqn: str) -> dict:
+    """The array's own zarr.json (size-limited: it is a few hundred bytes)."""
+    try:
+        return storage.read_json(f"{node}/zarr.json", max_bytes=MAX_ARRAY_METADATA_BYTES)
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{storage.url}: array {node!r} of entry {fqn!r} has no zarr.json") from None
+    except MalformedMetadataError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise MalformedMetadataError(f"{storage.url}: array {node!r}: zarr.json is not valid JSON ({exc})") from None
 
 
 def stored_value(storage: Storage, entry: Entry, fqn: str, safe_globals: list, how_to_allow: str):

@@ -112,9 +112,11 @@ class ZarrReader(StorageReader):
     def _tensor_readers(self, storage: Storage, plan: LoadPlan) -> dict[str, RegionReader]:
         """A checked RegionReader per tensor the plan reads. Each reads its array's zarr.json: concurrently, as one
         after another they would be a round trip per tensor (seconds for a few hundred tensors on an object store)."""
-        entries = self._read_manifest().entries
+        manifest = self._read_manifest()
+        entries, documents = manifest.entries, manifest.node_documents
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in plan.items if item.type != LoadItemType.BYTE_IO))
-        found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn)) for fqn in fqns],
+        found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn, documents.get(entries[fqn].node)))
+                          for fqn in fqns],
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
         return dict(zip(fqns, found))
 
@@ -166,7 +168,8 @@ class ZarrReader(StorageReader):
         if not isinstance(entry, TensorEntry):
             return torch.load(io.BytesIO(_value_bytes(storage, entry, fqn, self.safe_globals)), weights_only=True)
         tensor = torch.empty(entry.shape, dtype=torch_dtype_from_name(entry.dtype))
-        self.bytes_read += tensor_reader(storage, entry, fqn).read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
+        reader = tensor_reader(storage, entry, fqn, self.manifest.node_documents.get(entry.node))
+        self.bytes_read += reader.read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
         return tensor
 
 

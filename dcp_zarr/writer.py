@@ -32,6 +32,8 @@ from dcp_zarr.chunk_io import (
 )
 from dcp_zarr.entry_reader import untrusted_types
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
+from dcp_zarr.format.consolidated import KEY as CONSOLIDATED_KEY
+from dcp_zarr.format.consolidated import consolidated
 from dcp_zarr.format.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
@@ -242,12 +244,14 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 entries[fqn] = ValueEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["value"])
             else:
                 entries[fqn] = ObjectEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["object_nbytes"])
-        documents = {f"{group}/zarr.json": group_metadata()
-                     for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
-        run_jobs([(0, partial(storage.write_json, key, doc)) for key, doc in documents.items()],
+        groups = {group: group_metadata()
+                  for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
+        run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
                  storage.requests_in_flight(self.thread_count), storage.batch_bytes)
         manifest = self._manifest(entries, key_order=list(paths))
-        storage.write_json(ROOT_KEY, group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}))
+        root = group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()})
+        root[CONSOLIDATED_KEY] = consolidated({**groups, **self._array_documents(entries, metadata)})
+        storage.write_json(ROOT_KEY, root)
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
@@ -259,6 +263,19 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def _target(self) -> str:
         return store_objects.label(self.store) if self.store is not None else self.path
+
+    def _array_documents(self, entries: dict[str, Entry], metadata: Metadata) -> dict[str, dict]:
+        """Node -> zarr.json of every array, as the ranks wrote them (RankAssignment.describes), for the root's
+        consolidated metadata."""
+        documents = {}
+        for fqn, entry in entries.items():
+            if isinstance(entry, TensorEntry):
+                md = metadata.state_dict_metadata[fqn]
+                assert isinstance(md, TensorStorageMetadata)
+                documents[entry.node] = _array_metadata(self._specs[fqn], md.properties.dtype)
+            elif isinstance(entry, ObjectEntry):
+                documents[entry.node] = _object_array_metadata(fqn, entry.node, entry.nbytes)
+        return documents
 
     def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a

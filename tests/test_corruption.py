@@ -190,11 +190,31 @@ def test_bytes_appended_to_a_chunk_never_change_what_loads_and_verify_reports_th
     assert status == 1 and report["problems"][0]["node"] == "model/ids", report
 
 
-def test_a_missing_array_zarr_json_is_named(damaged, capsys):
+def test_a_missing_array_zarr_json_is_named_by_verify_and_loads_from_its_consolidated_copy(damaged, capsys):
+    os.remove(os.path.join(damaged, "model", "embed.weight", "zarr.json"))
+    assert load_failure(damaged) is None  # the load reads the copy in the root; the data is all there
+    status, report = verify(damaged, capsys)  # but zarr tools that skip consolidated metadata cannot open it
+    assert status == 1 and report["problems"][0]["node"] == "model/embed.weight", report
+
+
+def test_a_missing_array_zarr_json_is_named_in_a_store_without_consolidated_metadata(damaged, capsys):
+    _without_consolidated(damaged)
     os.remove(os.path.join(damaged, "model", "embed.weight", "zarr.json"))
     cause = load_failure(damaged)
     assert isinstance(cause, ZarrCheckpointError) and "'model/embed.weight'" in str(cause), repr(cause)
     assert verify(damaged, capsys)[0] == 1
+
+
+def test_an_array_zarr_json_unlike_its_consolidated_copy_is_reported_by_verify(damaged, capsys):
+    file = os.path.join(damaged, "model", "embed.weight", "zarr.json")
+    with open(file) as f:
+        document = json.load(f)
+    document["attributes"]["note"] = "rewritten by another tool"
+    with open(file, "w") as f:
+        json.dump(document, f)
+    assert load_failure(damaged) is None
+    status, report = verify(damaged, capsys)
+    assert status == 1 and "consolidated" in report["problems"][0]["message"], report
 
 
 def test_a_missing_object_chunk_is_named(damaged, capsys):
@@ -223,6 +243,8 @@ def _edit_entry(fqn: str, **changes):
 
 
 def _edit_array(node: str, edit):
+    """Edit the array's zarr.json and its copy in the root's consolidated metadata alike (as a tool that rewrote the
+    array and consolidated again would): a load checks the copy, verify the array's own."""
     def apply(path: str) -> None:
         file = os.path.join(path, *node.split("/"), "zarr.json")
         with open(file) as f:
@@ -230,7 +252,25 @@ def _edit_array(node: str, edit):
         edit(document)
         with open(file, "w") as f:
             json.dump(document, f)
+        _edit_root(path, lambda root: edit(root["consolidated_metadata"]["metadata"][node]))
     return apply
+
+
+def _edit_root(path: str, edit) -> None:
+    with open(os.path.join(path, "zarr.json")) as f:
+        root = json.load(f)
+    edit(root)
+    with open(os.path.join(path, "zarr.json"), "w") as f:
+        json.dump(root, f)
+
+
+def _without_consolidated(path: str) -> None:
+    """The store as saved before the root held consolidated metadata: loads read every array's own zarr.json."""
+    _edit_root(path, lambda root: root.pop("consolidated_metadata"))
+
+
+def _set_copy(node: str, value):
+    return lambda path: _edit_root(path, lambda root: root["consolidated_metadata"]["metadata"].update({node: value}))
 
 
 def _write(relative: str, data: bytes):
@@ -308,10 +348,22 @@ METADATA_CASES = [
     ("set tag holding a number", _edit_entry("optim.lr", value={"__set__": 5}), MalformedMetadataError, "'optim.lr'"),
     ("dict tag of single items", _edit_entry("optim.lr", value={"__dict__": [[1]]}), MalformedMetadataError,
      "'optim.lr'"),
-    ("array zarr.json is not JSON", _write(os.path.join("model", "embed.weight", "zarr.json"), b"{not json"),
+    ("array zarr.json is not JSON (no consolidated copy)", lambda p: (
+        _without_consolidated(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"{not json")(p)),
      MalformedMetadataError, "'model/embed.weight'"),
-    ("array zarr.json is a list", _write(os.path.join("model", "embed.weight", "zarr.json"), b"[1, 2]"),
+    ("array zarr.json is a list (no consolidated copy)", lambda p: (
+        _without_consolidated(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"[1, 2]")(p)),
      MalformedMetadataError, "'model/embed.weight'"),
+    ("consolidated copy is a list", _set_copy("model/embed.weight", [1, 2]), MalformedMetadataError,
+     "'model/embed.weight'"),
+    ("consolidated copy is a group's", _set_copy("model/embed.weight", {"zarr_format": 3, "node_type": "group"}),
+     MalformedMetadataError, "'model/embed.weight'"),
+    ("consolidated metadata not an object",
+     lambda p: _edit_root(p, lambda root: root.update(consolidated_metadata=[])), MalformedMetadataError,
+     "consolidated_metadata"),
+    ("consolidated metadata without its 'metadata'",
+     lambda p: _edit_root(p, lambda root: root["consolidated_metadata"].pop("metadata")), MalformedMetadataError,
+     "consolidated_metadata"),
     ("array shape disagrees with the manifest",
      _edit_array("model/embed.weight", lambda d: d.update(shape=[38, 16])), MalformedMetadataError, "shape"),
     ("array chunk shape of zero", _edit_array("model/embed.weight", lambda d: d["chunk_grid"]["configuration"].update(

@@ -96,12 +96,12 @@ def test_the_store_really_has_sharded_and_scalar_arrays(store):
     assert ckpt.entries["model.bfloat16"].saved_shards == 2  # written by two ranks
 
 
-@pytest.mark.parametrize("which", ["plain", "consolidated"])
+@pytest.mark.parametrize("which", ["each array's zarr.json", "consolidated as saved", "consolidated by zarr"])
 def test_zarr_python_reads_every_array_bit_exact(which, store, consolidated):
-    path = store if which == "plain" else consolidated
-    group = zarr.open_group(str(path), mode="r", use_consolidated=(which == "consolidated"))
+    path = consolidated if which == "consolidated by zarr" else store
+    group = zarr.open_group(str(path), mode="r", use_consolidated=which != "each array's zarr.json")
 
-    if which == "consolidated":
+    if which != "each array's zarr.json":
         assert group.metadata.consolidated_metadata is not None
     for node, tensor in expected_arrays().items():
         array = group[node]
@@ -109,6 +109,22 @@ def test_zarr_python_reads_every_array_bit_exact(which, store, consolidated):
     big = group["model/big_f32"]  # the zarr view of our sharding: one shard spanning the array, both ranks' rows
     assert big.shards == (64, 40) and big.chunks[0] < 32 and big.chunks[1] == 40, (big.shards, big.chunks)
     assert_same_bits(group["model/big_bf16"][5:37, 3:9], expected_model()["big_bf16"][5:37, 3:9], "big_bf16 slice")
+
+
+def _root(path) -> dict:
+    with open(f"{path}/zarr.json") as f:
+        return json.load(f)
+
+
+def test_the_saved_consolidated_metadata_is_what_zarr_writes_and_what_each_node_says(store, consolidated):
+    ours = _root(store)["consolidated_metadata"]
+
+    assert ours == _root(consolidated)["consolidated_metadata"]  # zarr.consolidate_metadata over the same store
+    for node, document in ours["metadata"].items():
+        own = _root(f"{store}/{node}")
+        if document["node_type"] == "group":
+            document = {k: v for k, v in document.items() if k != "consolidated_metadata"}
+        assert own == document, node
 
 
 def test_dcp_zarr_still_loads_a_store_after_zarr_consolidates_it(consolidated):
@@ -207,8 +223,9 @@ def test_every_array_has_dimension_names_that_no_other_array_uses(store):
     assert arrays["model/big_f32"].metadata.dimension_names == ("model/big_f32.dim0", "model/big_f32.dim1")
 
 
-def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store):
-    tree = xr.open_datatree(str(store), engine="zarr", consolidated=False)
+@pytest.mark.parametrize("consolidated", [False, True])
+def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store, consolidated):
+    tree = xr.open_datatree(str(store), engine="zarr", consolidated=consolidated)
 
     for node, tensor in expected_arrays().items():
         group, _, name = node.rpartition("/")

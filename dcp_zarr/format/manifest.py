@@ -16,6 +16,7 @@ Every check here is linear in the manifest's size: a hostile manifest costs at m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -23,6 +24,7 @@ from typing import ClassVar
 import numpy as np
 
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.format.consolidated import node_documents
 from dcp_zarr.format.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
@@ -119,6 +121,9 @@ class Manifest:
     meshes: list = field(default_factory=list)
     optimizers: tuple[OptimizerTable, ...] | None = None  # None: a store written before tables were recorded
     format_version: int = FORMAT_VERSION
+    # node -> its zarr.json from the root's consolidated metadata (consolidated.py); not part of the manifest
+    # document, and empty for stores saved without it
+    node_documents: dict[str, dict] = field(default_factory=dict, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -344,4 +349,5 @@ def read_manifest(storage: Storage) -> Manifest:
             f"{storage.url} is a zarr store but not a dcp_zarr checkpoint "
             f"(no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
         )
-    return Manifest.from_json(document, f"{storage.url}/{ROOT_KEY}")
+    where = f"{storage.url}/{ROOT_KEY}"
+    return dataclasses.replace(Manifest.from_json(document, where), node_documents=node_documents(root, where))

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dcp_zarr.checkpoint import Checkpoint, Entry
-from dcp_zarr.entry_reader import tensor_reader
+from dcp_zarr.entry_reader import array_document, tensor_reader
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
@@ -91,11 +91,16 @@ def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool
 
 
 def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_ChunkJob]:
-    try:  # the same checks of zarr.json against the manifest as a load makes
-        layout = tensor_reader(ckpt.storage, ckpt.manifest.entries[entry.fqn], entry.fqn).layout
+    try:  # the same checks of the array's own zarr.json against the manifest as a load makes with its copy
+        own = array_document(ckpt.storage, entry.node, entry.fqn)
+        layout = tensor_reader(ckpt.storage, ckpt.manifest.entries[entry.fqn], entry.fqn, own).layout
     except (CorruptChunkError, MalformedMetadataError) as exc:
         report.problems.append(Problem(entry.fqn, entry.node, None, str(exc)))
         return []
+    copy = ckpt.manifest.node_documents.get(entry.node)
+    if copy is not None and copy != own:
+        report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json differs from its copy in the root's "
+                                       "consolidated metadata (which dcp_zarr, zarr-python and xarray read)"))
     itemsize = _itemsize(entry)
     return [_ChunkJob(entry, layout, c, itemsize) for c in layout.all_chunks()]
 
