@@ -110,8 +110,9 @@ class ZarrReader(StorageReader):
         return plans
 
     def _tensor_readers(self, storage: Storage, plan: LoadPlan) -> dict[str, RegionReader]:
-        """A checked RegionReader per tensor the plan reads. Each reads its array's zarr.json: concurrently, as one
-        after another they would be a round trip per tensor (seconds for a few hundred tensors on an object store)."""
+        """A checked RegionReader per tensor the plan reads, each checked against its array's zarr.json: the copy in
+        the root's consolidated metadata, or in a store without one the array's own, read concurrently (one after
+        another they would be a round trip per tensor: seconds for a few hundred tensors on an object store)."""
         manifest = self._read_manifest()
         entries, documents = manifest.entries, manifest.node_documents
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in plan.items if item.type != LoadItemType.BYTE_IO))
