@@ -65,8 +65,7 @@ class LatencyAndCounts:
         if path == "/__bench__/latency":
             self.latency_s = float(query.removeprefix("ms=")) / 1000
         with self.lock:
-            # the server's CPU since the last reset: this process does nothing else, and moto serves requests in
-            # Python, one at a time under the GIL, so a figure near the operation's wall time means a saturated server
+            # the server's CPU since the last reset (this process does nothing else; see the module docstring)
             body = json.dumps({"methods": dict(self.counts),
                                "server_cpu_s": time.process_time() - self.cpu_at_reset}).encode()
             if path == "/__bench__/reset":

@@ -40,7 +40,7 @@ from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, sharded_state
 from tests.support.ranks import run_ranks, start_forkserver
 from tests.support.states import blank_like, load_full
-from tests.support.stores import chunk_files, edit_root_manifest
+from tests.support.stores import chunk_files, edit_json, edit_root_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -206,12 +206,8 @@ def test_a_missing_array_zarr_json_is_named_in_a_store_without_consolidated_meta
 
 
 def test_an_array_zarr_json_unlike_its_consolidated_copy_is_reported_by_verify(damaged, capsys):
-    file = os.path.join(damaged, "model", "embed.weight", "zarr.json")
-    with open(file) as f:
-        document = json.load(f)
-    document["attributes"]["note"] = "rewritten by another tool"
-    with open(file, "w") as f:
-        json.dump(document, f)
+    edit_json(os.path.join(damaged, "model", "embed.weight", "zarr.json"),
+              lambda document: document["attributes"].update(note="rewritten by another tool"))
     assert load_failure(damaged) is None
     status, report = verify(damaged, capsys)
     assert status == 1 and "consolidated" in report["problems"][0]["message"], report
@@ -246,22 +242,13 @@ def _edit_array(node: str, edit):
     """Edit the array's zarr.json and its copy in the root's consolidated metadata alike (as a tool that rewrote the
     array and consolidated again would): a load checks the copy, verify the array's own."""
     def apply(path: str) -> None:
-        file = os.path.join(path, *node.split("/"), "zarr.json")
-        with open(file) as f:
-            document = json.load(f)
-        edit(document)
-        with open(file, "w") as f:
-            json.dump(document, f)
+        edit_json(os.path.join(path, *node.split("/"), "zarr.json"), edit)
         _edit_root(path, lambda root: edit(root["consolidated_metadata"]["metadata"][node]))
     return apply
 
 
 def _edit_root(path: str, edit) -> None:
-    with open(os.path.join(path, "zarr.json")) as f:
-        root = json.load(f)
-    edit(root)
-    with open(os.path.join(path, "zarr.json"), "w") as f:
-        json.dump(root, f)
+    edit_json(os.path.join(path, "zarr.json"), edit)
 
 
 def _without_consolidated(path: str) -> None:

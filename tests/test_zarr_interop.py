@@ -223,9 +223,9 @@ def test_every_array_has_dimension_names_that_no_other_array_uses(store):
     assert arrays["model/big_f32"].metadata.dimension_names == ("model/big_f32.dim0", "model/big_f32.dim1")
 
 
-@pytest.mark.parametrize("consolidated", [False, True])
-def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store, consolidated):
-    tree = xr.open_datatree(str(store), engine="zarr", consolidated=consolidated)
+@pytest.mark.parametrize("use_consolidated", [False, True])
+def test_xarray_opens_the_whole_store_as_a_datatree_bit_exact(store, use_consolidated):
+    tree = xr.open_datatree(str(store), engine="zarr", consolidated=use_consolidated)
 
     for node, tensor in expected_arrays().items():
         group, _, name = node.rpartition("/")

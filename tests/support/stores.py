@@ -1,5 +1,5 @@
 """A store's files on disk, as tests inspect and damage them: digests of a whole tree, its chunk files, and the root
-``zarr.json``'s dcp_zarr manifest read and edited in place."""
+``zarr.json`` (and its dcp_zarr manifest) read and edited in place."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chunk_files", "edit_root_manifest", "root_manifest", "tree_digest"]
+__all__ = ["chunk_files", "edit_json", "edit_root_manifest", "root_manifest", "tree_digest"]
 
 
 def tree_digest(root: str) -> dict[str, str]:
@@ -44,10 +44,15 @@ def root_manifest(path) -> dict:
         return json.load(f)["attributes"]["dcp_zarr"]
 
 
+def edit_json(file, edit: Callable[[Any], Any]) -> None:
+    """Rewrite the JSON document in ``file`` after ``edit`` changed it in place."""
+    with open(file) as f:
+        document = json.load(f)
+    edit(document)
+    with open(file, "w") as f:
+        json.dump(document, f)
+
+
 def edit_root_manifest(path, edit: Callable[[dict], Any]) -> None:
     """Rewrite the root ``zarr.json`` after ``edit`` changed its manifest in place."""
-    with open(os.path.join(path, "zarr.json")) as f:
-        document = json.load(f)
-    edit(document["attributes"]["dcp_zarr"])
-    with open(os.path.join(path, "zarr.json"), "w") as f:
-        json.dump(document, f)
+    edit_json(os.path.join(path, "zarr.json"), lambda root: edit(root["attributes"]["dcp_zarr"]))
