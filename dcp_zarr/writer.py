@@ -32,8 +32,7 @@ from dcp_zarr.chunk_io import (
 )
 from dcp_zarr.entry_reader import untrusted_types
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
-from dcp_zarr.format.consolidated import KEY as CONSOLIDATED_KEY
-from dcp_zarr.format.consolidated import consolidated
+from dcp_zarr.format.consolidated import encoded_copy, encoded_root
 from dcp_zarr.format.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
 from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
@@ -185,7 +184,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 tensor_data = item.tensor_data
                 assert tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
                 if item.index.fqn in assignment.describes:
-                    jobs.append(_metadata_job(storage, spec.node, _array_metadata(spec, tensor_data.properties.dtype)))
+                    jobs.append((0, partial(_write_array_metadata, storage, spec, tensor_data.properties.dtype)))
                 tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
                 offsets = tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
@@ -249,9 +248,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
         run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
                  storage.requests_in_flight(self.thread_count), storage.batch_bytes)
         manifest = self._manifest(entries, key_order=list(paths))
-        root = group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()})
-        root[CONSOLIDATED_KEY] = consolidated({**groups, **self._array_documents(entries, metadata)})
-        storage.write_json(ROOT_KEY, root)
+        copies = {group: encoded_copy(document) for group, document in groups.items()}
+        copies.update(self._array_copies(entries, metadata))
+        storage.write(ROOT_KEY, [encoded_root(group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}), copies)])
         commit.commit(storage, self.path, replace=self.overwrite)
 
     # -- helpers -----------------------------------------------------------------------------------------------------
@@ -264,24 +263,24 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def _target(self) -> str:
         return store_objects.label(self.store) if self.store is not None else self.path
 
-    def _array_documents(self, entries: dict[str, Entry], metadata: Metadata) -> dict[str, dict]:
-        """Node -> zarr.json of every array, as the ranks wrote them (RankAssignment.describes), for the root's
-        consolidated metadata."""
-        documents = {}
+    def _array_copies(self, entries: dict[str, Entry], metadata: Metadata) -> dict[str, str]:
+        """Node -> encoded zarr.json of every array, as the ranks wrote them (RankAssignment.describes), for the
+        root's consolidated metadata."""
+        copies = {}
         for fqn, entry in entries.items():
             if isinstance(entry, TensorEntry):
                 md = metadata.state_dict_metadata[fqn]
                 assert isinstance(md, TensorStorageMetadata)
-                documents[entry.node] = _array_metadata(self._specs[fqn], md.properties.dtype)
+                copies[entry.node] = encoded_copy(_array_metadata(self._specs[fqn], md.properties.dtype))
             elif isinstance(entry, ObjectEntry):
-                documents[entry.node] = _object_array_metadata(fqn, entry.node, entry.nbytes)
-        return documents
+                copies[entry.node] = encoded_copy(_object_array_metadata(fqn, entry.node, entry.nbytes))
+        return copies
 
     def _manifest(self, entries: dict[str, Entry], key_order: tuple | list = ()) -> Manifest:
         # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
         # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
         summary = summarize_sources([e.source for e in entries.values() if isinstance(e, TensorEntry)])
-        # Anything in a table that JSON cannot hold fails at save: write_json dumps the whole manifest before the
+        # Anything in a table that JSON cannot hold fails at save: encoded_root dumps the whole manifest before the
         # commit.
         tables = tables_from_entries(entries, key_order)
         return Manifest(entries=entries, save_id=self.save_id, versions=versions(), saved_world_size=self._world_size,
@@ -361,6 +360,12 @@ def _object_array_metadata(fqn: str, node: str, nbytes: int) -> dict:
 
 def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:
     return 0, partial(storage.write_json, f"{node}/zarr.json", document)
+
+
+def _write_array_metadata(storage, spec: ArraySpec, dtype: torch.dtype) -> None:
+    # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
+    # once (twenty dicts and lists each) would set off the garbage collector's full collections (consolidated.py).
+    storage.write_json(f"{spec.node}/zarr.json", _array_metadata(spec, dtype))
 
 
 def _value_write(item, planner: SavePlanner, node: str):
