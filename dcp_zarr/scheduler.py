@@ -1,15 +1,14 @@
 """Running many IO jobs on a few threads: large jobs one by one, small ones batched.
 
 A checkpoint of 5,000 small tensors is 5,000 chunk writes; a Future per write cost more than the writes themselves
-(threading primitives dominated the profile), so jobs under ``batch_bytes`` share one Future.
+(threading primitives dominated the profile), so jobs under ``batch_bytes`` run as one batch, and the threads take
+the batches in turn from one list, with no Future per batch either.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,33 +20,79 @@ def run_jobs(jobs: Sequence[tuple[int, Callable[[], T]]], thread_count: int, bat
              name: str = "dcp-zarr-io", max_bytes_in_flight: int | None = None) -> list[T]:
     """Run ``(nbytes, job)`` pairs on ``thread_count`` threads; results in job order; the first error propagates.
 
-    ``max_bytes_in_flight`` bounds the bytes of the jobs running or queued at once (a job larger than it runs
-    alone): for backends whose jobs copy their data, so many threads do not mean many copies of large chunks.
+    ``max_bytes_in_flight`` bounds the bytes of the jobs running at once (a job larger than it runs alone): for
+    backends whose jobs copy their data, so many threads do not mean many copies of large chunks.
     """
     if not jobs:
         return []
     batches = _batches(jobs, batch_bytes)
-
-    def run_batch(indexes: list[int]) -> list[tuple[int, T]]:
-        return [(i, jobs[i][1]()) for i in indexes]
-
     results: list = [None] * len(jobs)
     if thread_count <= 1 or len(batches) == 1:
-        done = map(run_batch, batches)
-        for batch in done:
-            for i, value in batch:
-                results[i] = value
+        for batch in batches:
+            for i in batch:
+                results[i] = jobs[i][1]()
         return results
-    with ThreadPoolExecutor(min(thread_count, len(batches)), thread_name_prefix=name) as pool:
-        if max_bytes_in_flight is None:
-            finished = pool.map(run_batch, batches)
-        else:
-            finished = _submit_within_budget(pool, run_batch, batches, [sum(jobs[i][0] for i in b) for b in batches],
-                                             max_bytes_in_flight)
-        for batch in finished:
-            for i, value in batch:
-                results[i] = value
+    sizes = [sum(jobs[i][0] for i in batch) for batch in batches]
+    _BatchRunner(jobs, batches, sizes, results, max_bytes_in_flight).run(min(thread_count, len(batches)), name)
     return results
+
+
+class _BatchRunner:
+    """Threads that each take the next batch in order (within the byte budget, if any) until none is left or one
+    has failed. No Future or work item per batch: those of an 800-tensor save's 600 batches were 5,000 objects
+    alive at once, enough to bring on the garbage collector's full collections of the whole process (0.2 s each
+    with torch loaded; benchmarks/reports/performance.md)."""
+
+    def __init__(self, jobs, batches: list[list[int]], sizes: list[int], results: list, budget: int | None):
+        self.jobs, self.batches, self.sizes, self.results, self.budget = jobs, batches, sizes, results, budget
+        self.turn = threading.Condition()
+        self.next = 0  # the next batch to take
+        self.in_flight = 0  # bytes of the batches running
+        self.failures: list[tuple[int, BaseException]] = []
+        self.stopped = False
+
+    def run(self, thread_count: int, name: str) -> None:
+        threads = [threading.Thread(target=self._work, name=f"{name}_{n}") for n in range(thread_count)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:  # also when the caller is interrupted: the threads stop after the batch they are running
+            self._stop()
+        if self.failures:
+            raise min(self.failures, key=lambda failure: failure[0])[1]
+
+    def _work(self) -> None:
+        while (index := self._take()) is not None:
+            try:
+                for i in self.batches[index]:
+                    self.results[i] = self.jobs[i][1]()
+            except BaseException as exc:  # raised by run(), on the caller's thread
+                with self.turn:
+                    self.failures.append((index, exc))
+                self._stop()
+                return
+            finally:
+                with self.turn:
+                    self.in_flight -= self.sizes[index]
+                    self.turn.notify_all()
+
+    def _take(self) -> int | None:
+        with self.turn:
+            while not self.stopped and self.next < len(self.batches):
+                size = self.sizes[self.next]
+                # a batch larger than the whole budget waits until nothing else is in flight, then runs alone
+                if self.budget is None or self.in_flight == 0 or self.in_flight + size <= self.budget:
+                    self.next, self.in_flight = self.next + 1, self.in_flight + size
+                    return self.next - 1
+                self.turn.wait()
+            return None
+
+    def _stop(self) -> None:
+        with self.turn:
+            self.stopped = True
+            self.turn.notify_all()
 
 
 def _batches(jobs: Sequence[tuple[int, Callable]], batch_bytes: int) -> list[list[int]]:
@@ -66,31 +111,3 @@ def _batches(jobs: Sequence[tuple[int, Callable]], batch_bytes: int) -> list[lis
     if current:
         batches.append(current)
     return batches
-
-
-def _submit_within_budget(pool: ThreadPoolExecutor, run_batch, batches: list, sizes: list[int], budget: int):
-    """Submit batches while their bytes in flight stay within ``budget``; yields results in order. After a failure
-    nothing more is submitted, and the failure is raised when its batch's turn comes."""
-    lock = threading.Condition()
-    state = {"in_flight": 0, "failed": False}
-
-    def finished(future: Future, size: int) -> None:
-        with lock:
-            state["in_flight"] -= size
-            state["failed"] = state["failed"] or future.exception() is not None
-            lock.notify_all()
-
-    futures = []
-    for batch, size in zip(batches, sizes):
-        with lock:
-            # a batch larger than the whole budget waits until nothing else is in flight, then runs alone (the
-            # predicate may use this iteration's size: wait_for calls it only before the loop moves on)
-            lock.wait_for(
-                lambda: state["failed"] or state["in_flight"] == 0 or state["in_flight"] + size <= budget)  # noqa: B023
-            if state["failed"]:
-                break
-            state["in_flight"] += size
-        future = pool.submit(run_batch, batch)
-        future.add_done_callback(partial(finished, size=size))
-        futures.append(future)
-    return (future.result() for future in futures)

@@ -60,7 +60,7 @@ def test_without_a_budget_every_thread_is_busy():
 
 
 @pytest.mark.parametrize("budget", [None, 4])
-def test_the_first_error_is_raised_and_later_jobs_stop_being_submitted(budget):
+def test_the_first_error_is_raised_and_later_jobs_do_not_start(budget):
     started = []
 
     def failing():
@@ -75,8 +75,24 @@ def test_the_first_error_is_raised_and_later_jobs_stop_being_submitted(budget):
     jobs = [counted(i) for i in range(5)] + [(1, failing)] + [counted(i) for i in range(6, 400)]
     with pytest.raises(ValueError, match="job 5 failed"):
         run_jobs(jobs, 4, batch_bytes=0, max_bytes_in_flight=budget)
-    if budget is not None:
-        assert len(started) < 300, "submission stops soon after a failure"
+    assert len(started) < 300, "no job is started soon after a failure"
+
+
+def test_of_two_failures_the_earlier_batch_is_raised():
+    release = threading.Event()
+
+    def late_failure():
+        release.wait(5)
+        raise ValueError("batch 0")
+
+    def early_failure():
+        try:
+            raise ValueError("batch 1")
+        finally:
+            release.set()  # batch 0 fails only after batch 1 has
+
+    with pytest.raises(ValueError, match="batch 0"):
+        run_jobs([(1, late_failure), (1, early_failure)], 2, batch_bytes=0)
 
 
 def test_no_jobs_give_no_results():
