@@ -94,12 +94,16 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
             if fqn not in tensor_data:
                 tensor_data[fqn] = data
     specs = {}
+    # Arrays of one shape and sharding share one layout object, and so one copy in each rank's unpickled plan: a
+    # model has few shapes, and thousands of equal copies would only feed the garbage collector.
+    layouts: dict[ChunkLayout, ChunkLayout] = {}
     for fqn, data in tensor_data.items():
         np_dtype = numpy_dtype(data.properties.dtype)
         saved = [(c.offsets, c.sizes) for c in boxes[fqn]]
         layout = chunk_layout_for_boxes(tuple(data.size), saved, np_dtype.itemsize, inner_chunk_bytes)
         if array_shards:
             layout = array_shard_layout(layout, saved) or layout
+        layout = layouts.setdefault(layout, layout)
         specs[fqn] = ArraySpec(fqn, nodes[fqn], zarr_dtype_name(data.properties.dtype), np_dtype.itemsize, layout)
     return specs
 

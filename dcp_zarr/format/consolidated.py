@@ -19,9 +19,13 @@ KEY = "consolidated_metadata"
 _EMPTY = {"kind": "inline", "must_understand": False, "metadata": {}}
 
 
+# one encoder for every call, as json.dumps keeps for its defaults: making one per document was a fifth of the time
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def encoded(document) -> str:
     """``document`` as compact JSON, as ``Storage.write_json`` writes it."""
-    return json.dumps(document, separators=(",", ":"), allow_nan=False)
+    return _ENCODER.encode(document)
 
 
 def encoded_copy(document: dict) -> str:

@@ -13,6 +13,7 @@ zarr and TensorStore read.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import crc32c
@@ -106,13 +107,17 @@ def encode_inner_chunks(rows: np.ndarray, layout: ChunkLayout) -> list:
 def full_shard_index(layout: ChunkLayout, itemsize: int) -> list:
     """The index of a shard whose inner chunks are all stored, in order, each at its full size; and its crc32c.
     Written at offset ``inner_chunks_per_chunk * inner_chunk_stored_bytes`` (zarr's index_location "end")."""
-    size = inner_chunk_stored_bytes(layout, itemsize)
-    count = layout.inner_chunks_per_chunk
+    return list(_full_shard_index(layout.inner_chunks_per_chunk, inner_chunk_stored_bytes(layout, itemsize)))
+
+
+@functools.lru_cache(maxsize=256)
+def _full_shard_index(count: int, size: int) -> tuple[bytes, bytes]:
+    # the same few bytes for every array of a model's few shapes: made once each, not once per array per save
     index = np.empty((count, 2), dtype="<u8")
     index[:, 0] = np.arange(count, dtype="<u8") * size
     index[:, 1] = size
     index_bytes = index.tobytes()
-    return [index_bytes, checksum(index_bytes)]
+    return index_bytes, checksum(index_bytes)
 
 
 def shard_index_bytes(layout: ChunkLayout) -> int:

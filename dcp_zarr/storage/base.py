@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 from dcp_zarr.errors import MetadataTooLargeError
 
+# one encoder for every document, as json.dumps keeps for its defaults (a zarr.json per array in a save)
+_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
 
 class StoredValue:
     """Reads of one stored value through its storage's own calls (``Storage.open_value``); missing keys raise
@@ -112,7 +115,7 @@ class Storage(abc.ABC):
         return json.loads(data)
 
     def write_json(self, key: str, document) -> None:
-        self.write(key, [json.dumps(document, separators=(",", ":"), allow_nan=False).encode()])
+        self.write(key, [_JSON_ENCODER.encode(document).encode()])
 
     def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)
         """Make everything written so far durable (no-op where the backend has no such notion)."""
