@@ -1,6 +1,8 @@
-"""The coordinator's per-save decisions (save_plan.py): who writes each array's metadata."""
+"""The coordinator's per-save decisions (save_plan.py): who writes each array's metadata, and the layouts sent."""
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -54,3 +56,15 @@ def test_each_array_is_described_by_exactly_one_rank_assignment():
 
     described = [fqn for assignment in result for fqn in assignment.describes]
     assert sorted(described) == sorted(specs) and len(result[0].describes) == len(result[1].describes) == 5
+
+
+def test_arrays_of_one_shape_share_one_layout_and_pickle_it_once():
+    world = 2
+    plans = _plans([["a", "b"], ["a", "b"]], world)
+    plans[0].items.append(_row_block("c", 16 * world, 0, world))  # another shape: its own layout
+    specs = array_specs_for_plans(plans, node_paths(plans), 1 << 20, array_shards=True)
+
+    assert specs["a"].layout is specs["b"].layout
+    assert specs["c"].layout != specs["a"].layout
+    unpickled = pickle.loads(pickle.dumps(specs))
+    assert unpickled["a"].layout is unpickled["b"].layout, "a rank's plan holds one copy of a shared layout"
