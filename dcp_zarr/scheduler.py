@@ -52,14 +52,20 @@ class _BatchRunner:
         self.stopped = False
 
     def run(self, thread_count: int, name: str) -> None:
-        threads = [threading.Thread(target=self._work, name=f"{name}_{n}") for n in range(thread_count)]
+        started: list[threading.Thread] = []
         try:
-            for thread in threads:
+            for n in range(thread_count):
+                thread = threading.Thread(target=self._work, name=f"{name}_{n}")
                 thread.start()
-            for thread in threads:
+                started.append(thread)
+            for thread in started:
                 thread.join()
-        finally:  # also when the caller is interrupted: the threads stop after the batch they are running
+        finally:
+            # also when the caller is interrupted or a thread cannot start: the others stop after the batch they
+            # are running, and none is still writing once run_jobs has returned or raised
             self._stop()
+            for thread in started:
+                thread.join()
         if self.failures:
             raise min(self.failures, key=lambda failure: failure[0])[1]
 

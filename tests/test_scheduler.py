@@ -132,3 +132,22 @@ def test_an_error_on_a_single_thread_propagates():
 
     with pytest.raises(OSError, match="disk full"):
         run_jobs([(1, lambda: 1), (1, failing)], 1)
+
+
+def test_when_a_thread_cannot_start_the_started_ones_are_done_before_the_error_is_raised(monkeypatch):
+    start = threading.Thread.start
+    started = []
+
+    def start_two(thread):
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_two)
+    tracker = Tracker()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        run_jobs([tracker.job(10, i, seconds=0.01) for i in range(20)], 4, batch_bytes=0, name="probe-io")
+
+    assert len(started) == 2 and not any(thread.is_alive() for thread in started)
+    assert tracker.now == 0, "no job is running after run_jobs raised"
