@@ -5,10 +5,13 @@ FsspecWriter/FsspecReader, with the requests each one makes counted by method.
     python benchmarks/s3_latency.py --layers 2 --hidden 512 --vocab 8000  # a 170 MB model (moto is the limit)
     python benchmarks/s3_latency.py --quick                                 # a 16 MB model, seconds (tests)
     python benchmarks/s3_latency.py --backends s3fs,obstore --latency-ms 0  # dcp_zarr through s3fs and obstore
+    NODE_PATH=DIR/node_modules python benchmarks/s3_latency.py --server s3rver ...  # npm install --prefix DIR s3rver
 
 This process runs the S3 server (moto, from the test extras) behind a middleware that sleeps ``--latency-ms`` before
 every request and counts requests; the sleeps of concurrent requests overlap, so it models a distant server, not a
-slow one. The ranks (``torchrun``, launched from here) set the latency and read the counts through the middleware's
+slow one. ``--server s3rver`` runs s3rver instead (Node, objects in files under a temporary directory on /dev/shm,
+``s3rver_server.js``, the same front): a server that spends less CPU per request than moto, still on the ranks'
+own cores. The ranks (``torchrun``, launched from here) set the latency and read the counts through the middleware's
 ``/__bench__/`` path, which also reports the server's CPU time per operation (``server_cpu_medians_s``): moto serves
 in Python under one GIL, so a figure near an operation's wall time means the server, not the client, set its pace.
 Each round saves and loads with every kind, in rotating order; one untimed round first; medians of the slowest
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +42,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 BUCKET = "bench"
+# moto takes any key; s3rver knows one account (its models/account.js)
+SERVER_CREDENTIALS = {"moto": {"key": "testing", "secret": "testing"}, "s3rver": {"key": "S3RVER", "secret": "S3RVER"}}
 ZARR_KINDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
 
 
@@ -80,16 +86,38 @@ def control(endpoint: str, what: str) -> dict:
         return json.loads(response.read())
 
 
-def serve_and_launch(args) -> int:
-    from tests.support.s3 import S3Server
+class S3rverProcess:
+    """s3rver_server.js in a Node process of its own, serving BUCKET from a temporary directory."""
 
-    server = S3Server()
-    server._server._server.app = LatencyAndCounts(server._server._server.app)  # outermost: every request
-    server.make_bucket(BUCKET)
+    def __init__(self):
+        self.directory = tempfile.mkdtemp(prefix="s3rver-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.process = subprocess.Popen(["node", os.path.join(HERE, "s3rver_server.js"), self.directory, BUCKET],
+                                        stdout=subprocess.PIPE, text=True)
+        line = self.process.stdout.readline() if self.process.stdout else ""
+        if not line.startswith("listening "):
+            self.stop()
+            raise SystemExit("s3rver did not start (is NODE_PATH naming a node_modules that holds s3rver?)")
+        self.endpoint = f"http://127.0.0.1:{int(line.split()[1])}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def serve_and_launch(args) -> int:
+    if args.server == "s3rver":
+        server = S3rverProcess()
+    else:
+        from tests.support.s3 import S3Server
+
+        server = S3Server()
+        server._server._server.app = LatencyAndCounts(server._server._server.app)  # outermost: every request
+        server.make_bucket(BUCKET)
     out = args.out or os.path.join(tempfile.gettempdir(), "s3_latency.json")
     command = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", os.path.abspath(__file__),
-               "--rank-program", "--endpoint", server.endpoint, "--latency-ms", args.latency_ms,
-               "--repeats", str(args.repeats),
+               "--rank-program", "--server", args.server, "--endpoint", server.endpoint,
+               "--latency-ms", args.latency_ms, "--repeats", str(args.repeats),
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
                "--zarr-threads", str(args.zarr_threads), "--fsspec-threads", str(args.fsspec_threads),
                "--backends", args.backends, "--out", out] + (["--quick"] if args.quick else [])
@@ -120,9 +148,7 @@ def measure(args, rt) -> dict:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     from dcp_zarr import ZarrReader, ZarrWriter
-    from tests.support.s3 import CREDENTIALS
-
-    options = {"endpoint_url": args.endpoint, **CREDENTIALS}
+    options = {"endpoint_url": args.endpoint, **SERVER_CREDENTIALS[args.server]}
     cfg = ModelConfig(4, 128, 2048, "float32") if args.quick else ModelConfig(args.layers, args.hidden, args.vocab,
                                                                               "float32")
     repeats = 1 if args.quick else args.repeats
@@ -136,7 +162,7 @@ def measure(args, rt) -> dict:
 
     def save(kind: str, url: str) -> None:
         if kind == "zarr-obstore":
-            writer = ZarrWriter(store=_obstore(url, args.endpoint), thread_count=args.zarr_threads)
+            writer = ZarrWriter(store=_obstore(url, options), thread_count=args.zarr_threads)
         elif kind == "zarr":
             writer = ZarrWriter(url, storage_options=options, thread_count=args.zarr_threads)
         else:
@@ -145,7 +171,7 @@ def measure(args, rt) -> dict:
 
     def load(kind: str, url: str, target) -> None:
         if kind == "zarr-obstore":
-            reader = ZarrReader(store=_obstore(url, args.endpoint), thread_count=args.zarr_threads)
+            reader = ZarrReader(store=_obstore(url, options), thread_count=args.zarr_threads)
         elif kind == "zarr":
             reader = ZarrReader(url, storage_options=options, thread_count=args.zarr_threads)
         else:
@@ -187,22 +213,21 @@ def measure(args, rt) -> dict:
     ratios = {f"{op}_speedup_{kind}_vs_fsspec/{lat:g}ms":
               medians[f"{op}/fsspec/{lat:g}ms"] / medians[f"{op}/{kind}/{lat:g}ms"]
               for op in ("save", "load") for lat in latencies for kind in kinds if kind != "fsspec"}
-    return {"world_size": rt.world_size, "bytes": global_bytes(state_dict), "torch": torch.__version__,
-            "repeats": repeats, "zarr_threads": args.zarr_threads, "fsspec_threads": args.fsspec_threads,
+    return {"server": args.server, "world_size": rt.world_size, "bytes": global_bytes(state_dict),
+            "torch": torch.__version__, "repeats": repeats, "zarr_threads": args.zarr_threads,
+            "fsspec_threads": args.fsspec_threads,
             "medians_s": medians, "samples_s": times, "requests": requests,
             "server_cpu_medians_s": {name: statistics.median(v) for name, v in server_cpu.items()}, **ratios}
 
 
-def _obstore(url: str, endpoint: str):
+def _obstore(url: str, options: dict):
     """zarr's ObjectStore over obstore's S3 client for ``url``'s prefix (each rank builds its own)."""
     from obstore.store import S3Store
     from zarr.storage import ObjectStore
 
-    from tests.support.s3 import CREDENTIALS
-
-    return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=endpoint,
-                               region="us-east-1", access_key_id=CREDENTIALS["key"],
-                               secret_access_key=CREDENTIALS["secret"], client_options={"allow_http": True}))
+    return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=options["endpoint_url"],
+                               region="us-east-1", access_key_id=options["key"],
+                               secret_access_key=options["secret"], client_options={"allow_http": True}))
 
 
 def _remove(url: str, options: dict) -> None:
@@ -225,6 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fsspec-threads", type=int, default=4)
     parser.add_argument("--backends", default="s3fs",
                         help="comma-separated dcp_zarr clients: s3fs (a URL, zarr's FsspecStore), obstore (store=)")
+    parser.add_argument("--server", choices=sorted(SERVER_CREDENTIALS), default="moto",
+                        help="the S3 server: moto (default, from the test extras) or s3rver (Node; see above)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--quick", action="store_true", help="a 16 MB model, 1 repeat")
     parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
