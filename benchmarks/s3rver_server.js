@@ -26,13 +26,13 @@ async function main() {
 
   const server = http.createServer((request, response) => {
     if (request.url.startsWith("/__bench__/")) {
-      const [path, query] = request.url.split("?");
-      if (path === "/__bench__/latency") {
+      const [route, query] = request.url.split("?");
+      if (route === "/__bench__/latency") {
         latencyMs = Number((query || "").replace("ms=", ""));
       }
       const cpu = process.cpuUsage(cpuAtReset);
       const body = JSON.stringify({ methods: counts, server_cpu_s: (cpu.user + cpu.system) / 1e6 });
-      if (path === "/__bench__/reset") {
+      if (route === "/__bench__/reset") {
         counts = {};
         cpuAtReset = process.cpuUsage();
       }
