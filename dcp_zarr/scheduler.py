@@ -29,8 +29,7 @@ def run_jobs(jobs: Sequence[tuple[int, Callable[[], T]]], thread_count: int, bat
     results: list = [None] * len(jobs)
     if thread_count <= 1 or len(batches) == 1:
         for batch in batches:
-            for i in batch:
-                results[i] = jobs[i][1]()
+            _run_batch(jobs, batch, results)
         return results
     sizes = [sum(jobs[i][0] for i in batch) for batch in batches]
     _BatchRunner(jobs, batches, sizes, results, max_bytes_in_flight).run(min(thread_count, len(batches)), name)
@@ -72,8 +71,7 @@ class _BatchRunner:
     def _work(self) -> None:
         while (index := self._take()) is not None:
             try:
-                for i in self.batches[index]:
-                    self.results[i] = self.jobs[i][1]()
+                _run_batch(self.jobs, self.batches[index], self.results)
             except BaseException as exc:  # raised by run(), on the caller's thread
                 with self.turn:
                     self.failures.append((index, exc))
@@ -99,6 +97,11 @@ class _BatchRunner:
         with self.turn:
             self.stopped = True
             self.turn.notify_all()
+
+
+def _run_batch(jobs, batch: list[int], results: list) -> None:
+    for i in batch:
+        results[i] = jobs[i][1]()
 
 
 def _batches(jobs: Sequence[tuple[int, Callable]], batch_bytes: int) -> list[list[int]]:

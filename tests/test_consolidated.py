@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from dcp_zarr.format.consolidated import KEY, encoded, encoded_copy, encoded_root
+from dcp_zarr.format.consolidated import KEY, encoded_copy, encoded_root
+from dcp_zarr.format.encoding import json_text
 
 ROOT = {"zarr_format": 3, "node_type": "group", "attributes": {"dcp_zarr": {"entries": {"w": [1, 2]}}}}
 ARRAY = {"zarr_format": 3, "node_type": "array", "shape": [4, 2], "attributes": {"dcp_zarr": {"fqn": "a.w"}}}
@@ -36,7 +37,7 @@ def test_spliced_bytes_are_what_encoding_the_whole_document_gives():
     whole = {**ROOT, KEY: {"kind": "inline", "must_understand": False,
                            "metadata": {"a": {**GROUP, KEY: NO_CHILDREN}, "a/w": ARRAY}}}
 
-    assert encoded_root(ROOT, copies) == encoded(whole).encode()
+    assert encoded_root(ROOT, copies) == json_text(whole).encode()
 
 
 def test_no_copies_give_empty_consolidated_metadata():

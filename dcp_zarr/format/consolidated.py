@@ -11,33 +11,24 @@ checks that the two agree.
 
 from __future__ import annotations
 
-import json
-
 from dcp_zarr.errors import MalformedMetadataError
+from dcp_zarr.format.encoding import json_text
 
 KEY = "consolidated_metadata"
 _EMPTY = {"kind": "inline", "must_understand": False, "metadata": {}}
-
-
-# one encoder for every call, as json.dumps keeps for its defaults: making one per document was a fifth of the time
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def encoded(document) -> str:
-    """``document`` as compact JSON, as ``Storage.write_json`` writes it."""
-    return _ENCODER.encode(document)
 
 
 def encoded_copy(document: dict) -> str:
     """The copy of a node's ``zarr.json`` ``document`` that consolidated metadata holds, encoded. A group's copy
     says it has no consolidated children of its own, as zarr's copies do: its children are listed in the root's,
     flattened."""
-    return encoded({**document, KEY: _EMPTY} if document.get("node_type") == "group" else document)
+    return json_text({**document, KEY: _EMPTY} if document.get("node_type") == "group" else document)
 
 
 def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
     """The root ``zarr.json`` ``root`` with the consolidated metadata of ``copies`` (node path, relative to the root
-    and without the root itself -> its ``encoded_copy``), in path order, encoded as ``Storage.write_json`` would.
+    and without the root itself -> its ``encoded_copy``), in path order, encoded as ``Storage.write_json`` would
+    (``json_text``).
 
     The copies come encoded, each made and encoded in turn, because decoded they would all be alive at once: about
     twenty dicts and lists per array, 17,000 for 800 tensors, whose allocation sets off the garbage collector's full
@@ -45,8 +36,8 @@ def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
     benchmarks/reports/performance.md)."""
     if not root or KEY in root:
         raise ValueError(f"the root document must be a non-empty group document without {KEY}")
-    head = encoded(root)[:-1]  # without its closing brace
-    metadata = ",".join(f"{encoded(path)}:{copies[path]}" for path in sorted(copies))
+    head = json_text(root)[:-1]  # without its closing brace
+    metadata = ",".join(f"{json_text(path)}:{copies[path]}" for path in sorted(copies))
     return f'{head},"{KEY}":{{"kind":"inline","must_understand":false,"metadata":{{{metadata}}}}}}}'.encode()
 
 

@@ -7,9 +7,7 @@ import json
 from collections.abc import Sequence
 
 from dcp_zarr.errors import MetadataTooLargeError
-
-# one encoder for every document, as json.dumps keeps for its defaults (a zarr.json per array in a save)
-_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+from dcp_zarr.format.encoding import json_text
 
 
 class StoredValue:
@@ -115,7 +113,7 @@ class Storage(abc.ABC):
         return json.loads(data)
 
     def write_json(self, key: str, document) -> None:
-        self.write(key, [_JSON_ENCODER.encode(document).encode()])
+        self.write(key, [json_text(document).encode()])
 
     def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)
         """Make everything written so far durable (no-op where the backend has no such notion)."""
