@@ -1,6 +1,6 @@
 """dcp_zarr: torch.distributed.checkpoint storage in Zarr v3 stores.
 
-    dcp.save(state_dict, storage_writer=ZarrWriter("ckpt.zarr"))
+    dcp.save(state_dict, storage_writer=ZarrWriter("ckpt.zarr"), planner=ZarrSavePlanner())  # planned locally
     dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"))
     dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"), planner=ZarrLoadPlanner())  # any optimizer key form
     open_checkpoint("ckpt.zarr").load_full_state_dict()  # offline, no process group
@@ -26,6 +26,7 @@ from dcp_zarr.errors import (
     ObjectStoreError,
     OptimizerStepError,
     ParamTableMismatchError,
+    PlanMismatchError,
     ReplicaMismatchError,
     StepNotFoundError,
     TorchNotImportableError,
@@ -44,6 +45,7 @@ _LAZY = {
     "assert_step_present": "dcp_zarr.optim.checks",
     "CheckpointManager": "dcp_zarr.lifecycle.manager",
     "ZarrLoadPlanner": "dcp_zarr.optim.load_planner",
+    "ZarrSavePlanner": "dcp_zarr.local_plan.planner",
     "Checkpoint": "dcp_zarr.checkpoint",
     "open_checkpoint": "dcp_zarr.checkpoint",
     "PrefixTolerantLoadPlanner": "dcp_zarr.optim.prefixes",
@@ -57,6 +59,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from dcp_zarr.checkpoint import Checkpoint, open_checkpoint
     from dcp_zarr.lifecycle.manager import CheckpointManager
+    from dcp_zarr.local_plan.planner import ZarrSavePlanner
     from dcp_zarr.optim.checks import assert_step_present
     from dcp_zarr.optim.load_planner import ZarrLoadPlanner
     from dcp_zarr.optim.prefixes import (
@@ -90,6 +93,7 @@ __all__ = [
     "ZarrWriter",
     "ZarrReader",
     "ZarrLoadPlanner",
+    "ZarrSavePlanner",
     "assert_step_present",
     "open_checkpoint",
     "Checkpoint",
@@ -110,6 +114,7 @@ __all__ = [
     "RetryPolicy",
     "MissingKeysError",
     "ParamTableMismatchError",
+    "PlanMismatchError",
     "ReplicaMismatchError",
     "UnsafeFileError",
     "UnsupportedDtypeError",

@@ -100,3 +100,7 @@ class ObjectStoreError(ZarrCheckpointError, OSError):
 
 class ConversionError(ZarrCheckpointError, ValueError):
     """A conversion that cannot be done as asked (wrong source or target kind, unsupported entries)."""
+
+
+class PlanMismatchError(ZarrCheckpointError, ValueError):
+    """Ranks that cannot be planned together: disagreeing entries under one key, or a planner on another group."""

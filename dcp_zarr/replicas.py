@@ -91,7 +91,7 @@ def plan_checks(plans: list[SavePlan], mode: str, max_bytes: int) -> list[tuple[
             signatures[_signature(item)].append(rank)
         if len(signatures) > 1:
             problems.append(f"{_key(index)!r}: " + "; ".join(
-                f"{_describe(s)} on {_ranks(r)}" for s, r in signatures.items()))
+                f"{_describe(s)} on {ranks_text(r)}" for s, r in signatures.items()))
             continue
         (signature,) = signatures
         if mode == ALL or signature[0] == "value" or _nbytes(signature) <= max_bytes:
@@ -111,11 +111,12 @@ def checksums_result(local_items: dict[MetadataIndex, WriteItem], indexes, plann
     """The WriteResult carrying this rank's checksums of ``indexes`` (none if there are none to send)."""
     if not indexes:
         return []
-    digests = {index: _digest(local_items[index], planner) for index in indexes}
+    digests = {index: value_checksum(local_items[index], planner) for index in indexes}
     return [WriteResult(index=MetadataIndex(CHECKSUMS_FQN), size_in_bytes=0, storage_data=digests)]
 
 
-def _digest(item: WriteItem, planner: SavePlanner) -> str:
+def value_checksum(item: WriteItem, planner: SavePlanner) -> str:
+    """The crc32c (hex) of an item's value, as every holder computes it: its JSON form, or its bytes."""
     if item.type == WriteItemType.BYTE_IO:
         lookup = getattr(planner, "lookup_object", None)
         if lookup is not None:
@@ -153,13 +154,13 @@ def compare_checksums(digests: list[dict]) -> None:
     for rank, rank_digests in enumerate(digests):
         for index, digest in rank_digests.items():
             values[index][digest].append(rank)
-    problems = [f"{_key(index)!r}: the value differs: " + " vs ".join(_ranks(r) for r in by_digest.values())
+    problems = [f"{_key(index)!r}: the value differs: " + " vs ".join(ranks_text(r) for r in by_digest.values())
                 for index, by_digest in values.items() if len(by_digest) > 1]
     if problems:
         raise ReplicaMismatchError(_message(problems))
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:8])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 

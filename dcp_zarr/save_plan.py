@@ -7,13 +7,15 @@ rank), so the boxes it sees are exactly what will be written, each by one rank.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from dcp_zarr.errors import InvalidKeyError
-from dcp_zarr.format.dtypes import numpy_dtype, zarr_dtype_name
+from dcp_zarr.format.dtypes import numpy_dtype, torch_dtype_name, zarr_dtype_name
 from dcp_zarr.format.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
 
 
@@ -29,6 +31,7 @@ class ArraySpec(NamedTuple):
     data_type: str
     itemsize: int
     layout: ChunkLayout
+    dtype_name: str  # the torch dtype's name, recorded in the array's attributes
 
 
 @dataclass(frozen=True)
@@ -47,19 +50,22 @@ def node_paths(plans: list[SavePlan]) -> dict[str, str]:
     mapping: dict = {}
     for plan in plans:
         mapping.update(plan.planner_data or {})
+    return checked_node_paths((item.index.fqn, mapping.get(item.index.fqn, (item.index.fqn,)))
+                              for plan in plans for item in plan.items)
+
+
+def checked_node_paths(paths: Iterable[tuple[str, tuple]]) -> dict[str, str]:
+    """fqn -> zarr node of each (fqn, state-dict path), checked for escapes and collisions."""
     nodes: dict[str, str] = {}
     owners: dict[str, str] = {}
-    for plan in plans:
-        for item in plan.items:
-            fqn = item.index.fqn
-            if fqn in nodes:
-                continue
-            path = mapping.get(fqn, (fqn,))
-            node = node_path(path, key=fqn)
-            other = owners.setdefault(node, fqn)
-            if other != fqn:
-                raise InvalidKeyError(f"state-dict keys {other!r} and {fqn!r} would both be stored at {node!r}")
-            nodes[fqn] = node
+    for fqn, path in paths:
+        if fqn in nodes:
+            continue
+        node = node_path(path, key=fqn)
+        other = owners.setdefault(node, fqn)
+        if other != fqn:
+            raise InvalidKeyError(f"state-dict keys {other!r} and {fqn!r} would both be stored at {node!r}")
+        nodes[fqn] = node
     _check_prefixes(owners)
     return nodes
 
@@ -104,8 +110,12 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
         if array_shards:
             layout = array_shard_layout(layout, saved) or layout
         layout = layouts.setdefault(layout, layout)
-        specs[fqn] = ArraySpec(fqn, nodes[fqn], zarr_dtype_name(data.properties.dtype), np_dtype.itemsize, layout)
+        specs[fqn] = array_spec(fqn, nodes[fqn], data.properties.dtype, layout)
     return specs
+
+
+def array_spec(fqn: str, node: str, dtype: torch.dtype, layout: ChunkLayout) -> ArraySpec:
+    return ArraySpec(fqn, node, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize, layout, torch_dtype_name(dtype))
 
 
 def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],

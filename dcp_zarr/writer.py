@@ -17,12 +17,12 @@ import warnings
 from functools import partial
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_zarr import replicas
+from dcp_zarr import plan_cache, replicas
 from dcp_zarr.chunk_io import (
     chunk_regions,
     chunks_of_box,
@@ -39,6 +39,9 @@ from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_
 from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
 from dcp_zarr.format.values import NotJSONError, encode_value
+from dcp_zarr.local_plan.planner import RankState
+from dcp_zarr.local_plan.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
+from dcp_zarr.local_plan.save import LocalSave
 from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
@@ -105,6 +108,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._staging = ""
         self._world_size = 1
         self._local_items: dict = {}  # this rank's items before DCP's deduplication, by index (replicas.py)
+        self._local: LocalSave | None = None  # this rank's part of a ZarrSavePlanner save (local_plan/save.py)
+        self._rank: int | None = None
+        self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
 
     # -- StorageWriter interface -------------------------------------------------------------------------------------
@@ -130,47 +136,100 @@ class ZarrWriter(StorageWriter, WriterStaging):
         if not self.path and self.store is None:
             raise ValueError("ZarrWriter needs a path or a store: pass path or store=, or checkpoint_id= to dcp.save")
         self.is_coordinator = is_coordinator
+        self._rank = kwargs.get("rank")  # in DCP's process group (torch passes it to a method taking **kwargs)
         if is_coordinator and self.store is not None:
             commit.check_stored(self._open(""), self.overwrite)
         elif is_coordinator:
             commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        for item in plan.items:
+        if isinstance(plan.planner_data, RankState):  # ZarrSavePlanner: planned here, a digest goes to DCP
+            self._local = LocalSave(plan.planner_data, self._rank, self.check_replicas, self.replica_check_bytes)
+            return SavePlan(items=[], storage_data=self._local.summary)
+        self._local = None
+        items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
+        for item in items:
             if item.type != WriteItemType.BYTE_IO:
                 assert item.tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
                 numpy_dtype(item.tensor_data.properties.dtype)  # raises naming the dtype if unsupported
-        self._local_items = {item.index: item for item in plan.items}
+        self._local_items = {item.index: item for item in items}
         if self.check_replicas == replicas.NONE:
             return plan
-        return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(plan.items)))
+        return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # before anything is written
-        checks = replicas.plan_checks(plans, self.check_replicas, self.replica_check_bytes)
+        if plans and isinstance(plans[0].storage_data, Summary):
+            exchange, detail_groups = check_summaries([plan.storage_data for plan in plans])
+            self._detail_groups = detail_groups
+            self._begin_save(len(plans))
+            ticket = Ticket(self.save_id or "", self._staging, exchange, detail_groups)
+            return [dataclasses.replace(plan, storage_data=ticket) for plan in plans]
+        local_plans = plans
+        if plan_cache.uses_cache(plans):  # a caching planner's deltas: the plans are in its cache
+            local_plans, plans = plan_cache.cached_plans()
+        checks = replicas.plan_checks(local_plans, self.check_replicas, self.replica_check_bytes)
         self._nodes = nodes = node_paths(plans)
-        self._world_size = len(plans)
-        self.save_id = uuid.uuid4().hex[:12]
-        # A store object is written in place, by each rank through its own store: the location is only a name.
-        self._staging = self._target() if self.store is not None else commit.staging_location(self.path, self.save_id)
-        staging = self._open(self._staging)
+        staging = self._begin_save(len(plans))
         # One shard file per array, filled by several ranks, needs a backend that writes parts of a file (local
         # files do; an object is written whole, by one writer).
         self._specs = array_specs_for_plans(plans, nodes, self.inner_chunk_bytes,
                                             array_shards=staging.writes_at_offsets)
-        commit.prepare_staging(staging)
-        return [dataclasses.replace(plan, storage_data=assignment)
+        # usable=True: a caching planner then takes these plans, this save's, not the ones it cached
+        return [dataclasses.replace(plan, storage_data=assignment, usable=True)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, self._staging, checks))]
 
+    def _begin_save(self, world_size: int) -> Storage:
+        """The coordinator's choices before anything is written: the save's id and its staging area, prepared."""
+        self._world_size = world_size
+        self.save_id = uuid.uuid4().hex[:12]
+        # A store object is written in place, by each rank through its own store: the location is only a name.
+        self._staging = self._target() if self.store is not None else commit.staging_location(self.path, self.save_id)
+        staging = self._open(self._staging)
+        commit.prepare_staging(staging)
+        return staging
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future: Future[list[WriteResult]] = Future()
+        if isinstance(plan.storage_data, Ticket):
+            future.set_result(self._write_planned_locally(plan.storage_data, planner))
+            return future
         assignment: RankAssignment = plan.storage_data
-        storage = self._open(assignment.staging_location)
         results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
-        jobs: list[tuple[int, partial]] = []  # (bytes, job) for run_jobs
+        results.extend(self._write_items(plan.items, assignment, planner))
+        future.set_result(results)
+        return future
+
+    def _write_planned_locally(self, ticket: Ticket, planner: SavePlanner) -> list[WriteResult]:
+        """This rank's part of a ZarrSavePlanner save, and the one WriteResult that reports it (protocol.py)."""
+        local = self._local
+        assert local is not None, "write_data of a ZarrSavePlanner save without its prepare_local_plan"
+        checksums = local.reported_checksums(ticket)
+        values, objects = {}, {}
+        nbytes = 0
+        if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
+            array_shards = self._open(ticket.staging_location).writes_at_offsets
+            items, assignment = local.rank_writes(ticket, self.inner_chunk_bytes, array_shards)
+            for result in self._write_items(items, assignment, planner, with_sources=False):
+                nbytes += result.size_in_bytes
+                if "value" in result.storage_data:
+                    values[result.index.fqn] = result.storage_data["value"]
+                elif "object_nbytes" in result.storage_data:
+                    objects[result.index.fqn] = result.storage_data["object_nbytes"]
+        report = RankReport(values, objects, checksums)
+        return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
+
+    def _write_items(self, items: list[WriteItem], assignment: RankAssignment, planner: SavePlanner,
+                     with_sources: bool = True) -> list[WriteResult]:
+        """Write this rank's items and the zarr.json of the arrays it describes; one WriteResult per item."""
+        storage = self._open(assignment.staging_location)
+        results: list[WriteResult] = []
+        jobs: list[tuple[int, partial]] = [(0, partial(_write_array_metadata, storage, assignment.arrays[fqn]))
+                                           for fqn in sorted(assignment.describes)]
         chunk_keys: list[str] = []
         devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
         describe_source = SourceDescriptions()
-        for item in plan.items:
+        for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
                 if write:
@@ -183,8 +242,6 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 spec = assignment.arrays[item.index.fqn]
                 tensor_data = item.tensor_data
                 assert tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
-                if item.index.fqn in assignment.describes:
-                    jobs.append((0, partial(_write_array_metadata, storage, spec, tensor_data.properties.dtype)))
                 tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
                 offsets = tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
@@ -209,20 +266,23 @@ class ZarrWriter(StorageWriter, WriterStaging):
                         chunk_keys.append(key)
                         jobs.append((_region_bytes(tensor, region),
                                      partial(_write_from_device, storage, key, tensor, region, spec.layout)))
-                source = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
-                result = WriteResult(index=item.index, size_in_bytes=nbytes, storage_data={"source": source})
+                storage_data = {}
+                if with_sources:
+                    storage_data["source"] = describe_source(getattr(planner, "state_dict", {}).get(item.index.fqn))
+                result = WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=storage_data)
             results.append(result)
         self.written_keys = chunk_keys
         _wait_for_current_streams(devices)
         run_jobs(jobs, storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-write",
                  max_bytes_in_flight=storage.max_bytes_in_flight)
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = self._open(self._staging)
+        if self._local is not None:
+            self._finish_planned_locally(storage, results)
+            return
         results, digests = replicas.split_results(results)
         try:
             replicas.compare_checksums(digests)
@@ -243,13 +303,52 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 entries[fqn] = ValueEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["value"])
             else:
                 entries[fqn] = ObjectEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["object_nbytes"])
+        self._commit(storage, entries, key_order=list(paths))
+
+    def _finish_planned_locally(self, storage: Storage, results: list[list[WriteResult]]) -> None:
+        """The manifest of a ZarrSavePlanner save, from the coordinator's own plan and each rank's one report."""
+        local = self._local
+        assert local is not None
+        reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
+                                     if r.index.fqn == REPORT_FQN]
+        try:
+            replicas.compare_checksums([report.checksums for report in reports])
+        except ReplicaMismatchError:
+            commit.abandon(storage)
+            raise
+        if self._detail_groups:  # nothing was written; compare_checksums names the keys, this is the backstop
+            commit.abandon(storage)
+            raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(self._detail_groups)}"
+                                       "; nothing was committed")
+        values = {fqn: v for report in reports for fqn, v in report.values.items()}
+        objects = {fqn: n for report in reports for fqn, n in report.objects.items()}
+        array_shards = storage.writes_at_offsets
+        self._specs = specs = local.array_specs(self.inner_chunk_bytes, array_shards)
+        self._nodes = nodes = local.global_nodes()
+        entries: dict[str, Entry] = {}
+        for fqn, entry in local.global_entries().items():
+            if fqn in specs:
+                _, saved_shards = local.layout(entry, self.inner_chunk_bytes, array_shards)
+                entries[fqn] = TensorEntry(
+                    fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
+                    chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
+                    requires_grad=entry.requires_grad, saved_shards=saved_shards,
+                    source=entry.source or {"type": "unknown"})
+            elif fqn in values:
+                entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])
+            else:
+                entries[fqn] = ObjectEntry(fqn, entry.path, nodes[fqn], objects[fqn])
+        self._commit(storage, entries, key_order=local.global_key_order())
+
+    def _commit(self, storage: Storage, entries: dict[str, Entry], key_order: list) -> None:
+        """Every group's zarr.json, then the root's (the manifest, every node's zarr.json copied), then the commit."""
         groups = {group: group_metadata()
                   for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
         run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
                  storage.requests_in_flight(self.thread_count), storage.batch_bytes)
-        manifest = self._manifest(entries, key_order=list(paths))
+        manifest = self._manifest(entries, key_order=key_order)
         copies = {group: encoded_copy(document) for group, document in groups.items()}
-        copies.update(self._array_copies(entries, metadata))
+        copies.update(self._array_copies(entries))
         storage.write(ROOT_KEY, [encoded_root(group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}), copies)])
         commit.commit(storage, self.path, replace=self.overwrite)
 
@@ -263,15 +362,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def _target(self) -> str:
         return store_objects.label(self.store) if self.store is not None else self.path
 
-    def _array_copies(self, entries: dict[str, Entry], metadata: Metadata) -> dict[str, str]:
+    def _array_copies(self, entries: dict[str, Entry]) -> dict[str, str]:
         """Node -> encoded zarr.json of every array, as the ranks wrote them (RankAssignment.describes), for the
         root's consolidated metadata."""
         copies = {}
         for fqn, entry in entries.items():
             if isinstance(entry, TensorEntry):
-                md = metadata.state_dict_metadata[fqn]
-                assert isinstance(md, TensorStorageMetadata)
-                copies[entry.node] = encoded_copy(_array_metadata(self._specs[fqn], md.properties.dtype))
+                copies[entry.node] = encoded_copy(_array_metadata(self._specs[fqn]))
             elif isinstance(entry, ObjectEntry):
                 copies[entry.node] = encoded_copy(_object_array_metadata(fqn, entry.node, entry.nbytes))
         return copies
@@ -347,9 +444,9 @@ def _wait_for_current_streams(devices: set[torch.device]) -> None:
             torch.get_device_module(device.type).current_stream(device).synchronize()
 
 
-def _array_metadata(spec: ArraySpec, dtype: torch.dtype) -> dict:
+def _array_metadata(spec: ArraySpec) -> dict:
     return array_metadata(spec.layout, spec.data_type, spec.itemsize,
-                          {"dcp_zarr": {"fqn": spec.fqn, "dtype": torch_dtype_name(dtype)}}, node=spec.node)
+                          {"dcp_zarr": {"fqn": spec.fqn, "dtype": spec.dtype_name}}, node=spec.node)
 
 
 def _object_array_metadata(fqn: str, node: str, nbytes: int) -> dict:
@@ -362,10 +459,10 @@ def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:
     return 0, partial(storage.write_json, f"{node}/zarr.json", document)
 
 
-def _write_array_metadata(storage, spec: ArraySpec, dtype: torch.dtype) -> None:
+def _write_array_metadata(storage, spec: ArraySpec) -> None:
     # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
     # once (twenty dicts and lists each) would set off the garbage collector's full collections (consolidated.py).
-    storage.write_json(f"{spec.node}/zarr.json", _array_metadata(spec, dtype))
+    storage.write_json(f"{spec.node}/zarr.json", _array_metadata(spec))
 
 
 def _value_write(item, planner: SavePlanner, node: str):

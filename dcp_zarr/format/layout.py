@@ -180,7 +180,8 @@ def chunk_layout_for_boxes(
             if off + size < n:
                 gcds[d] = gcd(gcds[d], off + size)
     chunk_shape = [max(g or n, 1) for g, n in zip(gcds, shape)]
-    return ChunkLayout(shape, tuple(chunk_shape), _inner_rows(tuple(chunk_shape), itemsize, inner_target_bytes))
+    chunk = tuple(chunk_shape)
+    return ChunkLayout(shape, chunk, inner_rows_for_chunk(chunk, itemsize, inner_target_bytes))
 
 
 def array_shard_layout(layout: ChunkLayout, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> ChunkLayout | None:
@@ -206,7 +207,7 @@ def array_shard_layout(layout: ChunkLayout, boxes: Sequence[tuple[Sequence[int],
     return ChunkLayout(shape, (shard_rows, *shape[1:]), rows, layout.separator)
 
 
-def _inner_rows(chunk_shape: tuple[int, ...], itemsize: int, target: int) -> int:
+def inner_rows_for_chunk(chunk_shape: tuple[int, ...], itemsize: int, target: int) -> int:
     """Rows per inner chunk (a divisor of the chunk's rows), or 0 when the chunk is small enough to stay whole."""
     if not chunk_shape:
         return 0

@@ -1,0 +1,69 @@
+"""``ZarrSavePlanner``: a save planned on every rank from its own state dict, for ``ZarrWriter``.
+
+DCP's planners hand the writer only WriteItems, and the writer sees the planner (and so the state dict: DTensor
+meshes and placements) no sooner than ``write_data``, after DCP has gathered every rank's plan. This planner hands
+the writer, in place of a plan, the rank's items together with its state dict (``RankState``), before the gather;
+the writer then sends a digest instead (protocol.py), and DCP's gather, deduplication and scatter carry O(1) bytes
+per rank. Every decision DCP's coordinator would make is made on each rank alike (writers.py, layouts.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+
+from dcp_zarr.local_plan.protocol import Ticket
+
+
+class RankState(NamedTuple):
+    """What the writer needs of this rank before the gather: kept on the rank, never sent (the writer replaces the
+    plan holding it with a ``Summary``; pickling it raises, so another writer cannot send it by mistake)."""
+
+    items: list[WriteItem]
+    state_dict: dict
+    mappings: dict
+    planner: ZarrSavePlanner
+
+    def __reduce__(self):
+        raise TypeError("ZarrSavePlanner plans saves for ZarrWriter only: pass storage_writer=ZarrWriter(...), or "
+                        "use DCP's DefaultSavePlanner with other writers")
+
+
+class ZarrSavePlanner(DefaultSavePlanner):
+    """Plan a ``ZarrWriter`` save locally: ``dcp.save(sd, storage_writer=ZarrWriter(p), planner=ZarrSavePlanner())``.
+
+    Each rank derives the store's layout and its own writes from its state dict; DCP's collectives carry a digest of
+    each rank's structure and a small status. Ranks whose structures differ (a key on some ranks only, a pipeline
+    stage's own layers) exchange what differs, once, before anything is written; entries that disagree under one key
+    are refused with ``PlanMismatchError`` naming the keys and ranks.
+
+    Args:
+        process_group: the group ``dcp.save`` runs on (its ``process_group=``; default: the whole world). The
+            writer checks that it is, and uses it only when the ranks' structures differ.
+    """
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(flatten_state_dict, flatten_sharded_tensors)
+        self.process_group = process_group
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()  # this rank's items (its boxes), as DCP makes them
+        return SavePlan(items=[], planner_data=RankState(list(plan.items), self.state_dict, dict(self.mappings), self))
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        # Nothing to deduplicate or validate here: the plans hold digests, which the writer compares. The metadata
+        # DCP broadcasts to every rank at the end stays empty; the store's manifest is the checkpoint's metadata.
+        self.metadata = Metadata(state_dict_metadata={})
+        return all_plans, self.metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if not isinstance(new_plan.storage_data, Ticket):
+            raise TypeError("ZarrSavePlanner plans saves for ZarrWriter only: the writer answered with "
+                            f"{type(new_plan.storage_data).__name__}, not a ZarrWriter plan")
+        self.plan = new_plan
+        return new_plan

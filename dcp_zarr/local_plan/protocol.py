@@ -1,0 +1,61 @@
+"""The messages of a locally planned save, each O(1) in the tensors a rank holds, and the coordinator's checks.
+
+1. Each rank's plan, gathered by DCP: a ``Summary`` (its rank, the world it sees, the digest of its entries and one
+   digest of the replica checksums per group of ranks that hold the same boxes) instead of its items.
+2. The coordinator's answer, scattered by DCP: a ``Ticket`` (the save's id and staging location; whether the digests
+   differed, so that the ranks exchange what differs; which replica groups disagreed, so that their ranks report
+   the checksums of each key instead of writing).
+3. Each rank's write result, gathered by DCP: one ``WriteResult`` holding a ``RankReport`` (the values and object
+   sizes it wrote, and checksums only when asked for), instead of one per item.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple
+
+from dcp_zarr.errors import PlanMismatchError
+
+REPORT_FQN = "__dcp_zarr_rank_report__"  # no state dict has it: node names starting "__" are refused
+
+
+class Summary(NamedTuple):
+    rank: int  # in DCP's process group, as this rank's planner sees it
+    world_size: int
+    digest: str  # entries.structure_digest
+    entry_count: int
+    replica_digests: tuple[tuple[str, str], ...]  # (replica group, digest of its keys' checksums)
+
+
+class Ticket(NamedTuple):
+    save_id: str
+    staging_location: str
+    exchange: bool  # the digests differed: exchange.py runs before anything is written
+    detail_groups: frozenset[str]  # replica groups whose checksums differed: report them, write nothing
+
+
+class RankReport(NamedTuple):
+    values: dict  # fqn -> JSON document of each value this rank wrote
+    objects: dict  # fqn -> bytes of each torch.save value this rank wrote
+    checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
+
+
+def check_summaries(summaries: list[Summary]) -> tuple[bool, frozenset[str]]:
+    """(whether the ranks' structures differ, the replica groups whose checksums differ when they do not). Raises
+    when the planner's
+    process group is not the one DCP saves on: the ranks would then disagree on everything else."""
+    world_size = len(summaries)
+    for dcp_rank, summary in enumerate(summaries):
+        if summary.rank != dcp_rank or summary.world_size != world_size:
+            raise PlanMismatchError(
+                f"DCP's rank {dcp_rank} of {world_size} is rank {summary.rank} of {summary.world_size} in "
+                "ZarrSavePlanner's process group: pass ZarrSavePlanner(process_group=...) the group given to "
+                "dcp.save (default: the whole world)")
+    differ = len({s.digest for s in summaries}) > 1
+    if differ:  # the exchange finds the true replicas, and each rank reports the checksum of each
+        return True, frozenset()
+    digests: dict[str, set[str]] = defaultdict(set)
+    for summary in summaries:
+        for group, digest in summary.replica_digests:
+            digests[group].add(digest)
+    return differ, frozenset(group for group, found in digests.items() if len(found) > 1)

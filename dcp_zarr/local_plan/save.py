@@ -1,0 +1,167 @@
+"""One rank's part of a locally planned save, from the writer's side.
+
+``LocalSave`` is made in ``ZarrWriter.prepare_local_plan`` from the planner's ``RankState``: the rank's entries,
+their nodes (checked), its ``Summary`` (what DCP gathers in place of the plan) and the checksums of its replicated
+entries. In ``write_data`` it turns the coordinator's ``Ticket`` into what the existing write path takes (the items
+this rank writes and a ``RankAssignment``); on the coordinator it then gives ``finish`` every array's spec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from dcp_zarr import replicas
+from dcp_zarr.format.dtypes import numpy_dtype
+from dcp_zarr.format.layout import ChunkLayout
+from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, Entry, rank_entries, structure_digest
+from dcp_zarr.local_plan.exchange import Merged, exchange_entries, merge
+from dcp_zarr.local_plan.layouts import entry_layout
+from dcp_zarr.local_plan.planner import RankState
+from dcp_zarr.local_plan.protocol import Summary, Ticket
+from dcp_zarr.local_plan.writers import Decisions, box_holders, rank_decisions, replica_group
+from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_spec, checked_node_paths
+
+
+class LocalSave:
+    def __init__(self, state: RankState, rank: int | None, check_replicas: str, replica_check_bytes: int):
+        group = state.planner.process_group
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        self.rank = rank if rank is not None else (dist.get_rank(group) if distributed else 0)
+        group_rank = _group_rank(group) if distributed else int
+        self.entries, self.items = rank_entries(state.items, state.state_dict, state.mappings, self.rank, group_rank)
+        for entry in self.entries.values():
+            if entry.dtype is not None:
+                numpy_dtype(entry.dtype)  # raises naming the dtype if unsupported
+        self.key_order = list(state.mappings) or list(self.entries)
+        self.nodes = checked_node_paths((fqn, e.path) for fqn, e in self.entries.items())
+        self.planner = state.planner
+        self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
+        group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
+        self.summary = Summary(self.rank, self.world_size, structure_digest(self.entries.values()), len(self.entries),
+                               group_digests)
+        self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
+        self._merged_nodes: dict[str, str] | None = None
+
+    # -- replicas ----------------------------------------------------------------------------------------------------
+
+    def _replicated(self) -> dict[MetadataIndex, tuple[str, WriteItem]]:
+        """Each item of this rank that other ranks hold too, with the name of the group holding it."""
+        found = {}
+        for fqn, entry in self.entries.items():
+            if entry.holding == EVERY_RANK and self.world_size > 1:
+                name = replica_group(entry, self.rank)
+            elif entry.holding == DTENSOR and len(box_holders(entry.mesh, entry.placements, self.rank)) > 1:
+                name = replica_group(entry, self.rank)
+            else:
+                continue
+            for item in self.items[fqn]:
+                found[item.index] = (name, item)
+        return found
+
+    def _replica_checksums(self, mode: str, max_bytes: int) -> dict[str, dict[MetadataIndex, str]]:
+        """group -> {item index: checksum} of the replicated items ``mode`` compares (replicas.py's modes)."""
+        sums: dict[str, dict[MetadataIndex, str]] = defaultdict(dict)
+        if mode == replicas.NONE:
+            return sums
+        for index, (name, item) in self._replicated().items():
+            if mode == replicas.ALL or item.type == WriteItemType.BYTE_IO or _item_nbytes(item) <= max_bytes:
+                sums[name][index] = replicas.value_checksum(item, self.planner)
+        return sums
+
+    def reported_checksums(self, ticket: Ticket) -> dict[MetadataIndex, str]:
+        """The per-item checksums the coordinator asked for (replica groups that disagreed; all on an exchange)."""
+        return {index: digest for name, sums in self.checksums.items()
+                if ticket.exchange or name in ticket.detail_groups for index, digest in sums.items()}
+
+    # -- the plan ----------------------------------------------------------------------------------------------------
+
+    def rank_writes(self, ticket: Ticket, inner_chunk_bytes: int, array_shards: bool
+                    ) -> tuple[list[WriteItem], RankAssignment]:
+        """The items this rank writes and its RankAssignment, as DCP's coordinator path would have sent them."""
+        if ticket.exchange:
+            self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group))
+            decisions = self._decisions_after_exchange(self.merged)
+        else:
+            box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
+            decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes)
+        items = [item for fqn, held in self.items.items() for item in held
+                 if fqn in decisions.writes or item.index in decisions.writes]
+        specs = self.array_specs(inner_chunk_bytes, array_shards,
+                                 {i.index.fqn for i in items} | decisions.describes)
+        assignment = RankAssignment(
+            staging_location=ticket.staging_location,
+            arrays=specs,
+            nodes={i.index.fqn: self.nodes[i.index.fqn] for i in items if i.type == WriteItemType.BYTE_IO},
+            describes=frozenset(f for f in decisions.describes if f in specs),
+        )
+        return items, assignment
+
+    def _decisions_after_exchange(self, merged: Merged) -> Decisions:
+        writes = frozenset(index for index, rank in merged.writers.items() if rank == self.rank)
+        return Decisions(writes, frozenset(fqn for fqn, rank in merged.describers.items() if rank == self.rank))
+
+    def global_entries(self) -> dict[str, Entry]:
+        """Every entry of the save (the coordinator's own, unless an exchange merged every rank's)."""
+        return self.merged.entries if self.merged is not None else self.entries
+
+    def global_key_order(self) -> list[str]:
+        if self.merged is None:
+            return self.key_order
+        return self.key_order + [fqn for fqn in self.merged.entries if fqn not in set(self.key_order)]
+
+    def global_nodes(self) -> dict[str, str]:
+        """fqn -> node of every entry of the save, checked for collisions (once, after an exchange)."""
+        if self.merged is None:
+            return self.nodes
+        if self._merged_nodes is None:
+            self._merged_nodes = checked_node_paths((f, e.path) for f, e in self.merged.entries.items())
+        return self._merged_nodes
+
+    def array_specs(self, inner_chunk_bytes: int, array_shards: bool, fqns=None) -> dict[str, ArraySpec]:
+        """fqn -> ArraySpec of the tensor entries named (default: all of the save's)."""
+        entries = self.global_entries()
+        nodes = self.global_nodes()
+        shared: dict[ChunkLayout, ChunkLayout] = {}  # one layout object per shape, as array_specs_for_plans keeps
+        specs = {}
+        for fqn in (entries if fqns is None else fqns):
+            entry = entries[fqn]
+            if entry.kind != TENSOR:
+                continue
+            assert entry.dtype is not None  # a tensor entry
+            layout, _ = self.layout(entry, inner_chunk_bytes, array_shards)
+            specs[fqn] = array_spec(fqn, nodes[fqn], entry.dtype, shared.setdefault(layout, layout))
+        return specs
+
+    def layout(self, entry: Entry, inner_chunk_bytes: int, array_shards: bool) -> tuple[ChunkLayout, int]:
+        boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
+        assert entry.dtype is not None  # a tensor entry
+        return entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards, boxes)
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+
+
+def _digest_of(sums: dict[MetadataIndex, str]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for index in sorted(sums, key=lambda i: (i.fqn, tuple(i.offset or ()))):
+        digest.update(f"{index.fqn}|{list(index.offset or ())}|{sums[index]}\n".encode())
+    return digest.hexdigest()
+
+
+def _group_rank(group):
+    """Global rank (a DeviceMesh's) -> rank in DCP's group (the same for the default group)."""
+    if group is None or group is dist.group.WORLD:
+        return int
+    return lambda global_rank: dist.get_group_rank(group, global_rank)
