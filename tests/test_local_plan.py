@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from dcp_zarr import PlanMismatchError, ReplicaMismatchError, ZarrReader, ZarrSavePlanner, ZarrWriter
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
