@@ -34,11 +34,17 @@ def entry_layout(entry: Entry, itemsize: int, inner_chunk_bytes: int, array_shar
             return dtensor_layout(entry.size, entry.mesh.shape, entry.placements, itemsize, inner_chunk_bytes,
                                   array_shards)
         if entry.holding == EVERY_RANK:
-            boxes = [((0,) * len(entry.size), entry.size)]
+            return _whole_layout(entry.size, itemsize, inner_chunk_bytes)
         else:
             assert entry.holding in (SHARDS, BOX)
             boxes = sorted({(offsets, sizes) for offsets, sizes, _ in entry.boxes})
     return _layout_of_boxes(entry.size, boxes, itemsize, inner_chunk_bytes, array_shards)
+
+
+@lru_cache(maxsize=4096)
+def _whole_layout(size: tuple[int, ...], itemsize: int, inner_chunk_bytes: int) -> tuple[ChunkLayout, int]:
+    """The layout of an array one rank writes whole (cached: a model's plain tensors have few shapes)."""
+    return _layout_of_boxes(size, [((0,) * len(size), size)], itemsize, inner_chunk_bytes, False)
 
 
 def _layout_of_boxes(size: tuple[int, ...], boxes: Sequence[Box], itemsize: int, inner_chunk_bytes: int,
@@ -69,7 +75,7 @@ def dtensor_layout(size: tuple[int, ...], mesh_shape: tuple[int, ...], placement
     chunk = tuple(chunk_shape)
     layout = ChunkLayout(size, chunk, inner_rows_for_chunk(chunk, itemsize, inner_chunk_bytes))
     # array_shard_layout's conditions: at least two non-empty boxes, split along dim 0 only
-    if array_shards and blocks[0] > 1 and all(b == 1 for b in blocks[1:]):
+    if array_shards and size and blocks[0] > 1 and all(b == 1 for b in blocks[1:]):
         rows = layout.inner_rows or layout.chunk_shape[0]
         layout = ChunkLayout(size, (-(-size[0] // rows) * rows, *size[1:]), rows, layout.separator)
     return layout, math.prod(blocks)

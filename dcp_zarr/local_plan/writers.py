@@ -12,6 +12,7 @@ Every rank makes these choices alone, from entries every rank sees alike, so the
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -61,7 +62,14 @@ def replica_group(entry: Entry, rank: int) -> str:
         return "every rank"
     assert entry.mesh is not None  # only EVERY_RANK and DTENSOR entries are replicated without an exchange
     holders = box_holders(entry.mesh, entry.placements, rank)
-    return f"{entry.mesh.token}:{holders[0]}x{len(holders)}"
+    return _group_name(holders)
+
+
+@lru_cache(maxsize=1024)
+def _group_name(holders: tuple[int, ...]) -> str:
+    """The holder set itself, short: boxes of two placements can share a first rank and a count, not the set."""
+    shown = f"ranks {holders[0]}.." if len(holders) > 1 else f"rank {holders[0]}"
+    return f"{shown} ({len(holders)}, {hashlib.blake2b(repr(holders).encode(), digest_size=6).hexdigest()})"
 
 
 class Decisions(NamedTuple):

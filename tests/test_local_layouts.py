@@ -1,0 +1,78 @@
+"""A rank planning alone derives each array's chunk grid from its placements: exactly the grid that every rank's
+boxes give (format/layout.chunk_layout_for_boxes on DCP's deduplicated boxes), and who holds which box."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from dcp_zarr.format.layout import array_shard_layout, chunk_layout_for_boxes
+from dcp_zarr.local_plan.entries import Mesh, MeshSlice
+from dcp_zarr.local_plan.layouts import dtensor_boxes, dtensor_layout
+from dcp_zarr.local_plan.writers import balanced, box_holders
+
+MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]
+PLACEMENT_CHOICES = [Replicate(), Shard(0), Shard(1), Partial()]
+
+
+def boxes_of_every_rank(size, mesh_shape, placements):
+    """Every rank's box as DTensor computes it: what DCP's plans hold, duplicates and all."""
+    return [_compute_local_shape_and_global_offset(size, mesh_shape, list(c), placements)[::-1]
+            for c in itertools.product(*(range(n) for n in mesh_shape))]
+
+
+def expected(size, mesh_shape, placements, array_shards):
+    boxes = sorted({(tuple(o), tuple(s)) for o, s in boxes_of_every_rank(size, mesh_shape, placements)})
+    layout = chunk_layout_for_boxes(size, boxes, 4, 64)
+    if array_shards:
+        layout = array_shard_layout(layout, boxes) or layout
+    return layout, sum(1 for _, s in boxes if all(s))
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+@pytest.mark.parametrize("array_shards", [False, True])
+def test_the_grid_from_placements_is_the_grid_of_every_rank_s_boxes(mesh_shape, array_shards):
+    checked = 0
+    for placements in itertools.product(PLACEMENT_CHOICES, repeat=len(mesh_shape)):
+        for size in [(), (0,), (1,), (5,), (7, 3), (8, 1), (3, 10), (0, 4), (9, 6), (16, 16)]:
+            if any(isinstance(p, Shard) and p.dim >= len(size) for p in placements):
+                continue
+            placements = tuple(placements)
+            found = dtensor_layout(size, mesh_shape, placements, 4, 64, array_shards)
+            assert found == expected(size, mesh_shape, placements, array_shards), (size, mesh_shape, placements)
+            checked += 1
+    assert checked > 20
+
+
+def test_strided_shards_and_a_dim_split_twice_are_enumerated_alike():
+    for size in [(18, 4), (17, 6), (5, 5), (0, 3)]:
+        for placements in [(_StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(0)), (Shard(0), Shard(1))]:
+            found = dtensor_layout(size, (2, 2), placements, 4, 64, True)
+            assert found == expected(size, (2, 2), placements, True), (size, placements)
+            assert dtensor_boxes(size, (2, 2), placements) == sorted(
+                {(tuple(o), tuple(s)) for o, s in boxes_of_every_rank(size, (2, 2), placements)})
+
+
+def test_the_holders_of_a_box_are_the_ranks_that_hold_it_on_every_slice_of_the_root_mesh():
+    """FSDP over dp of a (dp, tp) mesh: rank r's mesh is the dp slice through it; ranks r and r' on other tp slices
+    at the same dp coordinate hold the same box of a DTensor not split over tp, and nothing else does."""
+    root = Mesh.of((2, 3), [10, 11, 12, 13, 14, 15])  # dp x tp, ranks not numbered from 0
+    dp_slices = {r: [10 + (r - 10) % 3, 13 + (r - 10) % 3] for r in root.ranks}  # the dp slice through r
+    for rank, ranks in dp_slices.items():
+        mesh = MeshSlice.of(root, (2,), ranks)
+        assert mesh.coordinate(rank) == ((rank - 10) // 3,)
+        same_dp = [r for r in root.ranks if (r - 10) // 3 == (rank - 10) // 3]
+        assert sorted(box_holders(mesh, (Shard(0),), rank)) == same_dp
+        assert sorted(box_holders(mesh, (Replicate(),), rank)) == list(root.ranks)
+        assert mesh.slice_ranks(rank) == ranks
+    tokens = {MeshSlice.of(root, (2,), ranks).token for ranks in dp_slices.values()}
+    assert len(tokens) == 1, "every slice of one kind has one token: the ranks' digests agree"
+
+
+def test_balanced_takes_the_largest_first_to_the_least_loaded():
+    assert balanced([("a", 1), ("b", 5), ("c", 5), ("d", 2)], 2) == {"b": 0, "c": 1, "d": 0, "a": 1}
+    assert balanced([("a", 1), ("b", 9)], 8) == {"b": 0, "a": 1}
