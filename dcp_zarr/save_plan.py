@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -115,7 +116,13 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
 
 
 def array_spec(fqn: str, node: str, dtype: torch.dtype, layout: ChunkLayout) -> ArraySpec:
-    return ArraySpec(fqn, node, zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize, layout, torch_dtype_name(dtype))
+    return ArraySpec(fqn, node, *_dtype_names(dtype)[:2], layout, _dtype_names(dtype)[2])
+
+
+@lru_cache(maxsize=64)
+def _dtype_names(dtype: torch.dtype) -> tuple[str, int, str]:
+    """(zarr data type, itemsize, torch name) of a dtype: looked up once, not once per array."""
+    return zarr_dtype_name(dtype), numpy_dtype(dtype).itemsize, torch_dtype_name(dtype)
 
 
 def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],

@@ -323,16 +323,16 @@ class ZarrWriter(StorageWriter, WriterStaging):
         values = {fqn: v for report in reports for fqn, v in report.values.items()}
         objects = {fqn: n for report in reports for fqn, n in report.objects.items()}
         array_shards = storage.writes_at_offsets
-        self._specs = specs = local.array_specs(self.inner_chunk_bytes, array_shards)
+        specs, saved_shards = local.saved_arrays(self.inner_chunk_bytes, array_shards)
+        self._specs = specs
         self._nodes = nodes = local.global_nodes()
         entries: dict[str, Entry] = {}
         for fqn, entry in local.global_entries().items():
             if fqn in specs:
-                _, saved_shards = local.layout(entry, self.inner_chunk_bytes, array_shards)
                 entries[fqn] = TensorEntry(
                     fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
                     chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
-                    requires_grad=entry.requires_grad, saved_shards=saved_shards,
+                    requires_grad=entry.requires_grad, saved_shards=saved_shards[fqn],
                     source=entry.source or {"type": "unknown"})
             elif fqn in values:
                 entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -41,12 +42,14 @@ class LocalSave:
             if entry.dtype is not None:
                 numpy_dtype(entry.dtype)  # raises naming the dtype if unsupported
         self.key_order = list(state.mappings) or list(self.entries)
-        self.nodes = checked_node_paths((fqn, e.path) for fqn, e in self.entries.items())
+        digest = structure_digest(self.entries.values())
+        nodes_key = ("nodes", digest)
+        self.nodes = _recent_plans.get(nodes_key) or _recent_plans.put(
+            nodes_key, checked_node_paths((fqn, e.path) for fqn, e in self.entries.items()))
         self.planner = state.planner
         self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
         group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
-        self.summary = Summary(self.rank, self.world_size, structure_digest(self.entries.values()), len(self.entries),
-                               group_digests)
+        self.summary = Summary(self.rank, self.world_size, digest, len(self.entries), group_digests)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
 
@@ -89,13 +92,20 @@ class LocalSave:
         if ticket.exchange:
             self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group))
             decisions = self._decisions_after_exchange(self.merged)
+            items = self._items_written(decisions)
+            specs = self.array_specs(inner_chunk_bytes, array_shards,
+                                     {i.index.fqn for i in items} | decisions.describes)
         else:
-            box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
-            decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes)
-        items = [item for fqn, held in self.items.items() for item in held
-                 if fqn in decisions.writes or item.index in decisions.writes]
-        specs = self.array_specs(inner_chunk_bytes, array_shards,
-                                 {i.index.fqn for i in items} | decisions.describes)
+            # The structure every rank agreed on decides the plan: reused while it stays the same (the digest)
+            key = ("rank", self.summary.digest, self.rank, self.world_size, inner_chunk_bytes, array_shards)
+            reused = _recent_plans.get(key)
+            if reused is None:
+                box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
+                decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes)
+                fqns = {fqn for fqn in self.items if fqn in decisions.writes} | decisions.describes
+                reused = _recent_plans.put(key, (decisions, self.array_specs(inner_chunk_bytes, array_shards, fqns)))
+            decisions, specs = reused
+            items = self._items_written(decisions)
         assignment = RankAssignment(
             staging_location=ticket.staging_location,
             arrays=specs,
@@ -103,6 +113,22 @@ class LocalSave:
             describes=frozenset(f for f in decisions.describes if f in specs),
         )
         return items, assignment
+
+    def _items_written(self, decisions: Decisions) -> list[WriteItem]:
+        return [item for fqn, held in self.items.items() for item in held
+                if fqn in decisions.writes or item.index in decisions.writes]
+
+    def saved_arrays(self, inner_chunk_bytes: int, array_shards: bool) -> tuple[dict[str, ArraySpec], dict[str, int]]:
+        """(fqn -> ArraySpec, fqn -> non-empty boxes saved) of every array of the save, for the coordinator's
+        manifest; reused while the structure stays the same."""
+        key = ("save", self.summary.digest, inner_chunk_bytes, array_shards)
+        reused = None if self.merged is not None else _recent_plans.get(key)
+        if reused is None:
+            specs = self.array_specs(inner_chunk_bytes, array_shards)
+            entries = self.global_entries()
+            shards = {fqn: self.layout(entries[fqn], inner_chunk_bytes, array_shards)[1] for fqn in specs}
+            reused = (specs, shards) if self.merged is not None else _recent_plans.put(key, (specs, shards))
+        return reused
 
     def _decisions_after_exchange(self, merged: Merged) -> Decisions:
         writes = frozenset(index for index, rank in merged.writers.items() if rank == self.rank)
@@ -144,6 +170,33 @@ class LocalSave:
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
         return entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards, boxes)
+
+
+class _RecentPlans:
+    """The last few plans this process made, by what decides them: a job saving one state dict every few minutes
+    plans once, and after a restart once again, without any exchange (the digests say the structure is the same)."""
+
+    def __init__(self, size: int = 8):
+        self._plans: OrderedDict = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()  # async saves plan on DCP's background thread
+
+    def get(self, key):
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key, plan):
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
+        return plan
+
+
+_recent_plans = _RecentPlans()
 
 
 def _item_nbytes(item: WriteItem) -> int:
