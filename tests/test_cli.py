@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import zarr
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_zarr import ZarrWriter
+from dcp_zarr import ZarrSavePlanner, ZarrWriter
 from dcp_zarr.tools.cli import main
 from tests.support.models import build, save_checkpoint, train_steps
 from tests.support.ranks import run_ranks
@@ -297,7 +297,8 @@ def test_verify_names_every_missing_or_corrupt_chunk_and_exits_1(copy, capsys):
 
 def test_verify_and_diff_name_the_bad_inner_chunk_of_a_large_array(tmp_path, capsys):
     good, bad = tmp_path / "good.zarr", tmp_path / "bad.zarr"
-    dcp.save({"w": torch.randn(64, 32)}, storage_writer=ZarrWriter(good, inner_chunk_bytes=1024))  # 8 rows a chunk
+    dcp.save({"w": torch.randn(64, 32)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(good, inner_chunk_bytes=1024))  # 8 rows a chunk
     shutil.copytree(good, bad)
     shard = bad / "w" / "c.0.0"
     data = bytearray(shard.read_bytes())
@@ -386,7 +387,7 @@ def test_convert_to_torch_and_safetensors(saved, tmp_path, capsys):
 
 
 def _save(path, state):
-    dcp.save(state, storage_writer=ZarrWriter(path))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path))
 
 
 def test_diff_reports_each_differing_entry_with_its_max_abs_difference(tmp_path, capsys):

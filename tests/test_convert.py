@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_zarr import CheckpointExistsError, IncompleteCheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr import CheckpointExistsError, IncompleteCheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.tools.convert import ConversionError, convert
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
@@ -47,7 +47,7 @@ def mixed_dtype_store(path):
     state = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4).to(torch.bfloat16),
                        "q": torch.randn(3, 3).to(torch.float8_e5m2), "ids": torch.arange(5)},
              "optim": {"state": {"w": {"step": torch.tensor(2.0)}}}, "epoch": 1}
-    dcp.save(state, storage_writer=ZarrWriter(path))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path))
     return state
 
 

@@ -32,6 +32,7 @@ from dcp_zarr import (
     UntrustedTypeError,
     ZarrCheckpointError,
     ZarrReader,
+    ZarrSavePlanner,
     ZarrWriter,
 )
 from dcp_zarr.format.encoding import checksum
@@ -53,7 +54,8 @@ TEMPLATE = crash_state(SEED)
 
 
 def save_three_ranks(rank: int, world_size: int, path: str) -> None:
-    dcp.save(sharded_state(SEED, world_size), storage_writer=ZarrWriter(path, inner_chunk_bytes=2048))
+    dcp.save(sharded_state(SEED, world_size), planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=2048))
 
 
 @pytest.fixture(scope="module")

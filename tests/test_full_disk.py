@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage, open_storage
 from dcp_zarr.storage import local as local_storage
@@ -144,7 +144,8 @@ def save_with_file_size_limit(rank: int, world_size: int, report, target: str, l
     if rank == limited_rank:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel then fails the write with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-    dcp.save(sharded_state(2, world_size), storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
+    dcp.save(sharded_state(2, world_size), planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
 
 
 @pytest.mark.slow

@@ -18,7 +18,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_zarr import UnsafeFileError, ZarrCheckpointError, ZarrLoadPlanner, ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import (
+    UnsafeFileError,
+    ZarrCheckpointError,
+    ZarrLoadPlanner,
+    ZarrReader,
+    ZarrSavePlanner,
+    ZarrWriter,
+    open_checkpoint,
+)
 from dcp_zarr.format.encoding import checksum, layout_from_array_metadata, shard_index_bytes
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from tests.support.faults import causes
@@ -40,7 +48,8 @@ def blank() -> dict:
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("hostile") / "ckpt.zarr")
-    dcp.save(STATE, storage_writer=ZarrWriter(path, inner_chunk_bytes=256))  # "model/w" is sharded
+    dcp.save(STATE, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=256))  # "model/w" is sharded
     return path
 
 

@@ -29,7 +29,7 @@ def save_both_ways(rank, world_size, layout, dcp_path, local_path):
     """Rank program: train, save through DCP's planning and through ZarrSavePlanner; each rank's written keys."""
     model, optim = build(layout, world_size)
     train_steps(model, optim, 2)
-    save_checkpoint(model, optim, ZarrWriter(dcp_path))
+    save_checkpoint(model, optim, ZarrWriter(dcp_path), planner=DefaultSavePlanner())
     writer = ZarrWriter(local_path)
     save_checkpoint(model, optim, writer, planner=ZarrSavePlanner())
     return full_state(model, optim), writer.written_keys
@@ -81,6 +81,10 @@ def save_differing(rank, world_size, path, kind):
         state["x"] = torch.zeros(rank + 1, 2)
     elif kind == "values":
         state["seed"] = {"seed": 1000 + rank}
+    elif kind == "two replica patterns":  # on a 2 x 2 mesh: rank 0's replicas are rank 2 for one, rank 1 for the other
+        grid = init_device_mesh("cpu", (2, 2))
+        state["a"] = distribute_tensor(torch.arange(8.0), grid, [Replicate(), Shard(0)])
+        state["b"] = distribute_tensor(torch.arange(8.0) * 2, grid, [Shard(0), Replicate()])
     elif kind == "replicated dtensor values":
         state["r"] = distribute_tensor(torch.ones(4), mesh, [Replicate()])
         state["r"].to_local().fill_(float(rank))
@@ -100,6 +104,15 @@ def test_a_key_held_by_some_ranks_only_is_planned_by_an_exchange(tmp_path):
     dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
     assert_state_equal(target, {"w": torch.arange(24.0).reshape(6, 4), "step": torch.tensor(5.0),
                                 "only_on_1": torch.full((3,), 7.0), "note_on_1": {"text": "rank one"}})
+
+
+@pytest.mark.slow
+def test_replicas_of_two_placements_on_one_mesh_are_compared_within_their_own_holders(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    assert run_ranks(save_differing, 4, path, "two replica patterns") == [None] * 4
+    target = {"w": torch.zeros(6, 4), "step": torch.tensor(0.0), "a": torch.zeros(8), "b": torch.zeros(8)}
+    dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+    assert torch.equal(target["a"], torch.arange(8.0)) and torch.equal(target["b"], torch.arange(8.0) * 2)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError
+from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrSavePlanner
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
 from dcp_zarr.storage.commit import STAGING_MARK
@@ -76,7 +76,8 @@ def test_a_store_named_without_the_padding_is_a_step_too_and_loads(tmp_path):
 
     from dcp_zarr import ZarrWriter
 
-    dcp.save(state(3), storage_writer=ZarrWriter(tmp_path / "step-3.zarr"))  # written by hand, not by a manager
+    dcp.save(state(3), planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(tmp_path / "step-3.zarr"))  # written by hand, not by a manager
     with CheckpointManager(tmp_path) as manager:
         assert manager.steps() == [3] and saved_step(manager, 3) == 3
         target = {"w": torch.zeros(4, 3), "meta": {"step": -1, "name": ""}}

@@ -16,7 +16,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from dcp_zarr import MalformedMetadataError, MetadataTooLargeError, ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import (
+    MalformedMetadataError,
+    MetadataTooLargeError,
+    ZarrReader,
+    ZarrSavePlanner,
+    ZarrWriter,
+    open_checkpoint,
+)
 from dcp_zarr.format import manifest as manifest_module
 from dcp_zarr.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
@@ -215,7 +222,7 @@ def _save_rows(rank: int, world_size: int, path: str) -> None:
     full = torch.arange(100 * 1024, dtype=torch.float32).reshape(100, 1024)
     # 25-row shards of 1-row inner chunks: a shard is 25 inner chunks, as a 25 MiB shard is of 1 MiB ones
     dcp.save({"w": distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)},
-             storage_writer=ZarrWriter(path, inner_chunk_bytes=4096))
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=4096), planner=ZarrSavePlanner())
 
 
 def _load_rows(rank: int, world_size: int, path: str) -> tuple[int, int, bool]:

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import RetryPolicy as PublicRetryPolicy
-from dcp_zarr import ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.storage import open_storage, retry, zarr_store
 from dcp_zarr.storage.retry import ObjectStoreError, Retrying, RetryPolicy, call_with_retry, is_transient
 from tests.support.compare import assert_state_equal
@@ -319,7 +319,8 @@ def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
     proxy.inject("503", path=key, times=float("inf"))
     url, opts = fresh_url(), options(proxy)
     with pytest.raises(CheckpointException) as info:
-        dcp.save(STATE, storage_writer=ZarrWriter(url, storage_options=opts, retry=TWO, **WRITER))
+        dcp.save(STATE, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(url, storage_options=opts, retry=TWO, **WRITER))
     cause = causes(info.value)[0]
     assert isinstance(cause, ObjectStoreError) and "gave up after 2 attempts" in str(cause), cause
     assert _attempts_on(proxy, key, "PUT") == 2

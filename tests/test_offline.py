@@ -16,6 +16,7 @@ from dcp_zarr import (
     IncompleteCheckpointError,
     NotACheckpointError,
     UntrustedTypeError,
+    ZarrSavePlanner,
     ZarrWriter,
 )
 from dcp_zarr.checkpoint import open_checkpoint
@@ -52,7 +53,7 @@ def sample_state() -> dict:
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("offline") / "ckpt.zarr"
     state = sample_state()
-    dcp.save(state, storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
     return path, sample_state()
 
 
@@ -229,7 +230,7 @@ class RunInfo:
 
 def test_objects_load_only_with_weights_only_unless_their_types_are_allowed(tmp_path):
     path = tmp_path / "objects.zarr"
-    dcp.save({"extra": {"run": RunInfo("alpha")}}, storage_writer=ZarrWriter(path))
+    dcp.save({"extra": {"run": RunInfo("alpha")}}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path))
     ckpt = open_checkpoint(path)
     assert ckpt.entries["extra.run"].kind == "object"
 

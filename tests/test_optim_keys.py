@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_state_dict
 
-from dcp_zarr import ParamTableMismatchError, ZarrLoadPlanner, ZarrReader, ZarrWriter
+from dcp_zarr import ParamTableMismatchError, ZarrLoadPlanner, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.errors import MalformedMetadataError
 from dcp_zarr.format.manifest import TensorEntry
 from dcp_zarr.optim.keys import (
@@ -278,7 +278,8 @@ def test_shape_mismatches_name_both_keys_and_params():
 def test_manifest_records_one_table_per_optimizer(tmp_path):
     model, optim = trained()
     dcp.save({"model": model.state_dict(), "optim": fqn_state(model, optim), "raw": optim.state_dict(),
-              "flat": fqn_state(model, optim, flatten=True)}, storage_writer=ZarrWriter(tmp_path / "c"))
+              "flat": fqn_state(model, optim, flatten=True)}, storage_writer=ZarrWriter(tmp_path / "c"),
+             planner=ZarrSavePlanner())
     tables = {t["path"][0]: t for t in manifest_of(tmp_path / "c")["optimizers"]}
     assert {k: t["key_form"] for k, t in tables.items()} == {"optim": FQN, "raw": INT, "flat": FLATTENED}
     assert tables["optim"]["params"][1] == {"id": 1, "fqn": "blocks.0.up.weight", "group": 0,
@@ -289,7 +290,7 @@ def test_manifest_records_one_table_per_optimizer(tmp_path):
 
 def test_fqn_save_loads_into_an_int_request(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     _, target = fresh()
     request = {"optim": target.state_dict()}
     planner = ZarrLoadPlanner()
@@ -301,7 +302,8 @@ def test_fqn_save_loads_into_an_int_request(tmp_path):
 
 def test_flattened_save_loads_into_an_int_request(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim, flatten=True)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim, flatten=True)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(tmp_path / "c"))
     _, target = fresh()
     request = {"optim": target.state_dict()}
     dcp.load(request, storage_reader=ZarrReader(tmp_path / "c"), planner=ZarrLoadPlanner())
@@ -311,7 +313,7 @@ def test_flattened_save_loads_into_an_int_request(tmp_path):
 
 def test_int_save_loads_into_fqn_and_flattened_requests(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": optim.state_dict()}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": optim.state_dict()}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     for flatten in (False, True):
         target_model, target = fresh()
         request = {"optim": fqn_state(target_model, target, flatten=flatten)}
@@ -323,7 +325,7 @@ def test_int_save_loads_into_fqn_and_flattened_requests(tmp_path):
 
 def test_plain_dcp_load_of_the_matching_form_still_works(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": optim.state_dict()}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": optim.state_dict()}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     _, target = fresh()
     request = {"optim": target.state_dict()}
     dcp.load(request, storage_reader=ZarrReader(tmp_path / "c"))
@@ -337,7 +339,7 @@ def test_non_tensor_state_of_int_keyed_params_lands_under_int_keys(tmp_path):
         return {"state": {0: {"count": count, "sum": torch.full((2,), float(count))}},
                 "param_groups": [{"lr": 0.1, "params": [0]}]}
 
-    dcp.save({"optim": optimizer_state(5)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": optimizer_state(5)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     request = {"optim": optimizer_state(0)}
     dcp.load(request, storage_reader=ZarrReader(tmp_path / "c"), planner=ZarrLoadPlanner())
     assert list(request["optim"]["state"]) == [0]
@@ -346,7 +348,8 @@ def test_non_tensor_state_of_int_keyed_params_lands_under_int_keys(tmp_path):
 
 def test_stock_planner_fails_where_zarr_planner_translates(tmp_path):
     model, optim = trained()
-    dcp.save({"optimizer": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optimizer": fqn_state(model, optim)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(tmp_path / "c"))
     _, target = fresh()
     with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.1\.step"):
         dcp.load({"optimizer": target.state_dict()}, storage_reader=ZarrReader(tmp_path / "c"))
@@ -354,7 +357,7 @@ def test_stock_planner_fails_where_zarr_planner_translates(tmp_path):
 
 def test_missing_key_error_lists_keys_nearest_forms_and_fix(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     amsgrad = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)  # noqa: E731
     _, target = fresh(optimizer=amsgrad)
     with pytest.raises(CheckpointException) as raised:
@@ -373,7 +376,7 @@ def test_missing_key_error_lists_keys_nearest_forms_and_fix(tmp_path):
 
 def test_missing_key_error_points_at_a_renamed_optimizer(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     _, target = fresh()
     with pytest.raises(CheckpointException, match=r"request it under \['optim'\]"):
         dcp.load({"optimizer": target.state_dict()}, storage_reader=ZarrReader(tmp_path / "c"),
@@ -382,7 +385,7 @@ def test_missing_key_error_points_at_a_renamed_optimizer(tmp_path):
 
 def test_partial_load_loads_the_rest_and_lists_what_it_skipped(tmp_path):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     amsgrad = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, amsgrad=True)  # noqa: E731
     _, target = fresh(optimizer=amsgrad)
     request = {"optim": target.state_dict()}
@@ -398,7 +401,7 @@ def test_partial_load_loads_the_rest_and_lists_what_it_skipped(tmp_path):
 
 def test_a_stateless_request_is_warned_about_not_silently_left_empty(tmp_path, caplog):
     model, optim = trained()
-    dcp.save({"optim": fqn_state(model, optim)}, storage_writer=ZarrWriter(tmp_path / "c"))
+    dcp.save({"optim": fqn_state(model, optim)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(tmp_path / "c"))
     unprimed = make_optimizer(make_model(1))
     planner = ZarrLoadPlanner()
     with caplog.at_level("WARNING", logger="dcp_zarr.optim.load_planner"):

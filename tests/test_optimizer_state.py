@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrWriter, assert_step_present
+from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrSavePlanner, ZarrWriter, assert_step_present
 from tests.support.compare import assert_state_equal
 from tests.support.models import (
     full_state,
@@ -60,17 +60,19 @@ def _save_all(rank, world_size, root):
     model, optim = _fsdp2(world_size, seed=0, prime=False)
     train_steps(model, optim, 2)
     msd, osd = get_state_dict(model, optim)
-    dcp.save({"model": msd, "optim": osd}, storage_writer=ZarrWriter(f"{root}/fqn"))
-    dcp.save({"optim": optim.state_dict()}, storage_writer=ZarrWriter(f"{root}/int"))
-    dcp.save({"optim": get_optimizer_state_dict(model, optim, options=FLAT)}, storage_writer=ZarrWriter(f"{root}/flat"))
+    dcp.save({"model": msd, "optim": osd}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(f"{root}/fqn"))
+    dcp.save({"optim": optim.state_dict()}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(f"{root}/int"))
+    dcp.save({"optim": get_optimizer_state_dict(model, optim, options=FLAT)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(f"{root}/flat"))
     full_msd, full_osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    dcp.save({"model": full_msd, "optim": full_osd}, storage_writer=ZarrWriter(f"{root}/full"))
+    dcp.save({"model": full_msd, "optim": full_osd}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(f"{root}/full"))
     reference = full_state(model, optim)
 
     acc_model, acc_optim = _fsdp2(world_size, seed=0, prime=False, train_embed=True)
     train_steps(acc_model, acc_optim, 2)
     dcp.save({"optimizer": get_optimizer_state_dict(acc_model, acc_optim)},
-             storage_writer=ZarrWriter(f"{root}/accelerate"))
+             storage_writer=ZarrWriter(f"{root}/accelerate"), planner=ZarrSavePlanner())
     return {"reference": reference, "accelerate": full_state(acc_model, acc_optim)}
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.optim.prefixes import (
     PrefixTolerantLoadPlanner,
@@ -30,7 +30,7 @@ def make_model(seed: int) -> nn.Module:
 
 
 def save(state, path):
-    dcp.save(state, storage_writer=ZarrWriter(path))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path))
 
 
 def same(a: dict, b: dict) -> bool:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.ranks import run_ranks, start_forkserver
 from tests.support.shardings import full_tensor, save_and_reload_sharded
@@ -115,7 +115,8 @@ def test_any_state_dict_round_trips_bit_exact_in_one_process(state, inner_chunk_
         path = os.path.join(tmp, "ckpt.zarr")
         loaded = blank_like(state)
         try:
-            dcp.save(state, storage_writer=ZarrWriter(path, inner_chunk_bytes=inner_chunk_bytes,
+            dcp.save(state, planner=ZarrSavePlanner(),
+                     storage_writer=ZarrWriter(path, inner_chunk_bytes=inner_chunk_bytes,
                                                       thread_count=thread_count))
             dcp.load(loaded, storage_reader=ZarrReader(path, thread_count=thread_count))
         except BaseException as exc:  # CheckpointException is a BaseException, which hypothesis would not shrink

@@ -8,7 +8,7 @@ import pytest
 import torch
 import zarr
 
-from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.models import load_fresh, make_model, shard, train_and_save
 from tests.support.ranks import run_ranks
@@ -166,7 +166,7 @@ def replicated_save(rank, world_size, path):
     writer = ZarrWriter(path)
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, storage_writer=writer)
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=writer)
     return writer.written_keys, state
 
 
@@ -200,7 +200,7 @@ def save_fsdp2_model(rank, world_size, path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model = shard(make_model(seed=0), "fsdp2", world_size)
-    dcp.save({"model": get_model_state_dict(model)}, storage_writer=ZarrWriter(path))
+    dcp.save({"model": get_model_state_dict(model)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path))
 
 
 @pytest.mark.slow
@@ -213,7 +213,7 @@ def test_plain_single_process_save_loads_sharded_and_back(tmp_path):
     plain_path = str(tmp_path / "plain.zarr")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(expected, storage_writer=ZarrWriter(plain_path))  # no process group at all
+        dcp.save(expected, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(plain_path))  # no process group at all
     loaded = run_ranks(load_plain_into_fsdp2, 2, plain_path)[0]
     assert_state_equal(loaded, expected["model"])
 

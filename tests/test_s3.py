@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrWriter
+from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.tools.cli import main as cli_main
@@ -58,7 +58,8 @@ def test_two_ranks_save_to_s3_and_three_ranks_load_it_resharded(s3):
 def test_uploads_within_one_rank_overlap(s3, numel):
     state = {f"w{i}": torch.full((numel,), float(i)) for i in range(12)}
     with s3.slow_puts(0.05) as peak_in_flight:
-        dcp.save(state, storage_writer=ZarrWriter(fresh_url(s3, "concurrent"), storage_options=s3.storage_options(),
+        dcp.save(state, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(fresh_url(s3, "concurrent"), storage_options=s3.storage_options(),
                                                   thread_count=4))
         assert peak_in_flight() >= 3
 
@@ -70,7 +71,8 @@ def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_fo
     REQUESTS_IN_FLIGHT of them going (s3fs's connection pool, 10 by default, is widened to match)."""
     state = {f"w{i}": torch.full((256,), float(i)) for i in range(3 * REQUESTS_IN_FLIGHT)}
     with s3.slow_puts(0.2) as peak_in_flight:
-        dcp.save(state, storage_writer=ZarrWriter(fresh_url(s3, "in-flight"), storage_options=s3.storage_options(),
+        dcp.save(state, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(fresh_url(s3, "in-flight"), storage_options=s3.storage_options(),
                                                   thread_count=2))
         assert peak_in_flight() > 10, f"{peak_in_flight()} PUTs in flight at most"
 
@@ -79,7 +81,7 @@ def test_an_object_store_keeps_more_requests_in_flight_than_the_threads_asked_fo
 def test_verify_finds_a_corrupted_object(s3):
     url = fresh_url(s3, "corrupt")
     dcp.save({"w": torch.arange(1000, dtype=torch.float32)},
-             storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+             storage_writer=ZarrWriter(url, storage_options=s3.storage_options()), planner=ZarrSavePlanner())
     fs = s3.filesystem()
     key = url.removeprefix("s3://") + "/w/c.0"
     data = bytearray(fs.cat_file(key))
@@ -95,7 +97,8 @@ def test_verify_finds_a_corrupted_object(s3):
 @pytest.mark.s3
 def test_the_cli_takes_storage_options(s3, capsys):
     url = fresh_url(s3, "cli")
-    dcp.save({"model": {"w": torch.ones(3, 2)}}, storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+    dcp.save({"model": {"w": torch.ones(3, 2)}}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
     options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
 
     assert cli_main(["inspect", url, *options]) == 0
@@ -122,12 +125,14 @@ def test_a_local_dcp_directory_converts_into_s3(s3, tmp_path, capsys):
 @pytest.mark.s3
 def test_an_existing_checkpoint_on_s3_is_not_replaced_without_overwrite(s3):
     url, options = fresh_url(s3, "exists"), s3.storage_options()
-    dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter(url, storage_options=options))
+    dcp.save({"w": torch.ones(2)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(url, storage_options=options))
 
     with pytest.raises(BaseException, match="already holds a checkpoint"):
-        dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrWriter(url, storage_options=options))
+        dcp.save({"w": torch.zeros(2)}, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(url, storage_options=options))
     assert torch.equal(open_checkpoint(url, options).read_tensor("w"), torch.ones(2))
-    dcp.save({"w": torch.zeros(2)}, storage_writer=ZarrWriter(url, storage_options=options, overwrite=True))
+    dcp.save({"w": torch.zeros(2)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(url, storage_options=options, overwrite=True))
     assert torch.equal(open_checkpoint(url, options).read_tensor("w"), torch.zeros(2))
 
 
@@ -135,7 +140,7 @@ def test_memory_urls_work_in_one_process():
     url = f"memory://ckpt-{uuid.uuid4().hex[:8]}.zarr"
     state = {"model": {"w": torch.randn(5, 3), "b": torch.randn(3).to(torch.bfloat16)}, "step": 7}
 
-    dcp.save(state, storage_writer=ZarrWriter(url))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(url))
     loaded = {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "step": 0}
     dcp.load(loaded, storage_reader=ZarrReader(url))
 

@@ -27,6 +27,7 @@ from dcp_zarr import (
     UntrustedTypeError,
     UntrustedTypeWarning,
     ZarrReader,
+    ZarrSavePlanner,
     ZarrWriter,
 )
 from dcp_zarr.format.dtypes import numpy_as_tensor
@@ -45,7 +46,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def save(sd, path, **kwargs):
-    dcp.save(sd, storage_writer=ZarrWriter(path, **kwargs))
+    dcp.save(sd, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path, **kwargs))
 
 
 def load(sd, path, **kwargs):
@@ -226,7 +227,7 @@ def test_refusing_to_replace_a_checkpoint_says_what_dcp_says(tmp_path):
 
 def test_checkpoint_id_argument_selects_the_path(tmp_path):
     path = str(tmp_path / "by_id.zarr")
-    dcp.save({"x": torch.ones(3)}, checkpoint_id=path, storage_writer=ZarrWriter())
+    dcp.save({"x": torch.ones(3)}, checkpoint_id=path, planner=ZarrSavePlanner(), storage_writer=ZarrWriter())
     back = {"x": torch.zeros(3)}
     dcp.load(back, checkpoint_id=path, storage_reader=ZarrReader())
     assert torch.equal(back["x"], torch.ones(3))
@@ -318,7 +319,8 @@ def async_save_and_load(rank, world_size, path, executor):
     expected = []
     for i in range(2):
         expected.append({"w": sd["model"]["w"].clone(), "sharded": full.clone()})
-        future = dcp.async_save(sd, storage_writer=writer, checkpoint_id=f"{path}/{i}", async_checkpointer_type=kind)
+        future = dcp.async_save(sd, planner=ZarrSavePlanner(),
+                                storage_writer=writer, checkpoint_id=f"{path}/{i}", async_checkpointer_type=kind)
         # The call returned: the save works from the staged copy, so training may change the tensors now.
         sd["model"]["w"].add_(1)
         sd["model"]["sharded"].to_local().add_(1)
@@ -356,7 +358,8 @@ class _RecordingWriter(ZarrWriter):
 def _two_async_saves(writer, tmp_path):
     sd = {"a": torch.arange(6.0), "nested": {"b": torch.ones(2, 2)}}
     for i in range(2):
-        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / f"{i}.zarr")).result()
+        dcp.async_save(sd, planner=ZarrSavePlanner(),
+                       storage_writer=writer, checkpoint_id=str(tmp_path / f"{i}.zarr")).result()
         assert_state_equal(load(blank_like(sd), tmp_path / f"{i}.zarr"), sd)
         sd["a"].add_(1)
     return writer.staged
@@ -403,9 +406,9 @@ def test_the_next_async_save_may_start_from_the_previous_ones_done_callback(tmp_
     sd = {"w": torch.arange(6.0)}
     writer = ZarrWriter(cache_staged_state_dict=True)
     chained = []
-    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
+    first = dcp.async_save(sd, planner=ZarrSavePlanner(), storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
     first.add_done_callback(lambda _: chained.append(
-        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))))
+        dcp.async_save(sd, planner=ZarrSavePlanner(), storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))))
     first.result()
     deadline = time.monotonic() + 30
     while not chained and time.monotonic() < deadline:
@@ -425,14 +428,15 @@ class _SlowWriter(ZarrWriter):
 def test_an_overlapping_async_save_on_one_writer_is_refused_and_the_first_survives(tmp_path, cache):
     sd = {"w": torch.arange(12.0).reshape(3, 4)}
     writer = _SlowWriter(cache_staged_state_dict=cache)
-    first = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
+    first = dcp.async_save(sd, planner=ZarrSavePlanner(), storage_writer=writer, checkpoint_id=str(tmp_path / "0.zarr"))
     sd["w"].add_(100)
     with pytest.raises(RuntimeError, match="still running|not started yet"):
-        dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))
+        dcp.async_save(sd, planner=ZarrSavePlanner(), storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr"))
     first.result()
     assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "0.zarr")["w"], torch.arange(12.0).reshape(3, 4))
     assert not (tmp_path / "1.zarr").exists()
-    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()  # now it may
+    dcp.async_save(sd, planner=ZarrSavePlanner(),
+                   storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()  # now it may
     assert torch.equal(load({"w": torch.zeros(3, 4)}, tmp_path / "1.zarr")["w"], sd["w"])
 
 
@@ -453,11 +457,12 @@ def test_a_failed_async_save_does_not_block_the_next_one_on_the_same_writer(tmp_
     if where.startswith("before"):
         writer.fail = False
         save({"w": torch.zeros(6)}, target)
-    failed = dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(target))
+    failed = dcp.async_save(sd, planner=ZarrSavePlanner(), storage_writer=writer, checkpoint_id=str(target))
     with pytest.raises(CheckpointException, match="No space left|already"):
         failed.result()
     writer.fail = False  # the failed future (and its traceback, holding the staged copy) is still referenced
-    dcp.async_save(sd, storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()
+    dcp.async_save(sd, planner=ZarrSavePlanner(),
+                   storage_writer=writer, checkpoint_id=str(tmp_path / "1.zarr")).result()
     assert torch.equal(load({"w": torch.zeros(6)}, tmp_path / "1.zarr")["w"], sd["w"])
     assert failed.exception() is not None
 
@@ -489,7 +494,7 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
     sd = {"big": torch.randn(4096, 300), "t": torch.randn(64, 48).t(), "bf16": torch.randn(37, 5).bfloat16(),
           "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "obj": torch.Size([2])}
     direct = ZarrWriter(tmp_path / "direct.zarr", inner_chunk_bytes=256 << 10)
-    dcp.save(sd, storage_writer=direct)
+    dcp.save(sd, planner=ZarrSavePlanner(), storage_writer=direct)
     monkeypatch.setattr(writer_module, "_on_host", lambda tensor: False)
     copied = []
     for name in ("_write_from_device", "_write_rows_from_device"):  # chunks, and runs of an array-spanning shard
@@ -497,7 +502,7 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
         monkeypatch.setattr(writer_module, name, lambda storage, key, *args, real_write=real_write: (
             copied.append(key), real_write(storage, key, *args)))
     deferred = ZarrWriter(tmp_path / "deferred.zarr", inner_chunk_bytes=256 << 10)
-    dcp.save(sd, storage_writer=deferred)
+    dcp.save(sd, planner=ZarrSavePlanner(), storage_writer=deferred)
     assert sorted(deferred.written_keys) == sorted(direct.written_keys)
     files = {k.split("#")[0] for k in direct.written_keys}
     assert files == {"big/c.0.0", "t/c.0.0", "bf16/c.0.0", "scalar/c", "obj/c.0"}, files

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import zarr
 from zarr.storage import FsspecStore, LocalStore, MemoryStore, ObjectStore
 
-from dcp_zarr import CheckpointExistsError, ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import CheckpointExistsError, ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
@@ -63,16 +63,18 @@ def test_two_ranks_save_through_obstore_and_three_ranks_load_it_resharded(s3):
 @pytest.mark.s3
 def test_a_store_object_is_replaced_only_with_overwrite(s3):
     prefix = f"exists-{uuid.uuid4().hex[:8]}.zarr"
-    dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
+    dcp.save({"w": torch.ones(3)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
 
     with pytest.raises(BaseException) as info:
-        dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
+        dcp.save({"w": torch.zeros(3)}, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(store=s3_store(s3.endpoint, s3.bucket, prefix)))
     assert isinstance(causes(info.value)[0], CheckpointExistsError), info.value
     assert "overwrite=True" in str(causes(info.value)[0])
     assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.ones(3))
 
     store = s3_store(s3.endpoint, s3.bucket, prefix)
-    dcp.save({"w": torch.zeros(3)}, storage_writer=ZarrWriter(store=store, overwrite=True))
+    dcp.save({"w": torch.zeros(3)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(store=store, overwrite=True))
     assert torch.equal(open_checkpoint(store=s3_store(s3.endpoint, s3.bucket, prefix)).read_tensor("w"), torch.zeros(3))
 
 
@@ -94,7 +96,7 @@ def _obstore_memory():
 @pytest.mark.parametrize("make", [MemoryStore, _memory_fsspec, _obstore_memory], ids=["memory", "fsspec", "obstore"])
 def test_a_store_object_in_one_process_round_trips(make):
     store = make()
-    dcp.save(STATE, storage_writer=ZarrWriter(store=store))
+    dcp.save(STATE, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(store=store))
 
     loaded = _blank()
     dcp.load(loaded, storage_reader=ZarrReader(store=store))
@@ -108,7 +110,7 @@ def test_a_local_store_takes_the_local_fast_path(tmp_path):
     store = LocalStore(tmp_path / "ckpt.zarr")
     writer = ZarrWriter(store=store)
     assert writer.store is None and writer.path == str(tmp_path / "ckpt.zarr")  # a directory path, renamed into place
-    dcp.save(STATE, storage_writer=writer)
+    dcp.save(STATE, planner=ZarrSavePlanner(), storage_writer=writer)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.zarr"]  # the staging directory was renamed
     assert_state_equal(open_checkpoint(tmp_path / "ckpt.zarr").load_full_state_dict(), STATE)
@@ -128,11 +130,12 @@ def test_path_and_store_together_or_neither_is_refused(tmp_path):
         open_checkpoint()
     # A writer or reader without either may still get its path from dcp's checkpoint_id=; without that, it fails
     with pytest.raises(BaseException, match=r"needs a path or a store: pass path or store=, or checkpoint_id="):
-        dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter())
+        dcp.save({"w": torch.ones(2)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter())
     with pytest.raises(BaseException, match=r"needs a path or a store: pass path or store=, or checkpoint_id="):
         dcp.load({"w": torch.ones(2)}, storage_reader=ZarrReader())
     with pytest.raises(ValueError, match=r"store=.*checkpoint_id="):
-        dcp.save({"w": torch.ones(2)}, storage_writer=ZarrWriter(store=store), checkpoint_id=str(tmp_path / "y"))
+        dcp.save({"w": torch.ones(2)}, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(store=store), checkpoint_id=str(tmp_path / "y"))
 
 
 def test_a_store_that_is_not_one_or_is_read_only_is_refused_by_name():
@@ -150,7 +153,8 @@ def test_a_store_holding_other_data_is_refused_and_the_data_kept(overwrite):
     zarr.core.sync.sync(store.set("datasets/train.parquet", buffer))
 
     with pytest.raises(BaseException) as info:
-        dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=store, overwrite=overwrite))
+        dcp.save({"w": torch.ones(3)}, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(store=store, overwrite=overwrite))
     cause = causes(info.value)[0]
     assert isinstance(cause, CheckpointExistsError) and "'datasets/train.parquet'" in str(cause), repr(cause)
     assert zarr.core.sync.sync(store.exists("datasets/train.parquet"))
@@ -162,7 +166,7 @@ def test_the_leftovers_of_an_interrupted_save_are_cleared_before_a_save():
     for key in ("model/zarr.json", "model/w/zarr.json", "model/w/c.0.0", "optim/state/w/step/c", "legacy/w/c/0/1"):
         zarr.core.sync.sync(store.set(key, prototype.buffer.from_bytes(b"{}")))
 
-    dcp.save({"w": torch.ones(3)}, storage_writer=ZarrWriter(store=store))
+    dcp.save({"w": torch.ones(3)}, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(store=store))
 
     assert not zarr.core.sync.sync(store.exists("legacy/w/c/0/1"))
     assert open_checkpoint(store=store).read_tensor("w").tolist() == [1.0, 1.0, 1.0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import ObjectStoreError, ZarrReader, ZarrWriter, open_checkpoint
+from dcp_zarr import ObjectStoreError, ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from tests.support.faults import causes
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -52,7 +52,8 @@ def test_a_save_to_an_unreachable_endpoint_fails_fast_with_one_clear_error(kind,
     caplog.set_level(logging.DEBUG, logger="dcp_zarr.storage")
     start = time.monotonic()
     with pytest.raises(BaseException) as info:
-        dcp.save({"w": torch.ones(4)}, storage_writer=ZarrWriter(url, storage_options=options), no_dist=True)
+        dcp.save({"w": torch.ones(4)}, planner=ZarrSavePlanner(),
+                 storage_writer=ZarrWriter(url, storage_options=options), no_dist=True)
     assert time.monotonic() - start < LIMIT_S
     _check(causes(info.value)[0], url, endpoint, reason)
     assert not [r for r in caplog.records if r.name == "dcp_zarr.storage"], "nothing was retried"

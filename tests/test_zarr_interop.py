@@ -19,7 +19,7 @@ import zarr
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.format.dtypes import tensor_as_numpy
 from tests.support.ranks import run_ranks
@@ -54,7 +54,8 @@ def _save_on_ranks(rank, world_size, path):
         model[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
                                          stride=full.stride())
     optim = {"state": {k: {"step": v} for k, v in expected_steps().items()}}
-    dcp.save({"model": model, "optim": optim}, storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
+    dcp.save({"model": model, "optim": optim}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
 from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
 from dcp_zarr.lifecycle.root import CheckpointRoot, StepStore, step_name, steps_to_delete
+from dcp_zarr.local_plan.planner import ZarrSavePlanner
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
@@ -114,12 +115,15 @@ class CheckpointManager:
         writer = ZarrWriter(self.path(step), storage_options=self.storage_options, **self.writer_options)
         try:
             if async_save:
-                future = dcp.async_save(state_dict, storage_writer=writer, process_group=self._group_for_async())
+                group = self._group_for_async()
+                # The planner's process group is DCP's: the background save's own, not the training's.
+                future = dcp.async_save(state_dict, storage_writer=writer, process_group=group,
+                                        planner=ZarrSavePlanner(process_group=group))
                 # a Future: DCP returns an AsyncSaveResponse only for a stager whose stage() returns a Future
                 assert isinstance(future, Future)
                 self._pending = (step, future)
                 return future
-            dcp.save(state_dict, storage_writer=writer)
+            dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
         except BaseException:
             self._after_failure()
             raise

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dcp_zarr import ZarrSavePlanner
 from tests.support.states import random_bits
 
 __all__ = ["CRASH_WRITER_OPTIONS", "causes", "crash_state", "install_kill_hooks", "managed_save_program",
@@ -87,7 +88,7 @@ def save_program(rank: int, world_size: int, report, target: str, seed: int, kil
     state = sharded_state(seed, world_size)
     counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
     report("saving", time.monotonic())
-    dcp.save(state, storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
     return counter.sequence
 
 
