@@ -33,7 +33,7 @@ from ckpt_model import (
     zeroed_copy,
 )
 from ckpt_report import async_entry, compute_ratios, memory_entry, timing_entry
-from ckpt_storage import DCP_KINDS, WRITER_KINDS, make_reader, make_writer, write_raw_shards
+from ckpt_storage import DCP_KINDS, WRITER_KINDS, make_planner, make_reader, make_writer, write_raw_shards
 
 SAVED_CONFIG = "bench_config.json"  # written by --save-only next to the checkpoints
 
@@ -131,7 +131,7 @@ class Benchmark:
         if kind == "raw":
             write_raw_shards(state_dict, os.path.join(path, f"rank{self.rt.rank}.bin"), self.args.threads)
         else:
-            dcp.save(state_dict, storage_writer=make_writer(kind, path, self.args.threads))
+            dcp.save(state_dict, storage_writer=make_writer(kind, path, self.args.threads), planner=make_planner(kind))
 
     def load(self, kind: str, state_dict: dict[str, Any], path: str) -> None:
         dcp.load(state_dict, storage_reader=make_reader(kind, path, self.args.threads))
@@ -165,7 +165,8 @@ class Benchmark:
             cache = not self.args.no_staging_cache
             self.async_writer = make_writer("zarr", path, self.args.threads, cache_staged_state_dict=cache)
         blocking, total = timed_async_save(
-            lambda: dcp.async_save(self.state_dict, storage_writer=self.async_writer, checkpoint_id=path),
+            lambda: dcp.async_save(self.state_dict, storage_writer=self.async_writer, checkpoint_id=path,
+                                   planner=make_planner("zarr")),
             self.rt.device,
         )
         self.record("async/zarr blocking", blocking)

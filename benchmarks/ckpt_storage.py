@@ -49,6 +49,16 @@ def make_writer(kind: str, path: str, threads: int, **zarr_options):
     raise ValueError(f"{kind!r} is not a DCP writer kind")
 
 
+def make_planner(kind: str):
+    """The save planner of a writer kind: ZarrSavePlanner for zarr (planned locally, as the README saves), DCP's
+    default for the others."""
+    if kind == "zarr":
+        from dcp_zarr import ZarrSavePlanner
+
+        return ZarrSavePlanner()
+    return None
+
+
 def make_reader(kind: str, path: str, threads: int):
     if kind == "zarr":
         from dcp_zarr import ZarrReader

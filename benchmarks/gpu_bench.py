@@ -37,7 +37,15 @@ from ckpt_dist import Runtime, exit_without_interpreter_teardown, init_distribut
 from ckpt_measure import PeakRssSampler, timed_async_save, timed_region
 from ckpt_model import fill_zeros, local_view, locally_equal, tensor_leaves, zeroed_copy
 from ckpt_runs import evict_page_cache
-from ckpt_storage import DCP_KINDS, WRITER_KINDS, make_reader, make_writer, require_dcp_zarr, write_raw_shards
+from ckpt_storage import (  # noqa: E402
+    DCP_KINDS,
+    WRITER_KINDS,
+    make_planner,
+    make_reader,
+    make_writer,
+    require_dcp_zarr,
+    write_raw_shards,
+)
 from gpu_report import SCHEMA, measurement, target_ratios, targets_met, to_markdown, validate_result
 from torch.distributed.tensor import DTensor, Shard
 
@@ -173,7 +181,7 @@ class GpuBench:
             os.makedirs(path)
             write_raw_shards(state, os.path.join(path, "rank0.bin"), self.args.threads)
         else:
-            dcp.save(state, storage_writer=make_writer(kind, path, self.args.threads))
+            dcp.save(state, storage_writer=make_writer(kind, path, self.args.threads), planner=make_planner(kind))
 
     def load(self, kind: str, target: dict, path: str) -> None:
         dcp.load(target, storage_reader=make_reader(kind, path, self.args.threads))
@@ -247,7 +255,8 @@ class GpuBench:
                 path = os.path.join(workspace, f"r{repeat}")
                 with Peaks(self.rt.device) as p:
                     b, t = timed_async_save(
-                        lambda: dcp.async_save(state, storage_writer=writer, checkpoint_id=path), self.rt.device)
+                        lambda: dcp.async_save(state, storage_writer=writer, checkpoint_id=path,
+                                               planner=make_planner("zarr")), self.rt.device)
                 blocking.append(b.max_s)
                 total.append(t.max_s)
                 if repeat:

@@ -147,7 +147,7 @@ def measure(args, rt) -> dict:
     from ckpt_model import ModelConfig, build_sharded_state_dict, global_bytes, locally_equal, zeroed_copy
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from dcp_zarr import ZarrReader, ZarrWriter
+    from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
     options = {"endpoint_url": args.endpoint, **SERVER_CREDENTIALS[args.server]}
     cfg = ModelConfig(4, 128, 2048, "float32") if args.quick else ModelConfig(args.layers, args.hidden, args.vocab,
                                                                               "float32")
@@ -167,7 +167,8 @@ def measure(args, rt) -> dict:
             writer = ZarrWriter(url, storage_options=options, thread_count=args.zarr_threads)
         else:
             writer = FsspecWriter(url, thread_count=args.fsspec_threads, sync_files=False, **options)
-        dcp.save(state_dict, storage_writer=writer)
+        planner = ZarrSavePlanner() if isinstance(writer, ZarrWriter) else None  # planned locally, as README saves
+        dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     def load(kind: str, url: str, target) -> None:
         if kind == "zarr-obstore":
