@@ -160,7 +160,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # before anything is written
         if plans and isinstance(plans[0].storage_data, Summary):
-            exchange, detail_groups = check_summaries([plan.storage_data for plan in plans])
+            summaries = [plan.storage_data for plan in plans]
+            if len(plans) == 1 and self._local is not None:
+                self._local.plan_alone()
+                summaries = [self._local.summary]
+            exchange, detail_groups = check_summaries(summaries)
             self._detail_groups = detail_groups
             self._begin_save(len(plans))
             ticket = Ticket(self.save_id or "", self._staging, exchange, detail_groups)

@@ -204,3 +204,31 @@ def test_several_saves_in_a_row_with_each_planner_load_back_exactly(tmp_path, pl
     for step in range(3):
         assert_state_equal(loaded[step], saved[step])
     assert sorted(os.listdir(tmp_path)) == ["step0.zarr", "step1.zarr", "step2.zarr"]
+
+
+def save_on_rank_zero_alone(rank, world_size, root):
+    """Rank program: rank 0 saves by itself (no_dist=True) in a job that has a process group."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    sharded = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    if rank != 0:
+        return None
+    plain = {"w": torch.arange(6.0), "steps": {"a": torch.tensor(1.0), "b": torch.tensor(2.0)}, "lr": 0.1}
+    dcp.save(plain, storage_writer=ZarrWriter(os.path.join(root, "plain.zarr")), planner=ZarrSavePlanner(),
+             no_dist=True)
+    try:
+        dcp.save({"sharded": sharded}, storage_writer=ZarrWriter(os.path.join(root, "sharded.zarr")),
+                 planner=ZarrSavePlanner(), no_dist=True)
+    except CheckpointException as exc:
+        return [f"{type(cause).__name__}: {cause}" for cause in causes(exc)]
+    return None
+
+
+@pytest.mark.slow
+def test_one_rank_saving_alone_saves_everything_or_is_refused(tmp_path):
+    refusal = run_ranks(save_on_rank_zero_alone, 2, str(tmp_path))[0]
+    target = {"w": torch.zeros(6), "steps": {"a": torch.tensor(0.0), "b": torch.tensor(0.0)}, "lr": 0.0}
+    dcp.load(target, storage_reader=ZarrReader(str(tmp_path / "plain.zarr")), no_dist=True)
+    assert_state_equal(target, {"w": torch.arange(6.0), "steps": {"a": torch.tensor(1.0), "b": torch.tensor(2.0)},
+                                "lr": 0.1})
+    assert refusal and "PlanMismatchError" in refusal[0] and "'sharded'" in refusal[0], refusal
+    assert not os.path.exists(tmp_path / "sharded.zarr")

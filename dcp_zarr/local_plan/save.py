@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcp_zarr import replicas
+from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.dtypes import numpy_dtype
 from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, Entry, rank_entries, structure_digest
@@ -52,6 +53,23 @@ class LocalSave:
         self.summary = Summary(self.rank, self.world_size, digest, len(self.entries), group_digests)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
+
+    def plan_alone(self) -> None:
+        """DCP saves on this rank alone (``no_dist=True`` in a job with a process group, or a group of one): plan for
+        a world of one, unless an entry has parts on other ranks, which this save would leave out."""
+        if self.world_size == 1:
+            return
+        elsewhere = sorted(fqn for fqn, e in self.entries.items()
+                           if (e.holding == DTENSOR and e.mesh is not None and len(e.mesh.root.ranks) > 1)
+                           or any(r != self.rank for _, _, r in e.boxes))
+        if elsewhere:
+            listed = ", ".join(map(repr, elsewhere[:8])) + (f" and {len(elsewhere) - 8} more" if len(elsewhere) > 8
+                                                             else "")
+            raise PlanMismatchError(
+                f"dcp.save runs on one rank, but {len(elsewhere)} entries have parts on other ranks ({listed}): "
+                "they would be saved incomplete. Save them on every rank of their mesh, or save a full state dict")
+        self.world_size, self.rank = 1, 0
+        self.summary = self.summary._replace(rank=0, world_size=1)
 
     # -- replicas ----------------------------------------------------------------------------------------------------
 
