@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
@@ -55,7 +56,7 @@ class Mesh(NamedTuple):
         return not self == other
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
-        return _unravel(self.ranks.index(rank), self.shape)
+        return _unravel(_positions(self.ranks, self.token)[rank], self.shape)
 
     def rank_at(self, coordinate: Sequence[int]) -> int:
         index = 0
@@ -96,7 +97,7 @@ class MeshSlice(NamedTuple):
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """``rank``'s coordinate in the slice through it."""
         root = self.root.coordinate(rank)
-        return _unravel(self.pattern.index(tuple(root[d] for d in self.free)), self.shape)
+        return _unravel(_positions(self.pattern, self.token)[tuple(root[d] for d in self.free)], self.shape)
 
     def slice_ranks(self, rank: int) -> list[int]:
         """The ranks of the slice through ``rank``, in its own C order."""
@@ -120,6 +121,33 @@ class MeshSlice(NamedTuple):
         for point in itertools.product(*ranges):
             ranks.append(self.root.rank_at([fixed.get(d, v) for d, v in enumerate(point)]))
         return ranks
+
+
+@lru_cache(maxsize=64)
+def _positions_by_token(token: str, values: tuple) -> dict:
+    return {value: i for i, value in enumerate(values)}
+
+
+def _positions(values: tuple, token: str) -> dict:
+    """value -> its position in ``values`` (a mesh's ranks, a slice's pattern), made once per mesh: a lookup per
+    rank of an 8,192-rank mesh by ``tuple.index`` would cost O(ranks) each."""
+    return _positions_by_token(token, _ByToken(values, token))
+
+
+class _ByToken(tuple):
+    """A tuple hashed and compared by the token of the mesh it belongs to (hashing 8,192 ranks per lookup is what
+    the cache is there to avoid)."""
+
+    def __new__(cls, values: tuple, token: str):
+        made = super().__new__(cls, values)
+        made.token = token  # type: ignore[attr-defined]
+        return made
+
+    def __hash__(self) -> int:
+        return hash(self.token)  # type: ignore[attr-defined]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ByToken) and self.token == other.token  # type: ignore[attr-defined]
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
