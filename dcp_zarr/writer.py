@@ -111,6 +111,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._local: LocalSave | None = None  # this rank's part of a ZarrSavePlanner save (local_plan/save.py)
         self._rank: int | None = None
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
+        self._own_values: dict = {}  # the coordinator's written values and object sizes (not sent to itself)
+        self._own_objects: dict = {}
         self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
 
     # -- StorageWriter interface -------------------------------------------------------------------------------------
@@ -143,8 +145,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
             commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._own_values, self._own_objects = {}, {}
         if isinstance(plan.planner_data, RankState):  # ZarrSavePlanner: planned here, a digest goes to DCP
-            self._local = LocalSave(plan.planner_data, self._rank, self.check_replicas, self.replica_check_bytes)
+            self._local = LocalSave(plan.planner_data, self._rank, self.is_coordinator, self.check_replicas,
+                                    self.replica_check_bytes)
             return SavePlan(items=[], storage_data=self._local.summary)
         self._local = None
         items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
@@ -220,6 +224,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
                     values[result.index.fqn] = result.storage_data["value"]
                 elif "object_nbytes" in result.storage_data:
                     objects[result.index.fqn] = result.storage_data["object_nbytes"]
+        if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
+            self._own_values, self._own_objects = values, objects
+            values, objects = {}, {}
         report = RankReport(values, objects, checksums)
         return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
 
@@ -324,8 +331,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
             commit.abandon(storage)
             raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(self._detail_groups)}"
                                        "; nothing was committed")
-        values = {fqn: v for report in reports for fqn, v in report.values.items()}
-        objects = {fqn: n for report in reports for fqn, n in report.objects.items()}
+        values = dict(self._own_values)
+        values.update((fqn, v) for report in reports for fqn, v in report.values.items())
+        objects = dict(self._own_objects)
+        objects.update((fqn, n) for report in reports for fqn, n in report.objects.items())
         array_shards = storage.writes_at_offsets
         specs, saved_shards = local.saved_arrays(self.inner_chunk_bytes, array_shards)
         self._specs = specs

@@ -31,12 +31,14 @@ from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_spec, checked_no
 
 
 class LocalSave:
-    def __init__(self, state: RankState, rank: int | None, check_replicas: str, replica_check_bytes: int):
+    def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
+                 replica_check_bytes: int):
         group = state.planner.process_group
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = rank if rank is not None else (dist.get_rank(group) if distributed else 0)
+        self.coordinator = coordinator
         group_rank = _group_rank(group) if distributed else int
         self.entries, self.items = rank_entries(state.items, state.state_dict, state.mappings, self.rank, group_rank)
         for entry in self.entries.values():
@@ -115,11 +117,12 @@ class LocalSave:
                                      {i.index.fqn for i in items} | decisions.describes)
         else:
             # The structure every rank agreed on decides the plan: reused while it stays the same (the digest)
-            key = ("rank", self.summary.digest, self.rank, self.world_size, inner_chunk_bytes, array_shards)
+            key = ("rank", self.summary.digest, self.rank, self.coordinator, self.world_size, inner_chunk_bytes,
+                   array_shards)
             reused = _recent_plans.get(key)
             if reused is None:
                 box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
-                decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes)
+                decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes, self.coordinator)
                 fqns = {fqn for fqn in self.items if fqn in decisions.writes} | decisions.describes
                 reused = _recent_plans.put(key, (decisions, self.array_specs(inner_chunk_bytes, array_shards, fqns)))
             decisions, specs = reused

@@ -2,8 +2,8 @@
 
 Every rank makes these choices alone, from entries every rank sees alike, so they agree without a message:
 
-* an ``EVERY_RANK`` entry (plain tensors, values) goes to one rank of the world, the largest first, each to the rank
-  with the fewest bytes so far (ties: the lowest rank), as DCP's deduplication balances them;
+* an ``EVERY_RANK`` tensor goes to one rank of the world, the largest first, each to the rank with the fewest bytes
+  so far (ties: the lowest rank), as DCP's deduplication balances them; every value goes to DCP's coordinator;
 * a replicated DTensor box (``Replicate`` placements, HSDP's replica groups) goes to one rank of the ranks holding
   it, balanced the same way over the arrays of one mesh and placement pattern: each rank of such a group sees the
   same arrays with boxes of the same sizes;
@@ -21,7 +21,7 @@ from typing import NamedTuple, TypeVar
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, Entry, MeshSlice
+from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, VALUE, Entry, MeshSlice
 from dcp_zarr.local_plan.layouts import shards_along
 
 Key = TypeVar("Key", str, MetadataIndex)
@@ -80,18 +80,22 @@ class Decisions(NamedTuple):
     describes: frozenset[str]
 
 
-def rank_decisions(entries: dict[str, Entry], rank: int, world_size: int,
-                   box_nbytes: dict[str, int]) -> Decisions:
+def rank_decisions(entries: dict[str, Entry], rank: int, world_size: int, box_nbytes: dict[str, int],
+                   coordinator: bool) -> Decisions:
     """This rank's writes among its ``entries`` (the structure every rank agreed on). ``box_nbytes``: the bytes of
-    this rank's box of each tensor entry."""
+    this rank's box of each tensor entry; ``coordinator``: whether this rank is DCP's coordinator, which writes every
+    value (it puts each in the manifest: a value sent to it would grow the results DCP gathers from every rank,
+    which are padded to the largest)."""
     writes: set[str | MetadataIndex] = set()
     describes: set[str] = set()
-    every = [(fqn, entry.nbytes) for fqn, entry in entries.items() if entry.holding == EVERY_RANK]
+    every = [(fqn, entry.nbytes) for fqn, entry in entries.items()
+             if entry.holding == EVERY_RANK and entry.kind == TENSOR]
     for fqn, writer in balanced(every, world_size).items():
         if writer == rank:
             writes.add(fqn)
-            if entries[fqn].kind == "tensor":
-                describes.add(fqn)
+            describes.add(fqn)
+    if coordinator:
+        writes.update(fqn for fqn, entry in entries.items() if entry.kind == VALUE)
     patterns: dict[tuple[int, ...], list[tuple[str, int]]] = {}
     on_mesh: dict[MeshSlice, list[str]] = {}
     for fqn, entry in entries.items():
