@@ -232,3 +232,62 @@ def test_one_rank_saving_alone_saves_everything_or_is_refused(tmp_path):
                                 "lr": 0.1})
     assert refusal and "PlanMismatchError" in refusal[0] and "'sharded'" in refusal[0], refusal
     assert not os.path.exists(tmp_path / "sharded.zarr")
+
+
+def save_pipeline_stages(rank, world_size, path):
+    """Rank program: two pipeline stages of two ranks each (a (pp, dp) mesh): each stage's layers are DTensors on
+    its own dp slice, with keys the other stage does not have, and a plain step only on stage 0."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_local_rank("pp")
+    state = {f"layers.{stage}.w": distribute_tensor(torch.arange(20.0).reshape(5, 4) + 100 * stage, mesh["dp"],
+                                                    [Shard(0)]),
+             "shared": torch.ones(3)}
+    if stage == 0:
+        state["optim.step"] = torch.tensor(9.0)
+    dcp.save(state, storage_writer=ZarrWriter(path), planner=ZarrSavePlanner())
+    return rank
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_their_own_keys_are_planned_by_an_exchange(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    run_ranks(save_pipeline_stages, 4, path)
+    target = {"layers.0.w": torch.zeros(5, 4), "layers.1.w": torch.zeros(5, 4), "shared": torch.zeros(3),
+              "optim.step": torch.tensor(0.0)}
+    dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+    assert_state_equal(target, {"layers.0.w": torch.arange(20.0).reshape(5, 4),
+                                "layers.1.w": torch.arange(20.0).reshape(5, 4) + 100, "shared": torch.ones(3),
+                                "optim.step": torch.tensor(9.0)})
+
+
+def save_fsdp1(rank, world_size, dcp_path, local_path):
+    """Rank program: an FSDP1 model's SHARDED_STATE_DICT (ShardedTensors), saved both ways."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)),
+                                     device_id=torch.device("cpu"))
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict()}
+    kinds = {type(v).__name__ for v in state["model"].values()}
+    dcp.save(state, storage_writer=ZarrWriter(dcp_path), planner=DefaultSavePlanner())
+    dcp.save(state, storage_writer=ZarrWriter(local_path), planner=ZarrSavePlanner())
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = {k: v.clone() for k, v in model.state_dict().items()}
+    return kinds, full
+
+
+@pytest.mark.slow
+def test_fsdp1_sharded_tensors_save_the_store_dcp_planning_writes(tmp_path):
+    dcp_path, local_path = str(tmp_path / "dcp.zarr"), str(tmp_path / "local.zarr")
+    kinds, full = run_ranks(save_fsdp1, 2, dcp_path, local_path)[0]
+    assert "ShardedTensor" in kinds, kinds
+    by_dcp, planned_locally = store_files(dcp_path), store_files(local_path)
+    assert sorted(by_dcp) == sorted(planned_locally)
+    for name, data in by_dcp.items():
+        if name != "zarr.json":
+            assert data == planned_locally[name], name
+    assert without_save_id(by_dcp["zarr.json"]) == without_save_id(planned_locally["zarr.json"])
+    target = {"model": {k: torch.zeros_like(v) for k, v in full.items()}}
+    dcp.load(target, storage_reader=ZarrReader(local_path), no_dist=True)
+    assert_state_equal(target["model"], full)
