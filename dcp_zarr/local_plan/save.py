@@ -31,6 +31,8 @@ from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_spec, checked_no
 
 
 class LocalSave:
+    """One rank's locally planned save (the module's docstring says when each part runs)."""
+
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
                  replica_check_bytes: int):
         group = state.planner.process_group
