@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import torch
@@ -123,31 +122,18 @@ class MeshSlice(NamedTuple):
         return ranks
 
 
-@lru_cache(maxsize=64)
-def _positions_by_token(token: str, values: tuple) -> dict:
-    return {value: i for i, value in enumerate(values)}
+_positions_made: dict[str, dict] = {}  # mesh token -> value -> position; a few meshes per job
 
 
 def _positions(values: tuple, token: str) -> dict:
-    """value -> its position in ``values`` (a mesh's ranks, a slice's pattern), made once per mesh: a lookup per
-    rank of an 8,192-rank mesh by ``tuple.index`` would cost O(ranks) each."""
-    return _positions_by_token(token, _ByToken(values, token))
-
-
-class _ByToken(tuple):
-    """A tuple hashed and compared by the token of the mesh it belongs to (hashing 8,192 ranks per lookup is what
-    the cache is there to avoid)."""
-
-    def __new__(cls, values: tuple, token: str):
-        made = super().__new__(cls, values)
-        made.token = token  # type: ignore[attr-defined]
-        return made
-
-    def __hash__(self) -> int:
-        return hash(self.token)  # type: ignore[attr-defined]
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _ByToken) and self.token == other.token  # type: ignore[attr-defined]
+    """value -> its position in ``values`` (a mesh's ranks, a slice's pattern), made once per mesh (by its token):
+    ``tuple.index`` would cost O(ranks) a lookup, O(ranks^2) for the slices of an 8,192-rank mesh."""
+    found = _positions_made.get(token)
+    if found is None:
+        if len(_positions_made) > 64:
+            _positions_made.clear()
+        found = _positions_made[token] = {value: i for i, value in enumerate(values)}
+    return found
 
 
 def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
