@@ -76,3 +76,13 @@ def test_the_holders_of_a_box_are_the_ranks_that_hold_it_on_every_slice_of_the_r
 def test_balanced_takes_the_largest_first_to_the_least_loaded():
     assert balanced([("a", 1), ("b", 5), ("c", 5), ("d", 2)], 2) == {"b": 0, "c": 1, "d": 0, "a": 1}
     assert balanced([("a", 1), ("b", 9)], 8) == {"b": 0, "a": 1}
+
+
+def test_a_mesh_that_is_its_own_root_plans_as_the_slice_covering_it():
+    root = Mesh.of((2, 3), [10, 11, 12, 13, 14, 15])
+    whole, sliced = MeshSlice.of_root(root), MeshSlice.of(root, (2, 3), list(root.ranks))
+    for rank in root.ranks:
+        assert whole.coordinate(rank) == sliced.coordinate(rank)
+        assert whole.slice_ranks(rank) == sliced.slice_ranks(rank)
+        for placements in [(Replicate(), Shard(0)), (Shard(0), Replicate()), (Shard(0), Shard(1))]:
+            assert box_holders(whole, placements, rank) == box_holders(sliced, placements, rank)

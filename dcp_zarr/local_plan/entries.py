@@ -67,13 +67,21 @@ class Mesh(NamedTuple):
 class MeshSlice(NamedTuple):
     """A DTensor's mesh, as one of the like slices of its root mesh (``mesh["dp"]`` of a (dp, tp) mesh; a flattened
     one): the same DTensor lives on every slice, each rank's on the slice through it. ``free`` are the root dims the
-    slice runs along, ``pattern`` the coordinates on them of each of its positions (C order of its own shape)."""
+    slice runs along, ``pattern`` the coordinates on them of each of its positions (C order of its own shape).
+    ``whole``: the mesh is its root (FSDP's and HSDP's), with no pattern to make or look up: 8,192 ranks of it cost
+    nothing per rank beyond the root's own rank list."""
 
     root: Mesh
     shape: tuple[int, ...]
     free: tuple[int, ...]
     pattern: tuple[tuple[int, ...], ...]
     token: str
+    whole: bool = False
+
+    @classmethod
+    def of_root(cls, root: Mesh) -> MeshSlice:
+        token = hashlib.blake2b(repr((root.token, "whole")).encode(), digest_size=8).hexdigest()
+        return cls(root, root.shape, tuple(range(len(root.shape))), (), token, True)
 
     @classmethod
     def of(cls, root: Mesh, shape: Sequence[int], ranks: Sequence[int]) -> MeshSlice:
@@ -96,10 +104,14 @@ class MeshSlice(NamedTuple):
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """``rank``'s coordinate in the slice through it."""
         root = self.root.coordinate(rank)
+        if self.whole:
+            return root
         return _unravel(_positions(self.pattern, self.token)[tuple(root[d] for d in self.free)], self.shape)
 
     def slice_ranks(self, rank: int) -> list[int]:
         """The ranks of the slice through ``rank``, in its own C order."""
+        if self.whole:
+            return list(self.root.ranks)
         root = self.root.coordinate(rank)
         ranks = []
         for position in self.pattern:
@@ -111,6 +123,8 @@ class MeshSlice(NamedTuple):
 
     def ranks_at(self, coordinate: Sequence[int]) -> list[int]:
         """The ranks at ``coordinate`` of every slice (the root's other dims varied), in C order of the root."""
+        if self.whole:
+            return [self.root.rank_at(coordinate)]
         index = 0
         for i, n in zip(coordinate, self.shape):
             index = index * n + i
@@ -233,6 +247,8 @@ def _mesh_slice(device_mesh, roots: dict, group_rank: Callable[[int], int]) -> M
     root = roots.get(root_mesh)
     if root is None:
         root = roots[root_mesh] = Mesh.of(root_mesh.shape, [group_rank(r) for r in root_mesh.mesh.flatten().tolist()])
+    if device_mesh is root_mesh:
+        return MeshSlice.of_root(root)
     return MeshSlice.of(root, device_mesh.shape, [group_rank(r) for r in device_mesh.mesh.flatten().tolist()])
 
 

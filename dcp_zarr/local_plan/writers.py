@@ -61,8 +61,13 @@ def replica_group(entry: Entry, rank: int) -> str:
     if entry.holding == EVERY_RANK:
         return "every rank"
     assert entry.mesh is not None  # only EVERY_RANK and DTENSOR entries are replicated without an exchange
-    holders = box_holders(entry.mesh, entry.placements, rank)
-    return _group_name(holders)
+    return _holders_name(entry.mesh, entry.placements, rank)
+
+
+@lru_cache(maxsize=1024)
+def _holders_name(mesh: MeshSlice, placements: tuple, rank: int) -> str:
+    # by (mesh, placements, rank), hashed by the mesh's token: the holder tuple of an HSDP box can be 1,024 ranks
+    return _group_name(box_holders(mesh, placements, rank))
 
 
 @lru_cache(maxsize=1024)
