@@ -48,13 +48,21 @@ def test_the_grid_from_placements_is_the_grid_of_every_rank_s_boxes(mesh_shape, 
     assert checked > 20
 
 
-def test_strided_shards_and_a_dim_split_twice_are_enumerated_alike():
-    for size in [(18, 4), (17, 6), (5, 5), (0, 3)]:
-        for placements in [(_StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(0)), (Shard(0), Shard(1))]:
-            found = dtensor_layout(size, (2, 2), placements, 4, 64, True)
-            assert found == expected(size, (2, 2), placements, True), (size, placements)
-            assert dtensor_boxes(size, (2, 2), placements) == sorted(
-                {(tuple(o), tuple(s)) for o, s in boxes_of_every_rank(size, (2, 2), placements)})
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 3), (3, 2), (4, 2), (3, 4), (2, 2, 2)])
+def test_strided_shards_and_a_dim_split_several_times_in_closed_form_as_enumerated(mesh_shape):
+    """FSDP2 over TP: (_StridedShard(0, split_factor=tp), Shard(0)) on (dp, tp); a dim split by two plain Shards;
+    and a split factor that is not the next mesh dim's size (enumerated)."""
+    *outer, tp = mesh_shape
+    layouts = [(_StridedShard(0, split_factor=tp), Shard(0)), (Shard(0), Shard(0)), (Shard(0), Shard(1)),
+               (_StridedShard(0, split_factor=tp + 1), Shard(0))]
+    for size in [(18, 4), (17, 6), (5, 5), (0, 3), (1, 2), (64, 3), (37, 9)]:
+        for placements in layouts:
+            placements = (Replicate(),) * (len(outer) - 1) + placements
+            for array_shards in (False, True):
+                found = dtensor_layout(size, mesh_shape, placements, 4, 64, array_shards)
+                assert found == expected(size, mesh_shape, placements, array_shards), (size, placements)
+            assert dtensor_boxes(size, mesh_shape, placements) == sorted(
+                {(tuple(o), tuple(s)) for o, s in boxes_of_every_rank(size, mesh_shape, placements)})
 
 
 def test_the_holders_of_a_box_are_the_ranks_that_hold_it_on_every_slice_of_the_root_mesh():
