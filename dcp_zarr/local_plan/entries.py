@@ -16,6 +16,7 @@ plan. Both leave out the mesh's rank list (a mesh of 8,192 ranks is one short to
 
 from __future__ import annotations
 
+import array
 import hashlib
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -41,8 +42,9 @@ class Mesh(NamedTuple):
     @classmethod
     def of(cls, shape: Sequence[int], ranks: Sequence[int]) -> Mesh:
         shape, ranks = tuple(int(n) for n in shape), tuple(int(r) for r in ranks)
-        token = hashlib.blake2b(repr((shape, ranks)).encode(), digest_size=8).hexdigest()
-        return cls(shape, ranks, token)
+        digest = hashlib.blake2b(repr(shape).encode(), digest_size=8)
+        digest.update(array.array("q", ranks).tobytes())  # 8,192 ranks: bytes, not their repr
+        return cls(shape, ranks, digest.hexdigest())
 
     # Compared and hashed by token: a mesh of 8,192 ranks is looked up once per array and per save.
     def __hash__(self) -> int:
@@ -246,7 +248,10 @@ def _mesh_slice(device_mesh, roots: dict, group_rank: Callable[[int], int]) -> M
     root_mesh = get_root() if get_root is not None else device_mesh
     root = roots.get(root_mesh)
     if root is None:
-        root = roots[root_mesh] = Mesh.of(root_mesh.shape, [group_rank(r) for r in root_mesh.mesh.flatten().tolist()])
+        ranks = root_mesh.mesh.flatten().tolist()
+        if group_rank is not int:  # the default group: its ranks are the mesh's
+            ranks = [group_rank(r) for r in ranks]
+        root = roots[root_mesh] = Mesh.of(root_mesh.shape, ranks)
     if device_mesh is root_mesh:
         return MeshSlice.of_root(root)
     return MeshSlice.of(root, device_mesh.shape, [group_rank(r) for r in device_mesh.mesh.flatten().tolist()])
