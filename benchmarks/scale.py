@@ -25,26 +25,38 @@ from __future__ import annotations
 
 import argparse
 import gc
+import glob
+import hashlib
 import json
+import math
 import os
+import pickle
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dcp_zarr import ZarrReader, ZarrWriter  # noqa: E402
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, replicas  # noqa: E402
 from dcp_zarr.format.manifest import Manifest  # noqa: E402
+from dcp_zarr.local_plan.protocol import REPORT_FQN, RankReport, check_summaries  # noqa: E402
 
 HIDDEN = 4096
 LOAD_WORLD_SIZE = 128
@@ -90,20 +102,23 @@ def _new(cls, **fields):
     return obj
 
 
+def rank_plan(tensors, layout: str, rank: int, world: int, planner_data: dict | None = None) -> SavePlan:
+    if planner_data is None:
+        planner_data = {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors}
+    items = []
+    for fqn, shape in tensors:
+        offsets, sizes = rank_box(layout, shape, rank, world)
+        offsets = torch.Size(offsets)
+        items.append(_new(WriteItem, index=_new(MetadataIndex, fqn=fqn, offset=offsets, index=None),
+                          type=WriteItemType.SHARD, bytes_io_data=None,
+                          tensor_data=_new(TensorWriteData, chunk=ChunkStorageMetadata(offsets, torch.Size(sizes)),
+                                           properties=_PROPS, size=torch.Size(shape))))
+    return SavePlan(items, planner_data=planner_data)
+
+
 def save_plans(tensors, layout: str, world: int) -> list[SavePlan]:
     planner_data = {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors}
-    plans = []
-    for rank in range(world):
-        items = []
-        for fqn, shape in tensors:
-            offsets, sizes = rank_box(layout, shape, rank, world)
-            offsets = torch.Size(offsets)
-            items.append(_new(WriteItem, index=_new(MetadataIndex, fqn=fqn, offset=offsets, index=None),
-                              type=WriteItemType.SHARD, bytes_io_data=None,
-                              tensor_data=_new(TensorWriteData, chunk=ChunkStorageMetadata(offsets, torch.Size(sizes)),
-                                               properties=_PROPS, size=torch.Size(shape))))
-        plans.append(SavePlan(items, planner_data=planner_data))
-    return plans
+    return [rank_plan(tensors, layout, rank, world, planner_data) for rank in range(world)]
 
 
 def timed(fn, repeats: int = 1):
@@ -147,8 +162,7 @@ def read_items(metadata, local: dict) -> int:
 
 def write_metadata(planning: dict, world: int, work: str) -> dict:
     """Each writer's finish on synthetic WriteResults; the bytes of what it wrote."""
-    fs_results = [[WriteResult(item.index, 0, _StorageInfo(f"__{rank}_0.distcp", 0, 0)) for item in plan.items]
-                  for rank, plan in enumerate(planning["global_plan"])]
+    fs_results = [_fs_results(plan, rank) for rank, plan in enumerate(planning["global_plan"])]
     os.makedirs(os.path.join(work, "dcp"), exist_ok=True)
     planning["fs_writer"].finish(planning["metadata"], fs_results)
     planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
@@ -192,15 +206,383 @@ def measure(layout: str, world: int, entries: int, repeats: int) -> dict:
     tensors = model_tensors(entries)
     work = tempfile.mkdtemp(prefix="dcp-zarr-scale-")
     try:
-        planning = coordinator_planning(save_plans(tensors, layout, world), work)
+        plans = save_plans(tensors, layout, world)
+        planning = coordinator_planning(plans, work)
         row = {"layout": layout, "world": world, "entries": entries,
                **{k: v for k, v in planning.items() if k.endswith("_s")}}
         row.update(write_metadata(planning, world, work))
-        del planning
+        row["wire"] = dcp_wire(plans, planning, tensors, layout, world)
+        del planning, plans
         row.update(loading_rank(tensors, work, repeats))
         return row
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# -- what DCP's collectives carry, and planning with ZarrSavePlanner on real (fake-group) ranks -----------------------
+#
+# DCP's object collectives (gather_object, scatter_object_list, broadcast_object_list, all_gather_object) send each
+# object as its pickle (torch's _object_to_tensor: pickle.Pickler, default protocol), padded to the largest rank's
+# and preceded by an int64 size; the pickles of the real objects are what is counted here.
+
+KINDS = ("dcp_zarr", "dcp_default", "dcp_cached_later", "no_collectives")
+_CHECKED_WORLD = 16  # every rank planned for real, to check the summaries built from representative ranks
+_SAMPLED_RANKS = 16  # ranks whose local plans are pickled to scale DCP's bytes from 100 tensors to more
+
+
+def pickled(obj) -> int:
+    return len(pickle.dumps(obj))
+
+
+def _traffic(world: int, up: list[int], down: list[int], results: list[int], broadcast: int) -> dict:
+    """A save's bytes: the gathered plans (up), the scattered replies (down), the gathered write results and one
+    object broadcast to every rank. Through the coordinator: what it receives and sends, the broadcast once (a tree
+    or ring broadcast sends it from rank 0 about once; every rank receives it: ``broadcast_delivered``)."""
+    return _totals(world, {"plans_up": sum(up), "plans_down": sum(down), "results_up": sum(results),
+                           "broadcast": broadcast, "max_rank": max(u + d + r for u, d, r in zip(up, down, results))
+                           + broadcast, "coordinator_padded": world * (max(up) + max(results)) + sum(down) + broadcast})
+
+
+def _totals(world: int, parts: dict) -> dict:
+    moved = parts["plans_up"] + parts["plans_down"] + parts["results_up"]
+    return {**parts, "per_rank": moved / world + parts["broadcast"], "coordinator": moved + parts["broadcast"],
+            "broadcast_delivered": parts["broadcast"] * (world - 1)}
+
+
+def _fs_results(plan: SavePlan, rank: int) -> list[WriteResult]:
+    """The WriteResults FileSystemWriter.write_data returns: one per item, where its bytes lie in the rank's file."""
+    results, offset = [], 0
+    for item in plan.items:
+        length = math.prod(item.tensor_data.chunk.sizes) * _PROPS.dtype.itemsize
+        results.append(WriteResult(item.index, length, _StorageInfo(f"__{rank}_0.distcp", offset, length)))
+        offset += length
+    return results
+
+
+def dcp_load_plans(tensors, layout: str, world: int, metadata, ranks: list[int]) -> list[LoadPlan]:
+    """DCP's LoadPlan of each of ``ranks`` loading at the saved layout: DCP's read items for its box of each tensor
+    (what create_default_local_load_plan makes), as FileSystemReader.prepare_local_plan passes them on."""
+    plans = []
+    for rank in ranks:
+        items = []
+        for fqn, shape in tensors:
+            box = ChunkStorageMetadata(*map(torch.Size, rank_box(layout, shape, rank, world)))
+            items.extend(create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], [box]))
+        plans.append(LoadPlan(items))
+    return plans
+
+
+def sampled(world: int, count: int) -> list[int]:
+    return sorted({round(i * (world - 1) / max(count - 1, 1)) for i in range(min(count, world))})
+
+
+def dcp_wire(plans: list[SavePlan], planning: dict, tensors, layout: str, world: int) -> dict:
+    """Bytes of DCP's save protocol with FileSystemWriter (default and cached planner) and of its load, from the
+    real objects of a measured row (all ranks; loads on sampled ranks, scaled)."""
+    fs_writer, global_plan = planning["fs_writer"], planning["global_plan"]
+    up = [pickled(plan) for plan in plans]
+    down = [pickled(plan) for plan in fs_writer.prepare_global_plan(global_plan)]
+    results = [pickled(_fs_results(plan, rank)) for rank, plan in enumerate(global_plan)]
+    broadcast = pickled(planning["metadata"])  # finish has filled in its storage_data, as DCP broadcasts it
+    unusable = SavePlan([], usable=False)  # a caching planner's later local plans, and the deltas it scatters
+    cached_down = [pickled(plan) for plan in fs_writer.prepare_global_plan([unusable] * world)]
+    ranks = sampled(world, 64)
+    load_plans = dcp_load_plans(tensors, layout, world, planning["metadata"], ranks)
+    load_up = [pickled(plan) for plan in load_plans]
+    load_down = [pickled(plan) for plan in DefaultLoadPlanner().create_global_plan(load_plans)]
+    scale = world / len(ranks)
+    return {"save": {"dcp_default": _traffic(world, up, down, results, broadcast),
+                     "dcp_cached_later": _traffic(world, [pickled(unusable)] * world, cached_down, results, broadcast)},
+            "load": {"dcp_default": _load_traffic(world, sum(load_up) * scale, sum(load_down) * scale)},
+            "sampled_plan_bytes": sum(up[r] for r in sampled(world, _SAMPLED_RANKS)), "exact": True}
+
+
+def _load_traffic(world: int, up: float, down: float) -> dict:
+    """A load's bytes: plans gathered and scattered, then DCP's all_gather of every rank's read result (None): each
+    rank receives all of them, whatever the reader."""
+    done = world * pickled(None)
+    return {"per_rank": (up + down) / world + done, "coordinator": up + down + done, "plans_up": up,
+            "plans_down": down, "read_done_per_rank": done}
+
+
+def scaled_dcp_wire(exact: dict, tensors, layout: str, world: int) -> dict:
+    """DCP's bytes at more tensors than a measured row: the row's, times the ratio of the sampled ranks' pickled local
+    plans (exact, at both sizes). Per-rank caching plans and deltas do not grow."""
+    ratio = sum(pickled(rank_plan(tensors, layout, rank, world)) for rank in sampled(world, _SAMPLED_RANKS)) \
+        / exact["sampled_plan_bytes"]
+    save = {}
+    for kind, traffic in exact["save"].items():  # a caching planner's later plans and deltas do not grow
+        grown = ("plans_up", "plans_down", "results_up", "broadcast") if kind == "dcp_default" else (
+            "results_up", "broadcast")
+        save[kind] = _totals(world, {**{k: traffic[k] * (ratio if k in grown else 1) for k in
+                                        ("plans_up", "plans_down", "results_up", "broadcast")},
+                                     "max_rank": None, "coordinator_padded": None})
+    load = {k: _load_traffic(world, v["plans_up"] * ratio, v["plans_down"] * ratio) for k, v in exact["load"].items()}
+    return {"save": save, "load": load, "exact": False, "scaled_by": ratio}
+
+
+def layout_mesh(layout: str, world: int):
+    if layout == "fsdp":
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), (Shard(0),)
+    mesh = init_device_mesh("cpu", (world // 8, 8), mesh_dim_names=("replicate", "shard") if layout == "hsdp"
+                            else ("dp", "tp"))
+    if layout == "hsdp":
+        return mesh, (Replicate(), Shard(0))
+    return mesh, (_StridedShard(0, split_factor=8), Shard(0))  # FSDP over TP's colwise shards, as FSDP2 makes it
+
+
+def rank_state_dict(tensors, layout: str, world: int, rank: int, mesh, placements, check_bytes: int) -> dict:
+    """This rank's state dict of DTensors. Local tensors are meta (planning reads no data), except boxes other ranks
+    hold too and the replica check reads (up to check_bytes): those are real, as the check is real work."""
+    replicated = layout == "hsdp" and world > 8
+    state = {}
+    for fqn, shape in tensors:
+        _, sizes = rank_box(layout, shape, rank, world)
+        real = replicated and math.prod(sizes) * _PROPS.dtype.itemsize <= check_bytes
+        local = torch.zeros(sizes, dtype=_PROPS.dtype, device="cpu" if real else "meta")
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        state[fqn] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                        stride=stride)
+    return state
+
+
+# Module-level caches of dcp_zarr's planning, beside its functools caches: emptied for a restarted process's first save
+_PLAN_CACHES = {"dcp_zarr.local_plan.save": "_recent_plans", "dcp_zarr.local_plan.entries": "_positions_made"}
+
+
+def clear_caches() -> None:
+    """Empty every cache of dcp_zarr's planning (functools caches and _PLAN_CACHES): a restarted process's first
+    save. Says so when a named cache is gone (the library changed: update _PLAN_CACHES)."""
+    for name, module in list(sys.modules.items()):
+        if name == "dcp_zarr" or name.startswith("dcp_zarr."):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+    for module_name, attribute in _PLAN_CACHES.items():
+        cache = getattr(sys.modules.get(module_name), attribute, None)
+        cache = getattr(cache, "_plans", cache)  # save.py's _RecentPlans keeps an OrderedDict
+        if not hasattr(cache, "clear"):
+            print(f"scale.py: no cache {module_name}.{attribute} to clear", file=sys.stderr)
+            continue
+        cache.clear()
+
+
+class FakeRank:
+    """One rank of a ``world``-rank job in this process: torch's fake process group, the layout's mesh and the
+    rank's state dict (none of it timed)."""
+
+    def __init__(self, tensors, layout: str, world: int, rank: int, work: str):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        self.layout, self.world, self.rank, self.work = layout, world, rank, work
+        self.mesh, placements = layout_mesh(layout, world)
+        self.state = rank_state_dict(tensors, layout, world, rank, self.mesh, placements, replicas.DEFAULT_MAX_BYTES)
+
+    def close(self) -> None:
+        self.state = self.mesh = None
+        dist.destroy_process_group()
+
+    def writer(self, name: str) -> ZarrWriter:
+        writer = ZarrWriter(os.path.join(self.work, name), sync_files=False)
+        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+        return writer
+
+    def local_plan(self, writer: ZarrWriter, timing: bool = True) -> tuple[SavePlan, dict]:
+        """ZarrSavePlanner's local plan and ZarrWriter.prepare_local_plan, from cold caches: (the plan DCP gathers,
+        times). ``timing``: collect garbage first (it costs more than planning when only bytes are counted)."""
+        clear_caches()
+        if timing:
+            gc.collect()
+        start = time.perf_counter()
+        planner = ZarrSavePlanner()
+        planner.set_up_planner(self.state, None, self.rank == 0)
+        plan = planner.create_local_plan()
+        planned = time.perf_counter()
+        sent = writer.prepare_local_plan(plan)
+        prepared = time.perf_counter()
+        self.planner, self.items = planner, plan.planner_data.items
+        return sent, {"create_local_plan_s": planned - start, "prepare_local_plan_s": prepared - planned}
+
+    def rank_writes(self, writer: ZarrWriter, ticket) -> tuple[float, list]:
+        array_shards = writer._open(ticket.staging_location).writes_at_offsets
+        start = time.perf_counter()
+        items, _ = writer._local.rank_writes(ticket, writer.inner_chunk_bytes, array_shards)
+        return time.perf_counter() - start, items
+
+
+def _representative(layout: str, rank: int) -> int:
+    """The rank whose Summary equals ``rank``'s but for the rank itself: HSDP's replicas of one box (rank % 8) share
+    its replica group and checksums; FSDP's and FSDP+TP's boxes have no replicas, so every rank's entries agree."""
+    return rank % 8 if layout == "hsdp" else 0
+
+
+def _all_summaries(layout: str, world: int, summaries: dict[int, object]) -> list[SavePlan]:
+    return [SavePlan([], storage_data=summaries[_representative(layout, r)]._replace(rank=r)) for r in range(world)]
+
+
+def _report(nbytes: int) -> list[WriteResult]:
+    """What a rank's ZarrWriter.write_data returns with ZarrSavePlanner (writer.py: _write_planned_locally): one
+    WriteResult carrying its RankReport, here with no values, objects or checksums asked for (replicas agree)."""
+    return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=RankReport({}, {}, {}))]
+
+
+def _held_bytes(items) -> int:
+    return sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize for i in items)
+
+
+def zarr_wire(layout: str, world: int, entries: int) -> dict:
+    """dcp_zarr's save and load bytes at one point: the representative ranks planned for real (fake process group),
+    every rank's Summary from them, the coordinator's real replies, a RankReport per rank, the planner's Metadata."""
+    tensors = model_tensors(entries)
+    work = tempfile.mkdtemp(prefix="dcp-zarr-wire-")
+    try:
+        summaries, held = {}, {}
+        for rank in sorted({_representative(layout, r) for r in range(world)}):
+            fake = FakeRank(tensors, layout, world, rank, work)
+            try:
+                sent, _ = fake.local_plan(fake.writer(f"r{rank}.zarr"), timing=False)
+                summaries[rank], held[rank] = sent.storage_data, _held_bytes(fake.items)
+                if rank == 0:
+                    metadata = fake.planner.create_global_plan([sent])[1]
+            finally:
+                fake.close()
+        plans = _all_summaries(layout, world, summaries)
+        fake = FakeRank(tensors[:1], layout, world, 0, work)  # the coordinator's writer needs only the group
+        try:
+            replies = fake.writer("coordinator.zarr").prepare_global_plan(plans)
+        finally:
+            fake.close()
+        up = [pickled(plan) for plan in plans]
+        down = [pickled(plan) for plan in replies]
+        results = [pickled(_report(held[_representative(layout, r)])) for r in range(world)]
+        load_plan = ZarrReader(os.path.join(work, "none.zarr")).prepare_local_plan(
+            LoadPlan(dcp_load_plans(tensors[:1], "fsdp", 1, _one_rank_metadata(tensors[:1]), [0])[0].items))
+        load = pickled(load_plan)
+        return {"save": {"dcp_zarr": _traffic(world, up, down, results, pickled(metadata))},
+                "load": {"dcp_zarr": _load_traffic(world, load * world, load * world)}}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _one_rank_metadata(tensors):
+    return DefaultSavePlanner().create_global_plan(save_plans(tensors, "fsdp", 1))[1]
+
+
+def check_representatives(layout: str, world: int, entries: int) -> int:
+    """Every rank of a small job planned for real: its Summary is its representative's but for the rank, and its
+    DTensor boxes are the synthetic plans' (rank_box). Returns the ranks checked."""
+    tensors = model_tensors(entries)
+    work = tempfile.mkdtemp(prefix="dcp-zarr-wire-")
+    try:
+        real = {}
+        for rank in range(world):
+            fake = FakeRank(tensors, layout, world, rank, work)
+            try:
+                real[rank] = fake.local_plan(fake.writer(f"r{rank}.zarr"), timing=False)[0].storage_data
+                boxes = {i.index.fqn: (tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes))
+                         for i in fake.items}
+                expected = {fqn: rank_box(layout, shape, rank, world) for fqn, shape in tensors}
+                assert boxes == expected, (layout, world, rank)
+            finally:
+                fake.close()
+        built = [plan.storage_data for plan in _all_summaries(layout, world, real)]
+        assert built == [real[r] for r in range(world)], (layout, world)
+        return world
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def rank_planning(layout: str, worlds: list[int], entries: int, repeats: int) -> dict:
+    """Rank 0's planning (ZarrSavePlanner.create_local_plan, ZarrWriter.prepare_local_plan, LocalSave.rank_writes),
+    cold caches, at each world size, interleaved over ``repeats`` rounds; medians."""
+    tensors = model_tensors(entries)
+    times: dict[int, dict[str, list[float]]] = {w: defaultdict(list) for w in worlds}
+    work = tempfile.mkdtemp(prefix="dcp-zarr-rank-")
+    try:
+        for round_ in range(repeats):
+            for world in worlds:
+                fake = FakeRank(tensors, layout, world, 0, work)
+                try:
+                    writer = fake.writer(f"w{world}-{round_}.zarr")
+                    sent, found = fake.local_plan(writer)
+                    plans = _all_summaries(layout, world, {r: sent.storage_data._replace(rank=r) for r in
+                                                           {_representative(layout, r) for r in range(world)}})
+                    ticket = fake.writer(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
+                    found["rank_writes_s"], items = fake.rank_writes(writer, ticket)
+                    found["total_s"] = sum(found.values())
+                    found["writes"] = len(items)
+                    warm_writer = fake.writer(f"w{world}-{round_}-warm.zarr")  # the next save: caches kept
+                    start = time.perf_counter()
+                    planner = ZarrSavePlanner()
+                    planner.set_up_planner(fake.state, None, True)
+                    warm_writer.prepare_local_plan(planner.create_local_plan())
+                    found["warm_total_s"] = time.perf_counter() - start + fake.rank_writes(warm_writer, ticket)[0]
+                    for key, value in found.items():
+                        times[world][key].append(value)
+                finally:
+                    fake.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {str(w): {k: statistics.median(v) for k, v in found.items()} for w, found in times.items()}
+
+
+def coordinator_cpu(layout: str, world: int, entries: int, repeats: int) -> dict:
+    """The coordinator's part of a ZarrSavePlanner save (rank 0, cold caches: the first save after a restart), medians
+    of ``repeats``: unpickling the gathered Summaries, ZarrSavePlanner.create_global_plan and
+    ZarrWriter.prepare_global_plan (check_summaries, the Tickets; check_summaries also alone), pickling the replies,
+    unpickling the RankReports, ZarrWriter.finish (manifest entries, every group's and the root's zarr.json, the
+    commit, into a temporary directory) and pickling the Metadata it broadcasts. Rank 0's own rank_writes runs
+    untimed between them, as in a save."""
+    tensors = model_tensors(entries)
+    work = tempfile.mkdtemp(prefix="dcp-zarr-coordinator-")
+    times: dict[str, list[float]] = defaultdict(list)
+    others = {}  # HSDP's other replica groups' Summaries, planned for real once
+    for rank in sorted({_representative(layout, r) for r in range(world)} - {0}):
+        other = FakeRank(tensors, layout, world, rank, work)
+        try:
+            others[rank] = other.local_plan(other.writer(f"r{rank}.zarr"), timing=False)[0].storage_data
+        finally:
+            other.close()
+    fake = FakeRank(tensors, layout, world, 0, work)
+    try:
+        for round_ in range(repeats):
+            writer = fake.writer(f"ckpt-{round_}.zarr")
+            sent, _ = fake.local_plan(writer)
+            summaries = {**others, 0: sent.storage_data}
+            wire = [pickle.dumps(plan) for plan in _all_summaries(layout, world, summaries)]
+            found = {}
+            start = time.perf_counter()
+            plans = [pickle.loads(data) for data in wire]
+            found["unpickle_plans_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            check_summaries([plan.storage_data for plan in plans])
+            check_s = time.perf_counter() - start
+            start = time.perf_counter()
+            plans, metadata = fake.planner.create_global_plan(plans)
+            replies = writer.prepare_global_plan(plans)
+            found["global_plan_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            scattered = [pickle.dumps(plan) for plan in replies]
+            found["pickle_replies_s"] = time.perf_counter() - start
+            _, items = fake.rank_writes(writer, replies[0].storage_data)
+            wire = [pickle.dumps(_report(_held_bytes(items))) for _ in range(world)]
+            start = time.perf_counter()
+            results = [pickle.loads(data) for data in wire]
+            found["unpickle_results_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            writer.finish(metadata, results)
+            found["finish_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            pickle.dumps(metadata)
+            found["pickle_metadata_s"] = time.perf_counter() - start
+            found["total_s"] = sum(found.values())
+            found["check_summaries_s"] = check_s  # inside global_plan_s
+            for key, value in found.items():
+                times[key].append(value)
+            del scattered, wire, results
+    finally:
+        fake.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return {"layout": layout, "world": world, "entries": entries, **{k: statistics.median(v) for k, v in times.items()}}
 
 
 def sampled_save_planning(world: int, entries: int, batch: int, batches: int) -> dict:
@@ -312,6 +694,146 @@ def _interleaved_text(medians: dict[int, float]) -> str:
                                           for world, s in medians.items()))
 
 
+def planning_grid(rows: list[dict], worlds: dict[str, list[int]], entry_counts: list[int]) -> list[dict]:
+    """Bytes per save and per load for every kind, at each layout, world size and tensor count: dcp_zarr from its
+    real objects; DCP from a measured row's (exact), or scaled from the row at 100 tensors."""
+    exact = {(r["layout"], r["world"], r["entries"]): r["wire"] for r in rows if "wire" in r}
+    points = []
+    for layout, layout_worlds in worlds.items():
+        for world in layout_worlds:
+            for entries in entry_counts:
+                dcp = exact.get((layout, world, entries))
+                if dcp is None:
+                    dcp = scaled_dcp_wire(exact[(layout, world, 100)], model_tensors(entries), layout, world)
+                zarr = zarr_wire(layout, world, entries)
+                none = {"per_rank": 0, "coordinator": 0}
+                points.append({"layout": layout, "world": world, "entries": entries, "dcp_exact": dcp["exact"],
+                               "save": {**zarr["save"], **dcp["save"], "no_collectives": none},
+                               "load": {**zarr["load"], **dcp["load"]}})
+                print(planning_tables({"wire": points[-1:]}).splitlines()[2], flush=True)
+    return points
+
+
+def _size(n: float) -> str:
+    for unit, step in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= step:
+            return f"{n / step:.{1 if n < 100 * step else 0}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def planning_tables(planning: dict) -> str:
+    lines = ["| layout | ranks | tensors | dcp_zarr / rank | DCP / rank | DCP cached, later / rank "
+             "| dcp_zarr coordinator | DCP coordinator | DCP cached, later coordinator |", "|" + "---|" * 9]
+    for p in planning["wire"]:
+        mark = "" if p["dcp_exact"] else "~"
+        save = p["save"]
+        lines.append(f"| {p['layout']} | {p['world']} | {p['entries']} | {_size(save['dcp_zarr']['per_rank'])} "
+                     f"| {mark}{_size(save['dcp_default']['per_rank'])} "
+                     f"| {mark}{_size(save['dcp_cached_later']['per_rank'])} "
+                     f"| {_size(save['dcp_zarr']['coordinator'])} | {mark}{_size(save['dcp_default']['coordinator'])} "
+                     f"| {mark}{_size(save['dcp_cached_later']['coordinator'])} |")
+    text = "\n".join(lines) if planning["wire"] else ""
+    if len(planning["wire"]) == 1 or "rank_planning" not in planning:
+        return text
+    lines = ["| layout | ranks | tensors | dcp_zarr / rank | DCP / rank | dcp_zarr coordinator | DCP coordinator "
+             "| of which DCP's read-done all_gather / rank |", "|" + "---|" * 8]
+    for p in planning["wire"]:
+        mark = "" if p["dcp_exact"] else "~"
+        load = p["load"]
+        lines.append(f"| {p['layout']} | {p['world']} | {p['entries']} | {_size(load['dcp_zarr']['per_rank'])} "
+                     f"| {mark}{_size(load['dcp_default']['per_rank'])} | {_size(load['dcp_zarr']['coordinator'])} "
+                     f"| {mark}{_size(load['dcp_default']['coordinator'])} "
+                     f"| {_size(load['dcp_zarr']['read_done_per_rank'])} |")
+    if planning["wire"]:
+        text += "\n\nLoads (plans gathered and scattered, then DCP's all_gather of each rank's read result):\n\n"
+        text += "\n".join(lines)
+    lines = ["| layout | tensors | ranks | create_local_plan s | prepare_local_plan s | rank_writes s | total s "
+             "| total / first world's | next save (warm) s | items written |", "|" + "---|" * 10]
+    for layout, found in planning["rank_planning"].items():
+        first = next(iter(found["worlds"].values()))["total_s"]
+        for world, t in found["worlds"].items():
+            lines.append(f"| {layout} | {found['entries']} | {world} | {t['create_local_plan_s']:.4f} "
+                         f"| {t['prepare_local_plan_s']:.4f} | {t['rank_writes_s']:.4f} | {t['total_s']:.4f} "
+                         f"| {t['total_s'] / first:.2f}x | {t['warm_total_s']:.4f} | {t['writes']:.0f} |")
+    text += "\n\nOne rank's planning (rank 0, cold caches; medians, world sizes interleaved):\n\n" + "\n".join(lines)
+    lines = ["| layout | ranks | tensors | unpickle Summaries s | create_global_plan + prepare_global_plan s "
+             "(check_summaries) | pickle Tickets s | unpickle RankReports s | finish s | pickle Metadata s | total s "
+             "|", "|" + "---|" * 10]
+    for c in planning["coordinator_cpu"]:
+        lines.append(f"| {c['layout']} | {c['world']} | {c['entries']} | {c['unpickle_plans_s']:.4f} "
+                     f"| {c['global_plan_s']:.4f} ({c['check_summaries_s']:.4f}) | {c['pickle_replies_s']:.4f} "
+                     f"| {c['unpickle_results_s']:.4f} | {c['finish_s']:.4f} | {c['pickle_metadata_s']:.5f} "
+                     f"| {c['total_s']:.3f} |")
+    text += ("\n\nThe coordinator's CPU per dcp_zarr save (rank 0, cold caches; medians):\n\n" + "\n".join(lines))
+    return text
+
+
+def plot_planning(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({p["entries"] for p in points})
+    fig, axes = plt.subplots(1, len(counts), figsize=(5.2 * len(counts), 3.8), squeeze=False)
+    labels = {"dcp_zarr": "dcp_zarr (ZarrSavePlanner)", "dcp_default": "DCP default (= cached, first save)",
+              "dcp_cached_later": "DCP cached, later saves"}
+    for ax, entries in zip(axes[0], counts):
+        fsdp = sorted((p for p in points if p["layout"] == "fsdp" and p["entries"] == entries),
+                      key=lambda p: p["world"])
+        worlds = [p["world"] for p in fsdp]
+        for kind, label in labels.items():
+            ax.plot(worlds, [p["save"][kind]["coordinator"] for p in fsdp], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(f"saving ranks (FSDP, {entries} tensors)")
+        ax.set_ylabel("bytes through the coordinator per save")
+        ax.set_title("use_collectives=False: 0 (no resharding)", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def stamp() -> dict:
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    sources = hashlib.blake2b(digest_size=8)  # which library code ran, when it is not a commit's
+    for path in sorted(glob.glob(os.path.join(root, "dcp_zarr", "**", "*.py"), recursive=True)):
+        with open(path, "rb") as f:
+            sources.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    return {"commit": git("rev-parse", "--short", "HEAD"), "dcp_zarr_uncommitted": bool(git("status", "--porcelain",
+            "dcp_zarr")), "dcp_zarr_sources": sources.hexdigest(), "torch": torch.__version__,
+            "command": " ".join(["python", "benchmarks/scale.py", *sys.argv[1:]])}
+
+
+def measure_planning(rows: list[dict], quick: bool, repeats: int, rank_repeats: int, tp_worlds: list[int],
+                     wire: bool = True) -> dict:
+    if quick:
+        worlds = {"fsdp": [8, 64], "hsdp": [8, 64], "fsdp_tp": [8, 64]}
+        rank_worlds = {"fsdp": [8, 64], "hsdp": [8, 64], "fsdp_tp": [8, 64]}
+        rank_entries, coordinator, checked_entries = 100, [(layout, 64, 300) for layout in worlds], 16
+    else:
+        worlds = {"fsdp": [8, 64, 512, 2048, 8192], "hsdp": [8, 512, 8192], "fsdp_tp": [8, 512, 8192]}
+        rank_worlds = {"fsdp": [8, 8192], "hsdp": [8, 8192], "fsdp_tp": tp_worlds}
+        rank_entries, coordinator, checked_entries = 2000, [("fsdp", 8192, 2000), ("hsdp", 8192, 2000)], 100
+    checked = {layout: check_representatives(layout, _CHECKED_WORLD, checked_entries) for layout in worlds}
+    planning: dict = {"checked_ranks": checked, "wire": planning_grid(rows, worlds, [100, 2000]) if wire else []}
+    planning["rank_planning"] = {}
+    for layout, layout_worlds in rank_worlds.items():
+        planning["rank_planning"][layout] = {"entries": rank_entries,
+                                             "worlds": rank_planning(layout, layout_worlds, rank_entries,
+                                                                     rank_repeats)}
+        print(layout, planning["rank_planning"][layout], flush=True)
+    planning["coordinator_cpu"] = []
+    for point in coordinator:
+        planning["coordinator_cpu"].append(coordinator_cpu(*point, repeats))
+        print(planning["coordinator_cpu"][-1], flush=True)
+    return planning
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: 8 and 64 ranks, 300 and 1,000 entries")
@@ -320,11 +842,25 @@ def main(argv=None) -> int:
                         help="directory for scale.json, scale.md, scale.png")
     parser.add_argument("--interleaved-only", action="store_true",
                         help="only the round-robin timing of a loading rank's read_metadata + read items")
+    parser.add_argument("--planning-only", action="store_true",
+                        help="only the rows the planning measures need (100 tensors), then those measures")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="only the per-rank planning and the coordinator's CPU (no bytes, no rows)")
+    parser.add_argument("--rank-repeats", type=int, default=5, help="rounds of the per-rank planning timing")
+    parser.add_argument("--tp-worlds", default="8,8192",
+                        help="world sizes of FSDP+TP's per-rank planning timing (full run)")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     interleaved_worlds = [8, 64] if args.quick else [8, 64, 512, 2048, 8192]
     if args.interleaved_only:
         print(_interleaved_text(interleaved_load_planning(interleaved_worlds, 100, 51)))
+        return 0
+    if args.timing_only:
+        planning = measure_planning([], args.quick, args.repeats, args.rank_repeats,
+                                    [int(w) for w in args.tp_worlds.split(",")], wire=False)
+        with open(os.path.join(args.out, "planning-timing.json"), "w") as f:
+            json.dump({**stamp(), **planning}, f, indent=1)
+        print(planning_tables({**planning, "wire": []}), flush=True)
         return 0
     if args.quick:
         worlds = {"fsdp": [8, 64], "hsdp": [8, 64], "fsdp_tp": [8, 64]}
@@ -337,12 +873,23 @@ def main(argv=None) -> int:
         for world in layout_worlds:
             rows.append(measure(layout, world, world_entries, args.repeats))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    for entries in entry_counts:
+    for entries in [] if args.planning_only else entry_counts:
         rows.append(measure("fsdp", 64, entries, args.repeats))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+    tp_worlds = [int(w) for w in args.tp_worlds.split(",")]
+    planning = measure_planning(rows, args.quick, args.repeats, args.rank_repeats, tp_worlds)
+    planning_text = planning_tables(planning)
+    with open(os.path.join(args.out, "planning.json"), "w") as f:
+        json.dump({**stamp(), **planning}, f, indent=1)
+    with open(os.path.join(args.out, "planning.md"), "w") as f:
+        f.write(planning_text + "\n")
+    plot_planning(planning["wire"], os.path.join(args.out, "planning.png"))
+    print(planning_text, flush=True)
+    if args.planning_only:
+        return 0
     report = {"rows": rows,
               "format1_validation_s": {"boxes": boxes, "seconds": format1_validation(boxes, args.repeats)},
-              "torch": torch.__version__}
+              "torch": torch.__version__, **stamp(), "planning": planning}
     if target:
         report["target"] = sampled_save_planning(*target)
     report["interleaved_load_planning_s"] = interleaved_load_planning(interleaved_worlds, 100, 51)
@@ -356,6 +903,8 @@ def main(argv=None) -> int:
                  f"DCP {t['dcp_global_plan_s']:.1f} s, dcp_zarr adds {t['zarr_added_s']:.1f} s "
                  f"({t['zarr_added_s'] / t['dcp_global_plan_s']:.0%}), FileSystemWriter adds {t['fs_added_s']:.2f} s")
     text += "\n" + _interleaved_text(report["interleaved_load_planning_s"])
+    text += "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from 100 tensors):\n\n"
+    text += planning_text
     print(text)
     with open(os.path.join(args.out, "scale.json"), "w") as f:
         json.dump(report, f, indent=1)

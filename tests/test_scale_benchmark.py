@@ -32,3 +32,47 @@ def test_quick_scale_run_writes_its_table_plot_and_results(tmp_path):
     assert all(r["zarr_read_items"] == r["entries"] for r in rows)
     assert report["format1_validation_s"]["boxes"] == 10_000
     assert set(report["interleaved_load_planning_s"]) == {"8", "64"}
+    check_planning(tmp_path, report)
+
+
+def check_planning(out: Path, report: dict) -> None:
+    """The quick run's planning measures: every kind's bytes per save and load, one rank's planning and the
+    coordinator's CPU. Byte counts are pickles, deterministic: dcp_zarr's per rank do not grow with the tensors."""
+    planning = json.loads((out / "planning.json").read_text())
+    assert planning == {**report["planning"], **{k: planning[k] for k in ("commit", "dcp_zarr_uncommitted",
+                                                                         "dcp_zarr_sources", "torch", "command")}}
+    assert (out / "planning.png").stat().st_size > 0 and "| fsdp | 64 | 2000 |" in (out / "planning.md").read_text()
+    assert planning["checked_ranks"] == {"fsdp": 16, "hsdp": 16, "fsdp_tp": 16}
+    points = {(p["layout"], p["world"], p["entries"]): p for p in planning["wire"]}
+    assert set(points) == {(layout, world, entries) for layout in ("fsdp", "hsdp", "fsdp_tp") for world in (8, 64)
+                           for entries in (100, 2000)}
+    for (layout, world, entries), point in points.items():
+        assert set(point["save"]) == {"dcp_zarr", "dcp_default", "dcp_cached_later", "no_collectives"}
+        assert set(point["load"]) == {"dcp_zarr", "dcp_default"}
+        assert point["save"]["no_collectives"] == {"per_rank": 0, "coordinator": 0}
+        assert point["dcp_exact"] == (entries == 100)
+        for kind in ("dcp_zarr", "dcp_default", "dcp_cached_later"):
+            traffic = point["save"][kind]
+            assert 0 < traffic["per_rank"] < traffic["coordinator"], (layout, world, entries, kind)
+        for kind in ("dcp_zarr", "dcp_default"):
+            assert 0 < point["load"][kind]["per_rank"] < point["load"][kind]["coordinator"]
+        zarr, dcp = point["save"]["dcp_zarr"], point["save"]["dcp_default"]
+        assert zarr["plans_up"] < 300 * world and zarr["results_up"] < 300 * world  # a Summary, a RankReport
+        assert zarr["broadcast"] < 200  # ZarrSavePlanner's Metadata is empty
+        assert dcp["per_rank"] > 20 * zarr["per_rank"]
+    for layout in ("fsdp", "hsdp", "fsdp_tp"):
+        for world in (8, 64):
+            small, large = points[(layout, world, 100)], points[(layout, world, 2000)]
+            for op in ("save", "load"):  # 20x the tensors: dcp_zarr's bytes stay (a digit more), DCP's grow
+                assert large[op]["dcp_zarr"]["per_rank"] <= 1.01 * small[op]["dcp_zarr"]["per_rank"], (layout, op)
+                assert large[op]["dcp_default"]["per_rank"] > 15 * small[op]["dcp_default"]["per_rank"]
+            assert large["save"]["dcp_cached_later"]["per_rank"] > 15 * small["save"]["dcp_cached_later"]["per_rank"]
+        assert points[(layout, 64, 100)]["save"]["dcp_zarr"]["per_rank"] < 1.2 * points[(layout, 8, 100)]["save"][
+            "dcp_zarr"]["per_rank"]
+    for found in planning["rank_planning"].values():
+        assert set(found["worlds"]) == {"8", "64"} and found["entries"] == 100
+        for times in found["worlds"].values():
+            assert times["total_s"] > 0 and times["warm_total_s"] > 0 and times["writes"] > 0
+    assert {c["layout"] for c in planning["coordinator_cpu"]} == {"fsdp", "hsdp", "fsdp_tp"}
+    for c in planning["coordinator_cpu"]:
+        assert c["world"] == 64 and c["total_s"] >= c["finish_s"] > 0
