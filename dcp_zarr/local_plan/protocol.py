@@ -23,7 +23,6 @@ class Summary(NamedTuple):
     rank: int  # in DCP's process group, as this rank's planner sees it
     world_size: int
     digest: str  # entries.structure_digest
-    entry_count: int
     replica_digests: tuple[tuple[str, str], ...]  # (replica group, digest of its keys' checksums)
 
 

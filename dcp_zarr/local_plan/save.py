@@ -54,7 +54,7 @@ class LocalSave:
         self.planner = state.planner
         self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
         group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
-        self.summary = Summary(self.rank, self.world_size, digest, len(self.entries), group_digests)
+        self.summary = Summary(self.rank, self.world_size, digest, group_digests)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
 
