@@ -11,6 +11,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dcp_zarr.format.layout import array_shard_layout, chunk_layout_for_boxes
+from dcp_zarr.local_plan.boxes import dtensor_local_box
 from dcp_zarr.local_plan.entries import Mesh, MeshSlice
 from dcp_zarr.local_plan.layouts import dtensor_boxes, dtensor_layout
 from dcp_zarr.local_plan.writers import balanced, box_holders
@@ -94,3 +95,70 @@ def test_a_mesh_that_is_its_own_root_plans_as_the_slice_covering_it():
         assert whole.slice_ranks(rank) == sliced.slice_ranks(rank)
         for placements in [(Replicate(), Shard(0)), (Shard(0), Replicate()), (Shard(0), Shard(1))]:
             assert box_holders(whole, placements, rank) == box_holders(sliced, placements, rank)
+
+
+BOX_PLACEMENTS = [Replicate(), Shard(0), Shard(1), _StridedShard(0, split_factor=2), _StridedShard(0, split_factor=3),
+                  _StridedShard(1, split_factor=2)]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (3,), (2, 2), (2, 3), (3, 2), (4, 2), (2, 2, 2)])
+def test_each_rank_s_box_in_arithmetic_is_the_box_torch_computes(mesh_shape):
+    """boxes.dtensor_local_box at every coordinate, against torch's index tensors: plain and strided shards in any
+    order, a dim split several times, uneven and empty pieces; Partial is left to torch (None)."""
+    checked = 0
+    for placements in itertools.product(BOX_PLACEMENTS, repeat=len(mesh_shape)):
+        for size in [(0, 3), (1, 2), (5, 5), (7, 1), (17, 6), (18, 4), (37, 9), (64, 3)]:
+            for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+                sizes, offsets = _compute_local_shape_and_global_offset(size, mesh_shape, list(coordinate), placements)
+                found = dtensor_local_box(size, mesh_shape, placements, coordinate)
+                assert found == (tuple(offsets), tuple(sizes)), (size, mesh_shape, placements, coordinate)
+                checked += 1
+    assert checked >= 96
+    assert dtensor_local_box((4,), (2,), (Partial(),), (0,)) is None
+
+
+@pytest.mark.parametrize("m", [5, 16, 37])
+def test_strided_grid_at_many_ranks_in_closed_form_as_enumerated(m):
+    """(_StridedShard(0, split_factor=k), Shard(0)) on a (m, k) mesh: the grid computed from a few ranks per run of
+    like ranks is the grid of every rank's box as DTensor computes it, sizes leaving pieces partial and empty."""
+    for k in (2, 3, 8):
+        for n in (1, 7, 40, 63, 64, 100, 257, 1001):
+            placements = (_StridedShard(0, split_factor=k), Shard(0))
+            found = dtensor_layout((n, 3), (m, k), placements, 4, 64, False)
+            assert found == expected((n, 3), (m, k), placements, False), (n, m, k)
+
+
+def test_the_planner_s_write_items_are_dcp_s_on_every_rank():
+    """ZarrSavePlanner's items (boxes in arithmetic) against DCP's create_default_local_save_plan on each rank of an
+    8-rank (2, 4) mesh on torch's fake process group: FSDP2-over-TP's strided shards, HSDP, 2-D shards, uneven and
+    empty pieces, a plain tensor and a value; a Partial DTensor is refused by both alike."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcp_zarr.local_plan.planner import local_write_items
+
+    layouts = [(_StridedShard(0, split_factor=4), Shard(0)), (Replicate(), Shard(0)), (Shard(0), Shard(1)),
+               (Shard(1), Shard(0)), (Shard(0), Shard(0))]
+    for rank in range(8):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            mesh = init_device_mesh("cpu", (2, 4))
+            state: dict = {"plain": torch.zeros(3), "value": {"epoch": 2}}
+            for i, placements in enumerate(layouts):
+                for size in [(37, 9), (6, 3), (2, 2), (64, 16)]:
+                    local = torch.zeros(1, dtype=torch.bfloat16, device="meta")  # the box comes from the placements
+                    stride = (size[1], 1)
+                    state[f"t{i}.{size}"] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                               shape=torch.Size(size), stride=stride)
+            assert local_write_items(state) == create_default_local_save_plan(state, rank == 0).items, rank
+            partial = {"p": DTensor.from_local(torch.zeros(2), mesh, (Partial(), Shard(0)), run_check=False)}
+            with pytest.raises(ValueError, match="partial"):
+                create_default_local_save_plan(partial, True)
+            with pytest.raises(ValueError, match="partial"):
+                local_write_items(partial)
+        finally:
+            dist.destroy_process_group()

@@ -9,13 +9,18 @@ per rank. Every decision DCP's coordinator would make is made on each rank alike
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.tensor import DTensor
 
+from dcp_zarr.local_plan.boxes import dtensor_local_box
 from dcp_zarr.local_plan.protocol import Ticket
 
 
@@ -52,8 +57,9 @@ class ZarrSavePlanner(DefaultSavePlanner):
         self.process_group = process_group
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()  # this rank's items (its boxes), as DCP makes them
-        return SavePlan(items=[], planner_data=RankState(list(plan.items), self.state_dict, dict(self.mappings), self))
+        items = local_write_items(self.state_dict)  # this rank's items (its boxes), as DCP makes them
+        self.plan = SavePlan(items=[], planner_data=RankState(items, self.state_dict, dict(self.mappings), self))
+        return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         # Nothing to deduplicate or validate here: the plans hold digests, which the writer compares. The metadata
@@ -67,3 +73,37 @@ class ZarrSavePlanner(DefaultSavePlanner):
                             f"{type(new_plan.storage_data).__name__}, not a ZarrWriter plan")
         self.plan = new_plan
         return new_plan
+
+
+def local_write_items(state_dict: dict) -> list[WriteItem]:
+    """The items of DCP's ``create_default_local_save_plan``, each DTensor's box computed in arithmetic (boxes.py)
+    instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses
+    with their own ``__create_write_items__``, Partial placements) through DCP's own ``_create_write_items``."""
+    items: list[WriteItem] = []
+    for fqn, value in state_dict.items():
+        if isinstance(value, DTensor):
+            coordinate = value.device_mesh.get_coordinate()
+            if coordinate is None:  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to write
+                continue
+            item = _dtensor_item(fqn, value, coordinate)
+            if item is not None:
+                items.append(item)
+                continue
+        items += _create_write_items(fqn, value)
+    return items
+
+
+def _dtensor_item(fqn: str, tensor: DTensor, coordinate: Sequence[int]) -> WriteItem | None:
+    """DCP's ``_create_write_items_for_dtensor``, or None where DCP would not call it or boxes.py cannot say."""
+    if (type(tensor).__create_write_items__ is not DTensor.__create_write_items__
+            or hasattr(tensor._local_tensor, "__create_write_items__")):
+        return None
+    box = dtensor_local_box(tuple(tensor.shape), tuple(tensor.device_mesh.shape), tuple(tensor.placements),
+                            tuple(coordinate))
+    if box is None:
+        return None
+    offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
+    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                 properties=TensorProperties.create_from_tensor(tensor.to_local()),
+                                                 size=tensor.size()))

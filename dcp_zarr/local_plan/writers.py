@@ -101,21 +101,25 @@ def rank_decisions(entries: dict[str, Entry], rank: int, world_size: int, box_nb
             describes.add(fqn)
     if coordinator:
         writes.update(fqn for fqn, entry in entries.items() if entry.kind == VALUE)
-    patterns: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    # by (mesh, placements) first: an HSDP box's holders are 1,024 ranks, a tuple too long to hash once per entry
+    holdings: dict[tuple[MeshSlice, tuple], list[str]] = {}
     on_mesh: dict[MeshSlice, list[str]] = {}
     for fqn, entry in entries.items():
         if entry.holding == DTENSOR:
             assert entry.mesh is not None  # every DTENSOR entry has one
-            holders = box_holders(entry.mesh, entry.placements, rank)
-            if len(holders) == 1:
-                writes.add(fqn)
-            else:
-                patterns.setdefault(holders, []).append((fqn, box_nbytes.get(fqn, 0)))
+            holdings.setdefault((entry.mesh, entry.placements), []).append(fqn)
             on_mesh.setdefault(entry.mesh, []).append(fqn)
         elif entry.holding != EVERY_RANK:  # SHARDS (one holder per shard); BOX never gets here (exchange.py)
             writes.add(fqn)
             if min(r for _, _, r in entry.boxes) == rank:
                 describes.add(fqn)
+    patterns: dict[tuple[int, ...], list[tuple[str, int]]] = {}
+    for (mesh, placements), fqns in holdings.items():
+        holders = box_holders(mesh, placements, rank)
+        if len(holders) == 1:
+            writes.update(fqns)
+        else:
+            patterns.setdefault(holders, []).extend((fqn, box_nbytes.get(fqn, 0)) for fqn in fqns)
     for holders, weights in patterns.items():
         for fqn, j in balanced(weights, len(holders)).items():
             if holders[j] == rank:
