@@ -817,7 +817,8 @@ def measure_planning(rows: list[dict], quick: bool, repeats: int, rank_repeats: 
         rank_entries, coordinator, checked_entries = 100, [(layout, 64, 300) for layout in worlds], 16
     else:
         worlds = {"fsdp": [8, 64, 512, 2048, 8192], "hsdp": [8, 512, 8192], "fsdp_tp": [8, 512, 8192]}
-        rank_worlds = {"fsdp": [8, 8192], "hsdp": [8, 8192], "fsdp_tp": tp_worlds}
+        # HSDP at 8 ranks is (1, 8): no replicas; 16 is the first world whose ranks checksum replicated boxes
+        rank_worlds = {"fsdp": [8, 8192], "hsdp": [8, 16, 8192], "fsdp_tp": tp_worlds}
         rank_entries, coordinator, checked_entries = 2000, [("fsdp", 8192, 2000), ("hsdp", 8192, 2000)], 100
     checked = {layout: check_representatives(layout, _CHECKED_WORLD, checked_entries) for layout in worlds}
     planning: dict = {"checked_ranks": checked, "wire": planning_grid(rows, worlds, [100, 2000]) if wire else []}
