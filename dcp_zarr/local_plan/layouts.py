@@ -3,8 +3,8 @@
 ``format/layout.chunk_layout_for_boxes`` takes every saved box; a rank planning alone has only its own. For a DTensor
 the boxes follow from the global shape, the mesh shape and the placements, so ``dtensor_layout`` computes the same
 grid from those: in closed form, O(1) in the world size, for plain ``Shard``s (FSDP, HSDP, TP, one dim split several
-times) and FSDP2-over-TP's ``_StridedShard`` then ``Shard``; else from the boxes of every mesh coordinate,
-enumerated once per kind of array (the arrays of a model have few shapes).
+times) and FSDP2-over-TP's ``_StridedShard`` then ``Shard``; else from the boxes of every mesh coordinate
+(boxes.py), enumerated once per kind of array (the arrays of a model have few shapes).
 """
 
 from __future__ import annotations
@@ -183,8 +183,7 @@ def dtensor_boxes(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     ranges = [range(n) if shards_along(placement) else range(1) for n, placement in zip(mesh_shape, placements)]
     boxes = set()
     for coordinate in itertools.product(*ranges):
-        sizes, offsets = _compute_local_shape_and_global_offset(size, mesh_shape, list(coordinate), placements)
-        boxes.add((tuple(offsets), tuple(sizes)))
+        boxes.add(_box_at(size, mesh_shape, placements, coordinate))
     return sorted(boxes)
 
 
@@ -195,10 +194,13 @@ def shards_along(placement) -> bool:
 def dtensor_box(entry: Entry, rank: int) -> Box:
     """The box ``rank`` holds of a DTENSOR entry."""
     assert entry.mesh is not None  # every DTENSOR entry has one
-    coordinate = entry.mesh.coordinate(rank)
-    box = dtensor_local_box(entry.size, entry.mesh.shape, entry.placements, coordinate)
+    return _box_at(entry.size, entry.mesh.shape, entry.placements, entry.mesh.coordinate(rank))
+
+
+def _box_at(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coordinate: tuple[int, ...]) -> Box:
+    """boxes.py's arithmetic, or DTensor's own function for placements it does not know."""
+    box = dtensor_local_box(size, mesh_shape, placements, coordinate)
     if box is None:
-        sizes, offsets = _compute_local_shape_and_global_offset(entry.size, entry.mesh.shape, list(coordinate),
-                                                                entry.placements)
+        sizes, offsets = _compute_local_shape_and_global_offset(size, mesh_shape, list(coordinate), placements)
         box = tuple(offsets), tuple(sizes)
     return box
