@@ -461,7 +461,10 @@ class Launch:
             while _alive(pid) and time.monotonic() < end:
                 time.sleep(0.005)
             if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # it ended between the look and the kill
+                    pass
         outcomes = {}
         for rank in range(len(self.pids)):
             result = self._result(rank)
