@@ -263,3 +263,34 @@ def test_entry_paths_that_cannot_form_one_state_dict_are_refused(paths, why):
 
     with pytest.raises(MalformedMetadataError, match=re.escape(why)):
         Manifest.from_json(document, "mem://x")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_reading_a_manifest_keeps_no_decoded_copies_and_leaves_the_collector_as_it_was(saved_at):
+    """The root's thousands of decoded containers are not kept (the consolidated copies are kept as text, decoded
+    afresh when looked up), and the garbage collector paused while they are made is on again after, or stays off
+    when the caller had turned it off."""
+    import gc
+
+    from dcp_zarr.storage import open_storage
+
+    storage = open_storage(saved_at[4][0], read_only=True)
+    for was_enabled in (True, False):
+        (gc.enable if was_enabled else gc.disable)()
+        try:
+            gc.collect()
+            before = len(gc.get_objects())
+            manifest = manifest_module.read_manifest(storage)
+            gc.collect()
+            kept = len(gc.get_objects()) - before
+            assert gc.isenabled() is was_enabled
+        finally:
+            gc.enable()
+        arrays = sum(isinstance(e, TensorEntry) for e in manifest.entries.values())
+        assert kept < 6 * len(manifest.entries), (kept, arrays)  # decoded copies alone would be ~20 per array
+        node = next(e.node for e in manifest.entries.values() if isinstance(e, TensorEntry))
+        copy = manifest.node_documents[node]
+        assert copy["node_type"] == "array" and copy is not manifest.node_documents[node]
+        copy["shape"] = [0]  # a caller's edit of its copy changes nothing kept
+        assert manifest.node_documents[node]["shape"] != [0]

@@ -11,8 +11,10 @@ checks that the two agree.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from dcp_zarr.errors import MalformedMetadataError
-from dcp_zarr.format.encoding import json_text
+from dcp_zarr.format.encoding import decode_json, json_text
 
 KEY = "consolidated_metadata"
 _EMPTY = {"kind": "inline", "must_understand": False, "metadata": {}}
@@ -41,17 +43,39 @@ def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
     return f'{head},"{KEY}":{{"kind":"inline","must_understand":false,"metadata":{{{metadata}}}}}}}'.encode()
 
 
-def node_documents(root: dict, where: str) -> dict[str, dict]:
+def node_documents(root: dict, where: str) -> NodeDocuments:
     """Node path -> ``zarr.json`` document of every node the root's consolidated metadata holds; empty when it has
     none (stores saved before it was written: their arrays' own ``zarr.json`` is read instead). Each document is
     checked where it is used, as the node's own would be. ``where`` names the root document in errors."""
     field = root.get(KEY)
     if field is None:
-        return {}
+        return NodeDocuments({})
     metadata = field.get("metadata") if isinstance(field, dict) else None
     if not isinstance(metadata, dict) or field.get("kind") != "inline":
         raise MalformedMetadataError(f"{where}: {KEY} is not inline consolidated metadata (a 'metadata' object)")
+    texts = {}
     for path, document in metadata.items():
         if not isinstance(document, dict):
             raise MalformedMetadataError(f"{where}: {KEY} entry {path!r} is not a zarr.json document")
-    return metadata
+        texts[path] = json_text(document)
+    return NodeDocuments(texts)
+
+
+class NodeDocuments(Mapping[str, dict]):
+    """The consolidated copies, each kept as its JSON text and decoded when looked up (a fresh dict each time).
+
+    Decoded, a load would hold about twenty dicts and lists per array for as long as it runs (17,000 for 800
+    tensors), which the garbage collector promotes to its oldest generation and then scans in a full collection of
+    the process: 0.1-0.12 s with torch loaded, in most loads of 800 tensors (benchmarks/reports/planning.md)."""
+
+    def __init__(self, texts: dict[str, str]):
+        self._texts = texts
+
+    def __getitem__(self, node: str) -> dict:
+        return decode_json(self._texts[node])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._texts)
+
+    def __len__(self) -> int:
+        return len(self._texts)

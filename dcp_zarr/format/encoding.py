@@ -13,7 +13,9 @@ zarr and TensorStore read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import json
 import math
 
@@ -198,6 +200,28 @@ _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 def json_text(document) -> str:
     """``document`` as the compact JSON every ``zarr.json`` is written in; NaN and infinities refused."""
     return _JSON_ENCODER.encode(document)
+
+
+def decode_json(data: bytes | str):
+    """``json.loads(data)`` with the cyclic garbage collector paused: decoding makes no reference cycles, and a root
+    ``zarr.json`` is thousands of dicts and lists (20 a tensor), most freed right after it is read (consolidated.py
+    keeps text). Collected while the decoder still held them, they would be promoted to the oldest generation and
+    set off a full collection of the whole process: 0.1-0.12 s with torch loaded, in 9 of 10 loads of 800 tensors
+    (benchmarks/reports/planning.md)."""
+    with collector_paused():
+        return json.loads(data)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """No automatic garbage collection inside (restored as it was after, if it was on)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def group_metadata(attributes: dict | None = None) -> dict:

@@ -24,7 +24,8 @@ from typing import ClassVar
 import numpy as np
 
 from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
-from dcp_zarr.format.consolidated import node_documents
+from dcp_zarr.format.consolidated import NodeDocuments, node_documents
+from dcp_zarr.format.encoding import collector_paused
 from dcp_zarr.format.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
@@ -123,7 +124,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # node -> its zarr.json from the root's consolidated metadata (consolidated.py); not part of the manifest
     # document, and empty for stores saved without it
-    node_documents: dict[str, dict] = field(default_factory=dict, repr=False, compare=False)
+    node_documents: NodeDocuments = field(default_factory=lambda: NodeDocuments({}), repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -327,6 +328,13 @@ def _index_list(value, what: str) -> tuple[int, ...]:
 
 def read_manifest(storage: Storage) -> Manifest:
     """The manifest of a complete checkpoint, or an error that says what the store is instead."""
+    # The root document's thousands of containers are freed once the manifest is made from them: collected while
+    # alive, they would be promoted to the oldest generation and set off a full collection (encoding.decode_json).
+    with collector_paused():
+        return _read_manifest(storage)
+
+
+def _read_manifest(storage: Storage) -> Manifest:
     try:
         root = storage.read_json(ROOT_KEY, max_bytes=MAX_MANIFEST_BYTES)
     except FileNotFoundError:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Sequence
 
 from dcp_zarr.errors import MetadataTooLargeError
-from dcp_zarr.format.encoding import json_text
+from dcp_zarr.format.encoding import decode_json, json_text
 
 
 class StoredValue:
@@ -106,11 +105,11 @@ class Storage(abc.ABC):
     def read_json(self, key: str, max_bytes: int | None = None):
         """The JSON document at ``key``; one longer than ``max_bytes`` is refused before it is parsed."""
         if max_bytes is None:
-            return json.loads(self.read(key))
+            return decode_json(self.read(key))
         data = self.read_range(key, 0, max_bytes + 1)
         if len(data) > max_bytes:
             raise MetadataTooLargeError(f"{self.url}/{key} is larger than {max_bytes} bytes; refused unread")
-        return json.loads(data)
+        return decode_json(data)
 
     def write_json(self, key: str, document) -> None:
         self.write(key, [json_text(document).encode()])
