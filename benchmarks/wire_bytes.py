@@ -104,6 +104,12 @@ FUNCTIONAL_COLLECTIVES = (
     "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "permute_tensor",
 )  # fmt: skip
 
+# Where dcp_zarr moves the checkpoint's own bytes over the process group instead of through storage (issue 25's
+# collective I/O: aggregated writes, reads done once, the root zarr.json read by one rank): counted apart, as
+# ``payload_bytes``. It is data, O(the checkpoint's bytes) like the files, not the planning protocol that ``bytes``
+# counts, which must not grow with the tensors a rank holds.
+PAYLOAD_SITES = {("exchange", "transfer.py"), ("_manifest_read_once", "reader.py")}
+
 SAVE_KINDS = ("zarr_local", "zarr_default", "fs_default", "zarr_cached")
 LOADS_AFTER = {"zarr_local": ("load_zarr", "load_zarr_zlp"), "fs_default": ("load_fs",)}
 LOCALLY_PLANNED = ("zarr_local", "load_zarr", "load_zarr_zlp")  # the operations meant not to grow
@@ -154,6 +160,17 @@ def describe(obj: Any, depth: int = 0) -> str:
     return name
 
 
+def _from_payload_site() -> bool:
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name, os.path.basename(frame.f_code.co_filename)) in PAYLOAD_SITES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _caller() -> str:
     """The first two frames outside distributed_c10d and this module: who called the object collective."""
     frames = []
@@ -185,6 +202,7 @@ class WireCounter:
 
     def reset(self) -> None:
         self.by_collective: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        self.payload: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # PAYLOAD_SITES' calls, apart
         self.object_calls: list[dict[str, Any]] = []
         self.functional: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
@@ -222,12 +240,17 @@ class WireCounter:
     def _tensor_wrapper(self, name: str, original: Any) -> Any:
         def counted(*args, **kwargs):
             nbytes = tensor_bytes(list(args)) + tensor_bytes(list(kwargs.values()))
+            if name in ("isend", "irecv") and not nbytes:  # called by batch_isend_irecv with the P2POp's tensor
+                nbytes = tensor_bytes([kwargs.get("tensor")])
+            payload = _from_payload_site()
             with self._lock:
-                entry = self.by_collective[name]
+                entry = (self.payload if payload else self.by_collective)[name]
                 entry[0] += 1
                 entry[1] += nbytes
                 outer = getattr(self._outer, "record", None)
-                if outer is not None:
+                if outer is not None and payload:
+                    outer["payload"] = True
+                elif outer is not None:
                     outer["bytes"] += nbytes
                     outer["tensor_calls"] += 1
             return original(*args, **kwargs)
@@ -275,8 +298,10 @@ class WireCounter:
             "bytes": sum(v[1] for v in by_collective.values()),
             "calls": sum(v[0] for v in by_collective.values()),
             "by_collective": by_collective,
-            "object_calls": [dict(r) for r in self.object_calls],
+            "object_calls": [dict(r) for r in self.object_calls if not r.get("payload")],
             "functional": {name: list(v) for name, v in sorted(self.functional.items())},
+            "payload_bytes": sum(v[1] for v in self.payload.values()),
+            "payload_calls": sum(v[0] for v in self.payload.values()),
         }
 
     @contextlib.contextmanager
@@ -560,6 +585,7 @@ def summarize(per_rank: list[dict], op: str) -> dict[str, Any]:
     return {
         "coordinator_bytes": counts[0]["bytes"], "coordinator_calls": counts[0]["calls"],
         "rank_bytes": others["bytes"], "rank_calls": others["calls"],
+        "payload_bytes_per_rank": [c.get("payload_bytes", 0) for c in counts],
         "bytes_per_rank": [c["bytes"] for c in counts],
         "by_collective_coordinator": counts[0]["by_collective"],
         "by_collective_rank": others["by_collective"],

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from dcp_zarr.errors import (
     CheckpointExistsError,
     CheckpointRootBusyError,
+    CollectiveIOError,
     ConversionError,
     CorruptChunkError,
     IncompleteCheckpointError,
@@ -115,6 +116,7 @@ __all__ = [
     "MissingKeysError",
     "ParamTableMismatchError",
     "PlanMismatchError",
+    "CollectiveIOError",
     "ReplicaMismatchError",
     "UnsafeFileError",
     "UnsupportedDtypeError",

@@ -104,3 +104,7 @@ class ConversionError(ZarrCheckpointError, ValueError):
 
 class PlanMismatchError(ZarrCheckpointError, ValueError):
     """Ranks that cannot be planned together: disagreeing entries under one key, or a planner on another group."""
+
+
+class CollectiveIOError(ZarrCheckpointError, RuntimeError):
+    """Another rank failed during a save's or load's collective I/O (its own error says why), so this one stopped."""

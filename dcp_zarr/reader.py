@@ -11,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import pickle
+import warnings
 from functools import partial
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -27,9 +31,16 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.chunk_io import RegionReader
+from dcp_zarr.collective.load_call import dcp_load_wrapper
+from dcp_zarr.collective.needs import needs_digest, rank_needs
+from dcp_zarr.collective.read_rounds import read_shared
+from dcp_zarr.collective.shared_reads import SharedReads
+from dcp_zarr.collective.transfer import Group
 from dcp_zarr.entry_reader import stored_value, tensor_reader
+from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, read_manifest
+from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root, read_manifest, read_root
+from dcp_zarr.local_plan.entries import group_rank_of
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.storage import Storage, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
@@ -39,6 +50,56 @@ _READ_PIECE_BYTES = 4 << 20
 
 # Key of the manifest in ``Metadata.storage_data``: ZarrLoadPlanner reads the optimizer param tables from it.
 MANIFEST_IN_STORAGE_DATA = "dcp_zarr_manifest"
+DEFAULT_EXCHANGE_BYTES = 256 << 20
+
+
+class LoadSummary(NamedTuple):
+    """A rank's plan as DCP gathers it: its rank and world in the reader's process group, nothing per item."""
+
+    rank: int
+    world_size: int
+
+
+class LoadTicket(NamedTuple):
+    """The coordinator's answer: whether the ranks share reads (every rank of the load is in the reader's group)."""
+
+    together: bool
+
+
+def _rank_and_world(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _sendable(exc: Exception) -> Exception:
+    """``exc``, or an error of the same text where it cannot be pickled to the other ranks."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return ZarrCheckpointError(f"{type(exc).__name__}: {exc}")
+
+
+def _region_of(item: ReadItem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The region of the stored array a read item reads (offsets, sizes)."""
+    offsets = tuple(a + b for a, b in zip(item.storage_index.offset or (0,) * len(item.lengths), item.storage_offsets))
+    return offsets, tuple(int(n) for n in item.lengths)
+
+
+def _tensor_entry(manifest: Manifest, fqn: str) -> TensorEntry:
+    entry = manifest.entries[fqn]
+    assert isinstance(entry, TensorEntry)  # shared reads are of tensor entries only
+    return entry
+
+
+def _stored_key(planner, manifest: Manifest):
+    """The stored entry a state-dict key loads from, for keys this rank has no items for (an empty box): the
+    planner's own answer where it has one (ZarrLoadPlanner's key translation), else the key, if it is stored."""
+    own = getattr(planner, "stored_key", None)
+    if own is not None:
+        return own
+    return lambda key: key if key in manifest.entries else None
 
 
 class ZarrReader(StorageReader):
@@ -54,11 +115,30 @@ class ZarrReader(StorageReader):
             your own classes); passed to ``torch.serialization.safe_globals``. Nothing else from the store is
             ever unpickled.
         retry: the ``RetryPolicy`` of this reader's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
+        process_group: the group ``dcp.load`` runs on (its ``process_group=``; default: the whole world), over which
+            reads are shared (collective/).
+        read_once: read what several ranks need once: a region several ranks load whole (replicas: HSDP, DDP,
+            ``Replicate``, plain tensors) by one of them, and the small pieces of one stored chunk by one rank, then
+            sent over the process group to the ranks that need them. False: every rank reads for itself.
+        read_once_below: DTensor pieces smaller than this are read a stored chunk at a time (default: the
+            storage's ``aggregate_below``, as ZarrWriter's).
+        exchange_bytes: the bytes a rank reads for others in one round of shared reads.
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
                  thread_count: int = 4,
-                 safe_globals: list | None = None, retry: RetryPolicy | None = None):
+                 safe_globals: list | None = None, retry: RetryPolicy | None = None, process_group=None,
+                 read_once: bool = True, read_once_below: int | None = None,
+                 exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
+        if read_once_below is not None and (type(read_once_below) is not int or read_once_below < 0):
+            raise ValueError(f"read_once_below={read_once_below!r}: expected a number of bytes >= 0, or None for the "
+                             "storage's default")
+        if type(exchange_bytes) is not int or exchange_bytes < 1:
+            raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
+        self.process_group = process_group
+        self.read_once = bool(read_once)
+        self.read_once_below = read_once_below
+        self.exchange_bytes = exchange_bytes
         self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)
         self.retry = retry
         self._retrying = Retrying(retry)  # shared by every storage this reader opens (retry.py)
@@ -68,6 +148,7 @@ class ZarrReader(StorageReader):
         self.manifest: Manifest | None = None
         self.bytes_read = 0
         self._read_items: list[ReadItem] = []  # this rank's read items, kept here instead of sent (prepare_local_plan)
+        self._together = False  # whether this load's ranks share reads (prepare_global_plan's answer)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -89,12 +170,31 @@ class ZarrReader(StorageReader):
         return open_storage(self.path, self.storage_options, read_only=True, retry=self._retrying)
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        self.manifest = read_manifest(self._storage())
+        self.manifest = self._manifest_read_once()
         metadata = dcp_metadata(self.manifest)
         checkpoint_id = store_objects.label(self.store) if self.store is not None else self.path
         metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id, load_id=self.manifest.save_id)
         metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}
         return metadata
+
+    def _manifest_read_once(self) -> Manifest:
+        """The manifest, from the root zarr.json read by DCP's coordinator alone and broadcast to the other ranks
+        when DCP's load runs on several (collective/load_call.py), else read here."""
+        load = dcp_load_wrapper() if self.read_once else None
+        if load is None or not load.use_dist or load.get_world_size() < 2:
+            return read_manifest(self._storage())
+        payload: tuple | None = None
+        if load.is_coordinator:
+            try:
+                storage = self._storage()
+                payload = ("root", read_root(storage), storage.url)
+            except Exception as exc:  # noqa: BLE001  (every rank raises it, below)
+                payload = ("error", _sendable(exc))
+        payload = load.broadcast_object(payload)
+        assert payload is not None
+        if payload[0] == "error":
+            raise payload[1]
+        return manifest_of_root(payload[1], payload[2])
 
     def _read_manifest(self) -> Manifest:
         """The manifest of a load under way: DCP calls read_metadata or set_up_storage_reader (each reads it) first."""
@@ -111,44 +211,120 @@ class ZarrReader(StorageReader):
         # the rank, and the plan DCP gathers to the coordinator and scatters back carries none: a few hundred bytes
         # per rank instead of one pickled ReadItem per local shard and tensor.
         self._read_items = list(plan.items)
-        return dataclasses.replace(plan, items=[])
+        seen = LoadSummary(*_rank_and_world(self.process_group)) if self.read_once else None
+        return dataclasses.replace(plan, items=[], storage_data=seen)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # Reads are shared only when every rank of DCP's load is the same rank of this reader's group (so their
+        # collectives meet): not for a load on one rank alone (no_dist=True), nor with a process group other than
+        # the reader's, which then reads as before, each rank for itself.
+        summaries = [plan.storage_data for plan in plans]
+        together = len(plans) > 1 and all(isinstance(s, LoadSummary) and s == (r, len(plans))
+                                          for r, s in enumerate(summaries))
+        if len(plans) > 1 and not together and all(isinstance(s, LoadSummary) for s in summaries):
+            warnings.warn(f"ZarrReader: dcp.load runs on {len(plans)} ranks, not on the reader's process group of "
+                          f"{summaries[0].world_size}: every rank reads for itself. Pass ZarrReader(process_group=...) "
+                          "the group given to dcp.load to share reads", stacklevel=2)
+        return [dataclasses.replace(plan, storage_data=LoadTicket(together)) for plan in plans]
 
-    def _tensor_readers(self, storage: Storage, plan: LoadPlan) -> dict[str, RegionReader]:
+    def _tensor_readers(self, storage: Storage, items: list[ReadItem]) -> dict[str, RegionReader]:
         """A checked RegionReader per tensor the plan reads, each checked against its array's zarr.json: the copy in
         the root's consolidated metadata, or in a store without one the array's own, read concurrently (one after
         another they would be a round trip per tensor: seconds for a few hundred tensors on an object store)."""
         manifest = self._read_manifest()
         entries, documents = manifest.entries, manifest.node_documents
-        fqns = list(dict.fromkeys(item.storage_index.fqn for item in plan.items if item.type != LoadItemType.BYTE_IO))
+        fqns = list(dict.fromkeys(item.storage_index.fqn for item in items))
         found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn, documents.get(entries[fqn].node)))
                           for fqn in fqns],
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
         return dict(zip(fqns, found))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        together = isinstance(plan.storage_data, LoadTicket) and plan.storage_data.together
         # A planner whose global plan gives a rank items of its own is followed; otherwise the rank's kept items.
         if not plan.items:
             plan = dataclasses.replace(plan, items=self._read_items)
         storage = self._storage()
+        if together:
+            self._read_shared(storage, plan.items, planner)
+        else:
+            committed = self._read_directly(storage, plan.items, planner)
+            for item, dest in committed:
+                planner.commit_tensor(item, dest)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_shared(self, storage: Storage, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """This rank's part of a load whose ranks share reads (collective/): every rank of the load gets here."""
+        group = Group(self.process_group)
+        manifest = self._read_manifest()
+        failure: BaseException | None = None
+        try:
+            needs, alone = rank_needs(items, getattr(planner, "state_dict", {}), _stored_key(planner, manifest),
+                                      group_rank_of(self.process_group))
+            digest = needs_digest(needs, group.size)
+        except Exception as exc:  # noqa: BLE001  (this rank raises below, after the others know)
+            failure, needs, alone, digest = exc, {}, list(items), b"failed"
+        if not group.same_everywhere(digest) or failure is not None:
+            if failure is not None:
+                raise failure
+            committed = self._read_directly(storage, items, planner)  # the ranks differ: each reads for itself
+        else:
+            below = self.read_once_below if self.read_once_below is not None else storage.aggregate_below
+            shared = SharedReads(needs, manifest.entries, group.size, below, self.exchange_bytes)
+            by_dest = {item.dest_index.fqn: item for item in items if item.type != LoadItemType.BYTE_IO}
+            direct = alone + [by_dest[dest] for dest in needs if not shared.shared(dest) and dest in by_dest]
+            committed = []
+            try:
+                committed = self._read_directly(storage, direct, planner)
+                self._read_bytes(storage, [i for i in items if i.type == LoadItemType.BYTE_IO], planner)
+            except Exception as exc:  # noqa: BLE001  (raised on every rank at the first round)
+                failure = exc
+            destinations = {}
+            for key in needs:
+                if shared.shared(key) and key in by_dest:
+                    item = by_dest[key]
+                    tensor = planner.resolve_tensor(item).detach()
+                    destinations[key] = (tensor, _region_of(item))
+                    committed.append((item, tensor))
+            readers: dict[str, RegionReader] = {}
+
+            def reader_of(array: str) -> RegionReader:
+                if array not in readers:
+                    entry = manifest.entries[array]
+                    readers[array] = tensor_reader(storage, entry, array, manifest.node_documents.get(entry.node))
+                return readers[array]
+
+            self.bytes_read += read_shared(shared, group, destinations, reader_of,
+                                           lambda array: torch_dtype_from_name(_tensor_entry(manifest, array).dtype),
+                                           storage, self.thread_count, failure)
+        for item, tensor in committed:
+            planner.commit_tensor(item, tensor)
+
+    def _read_bytes(self, storage: Storage, items: list[ReadItem], planner: LoadPlanner) -> None:
         entries = self._read_manifest().entries
-        readers = self._tensor_readers(storage, plan)
-        tensor_items: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
-        for item in plan.items:
+        for item in items:
+            value = _value_bytes(storage, entries[item.storage_index.fqn], item.storage_index.fqn, self.safe_globals)
+            planner.load_bytes(item, io.BytesIO(value))
+
+    def _read_directly(self, storage: Storage, items: list[ReadItem], planner: LoadPlanner
+                       ) -> list[tuple[ReadItem, torch.Tensor]]:
+        """Read ``items`` from storage on this rank alone (values loaded); the tensor items and their destinations,
+        for ``planner.commit_tensor`` once every read is done."""
+        entries = self._read_manifest().entries
+        tensor_items = [item for item in items if item.type != LoadItemType.BYTE_IO]
+        readers = self._tensor_readers(storage, tensor_items)
+        self._read_bytes(storage, [item for item in items if item.type == LoadItemType.BYTE_IO], planner)
+        reads: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
+        for item in tensor_items:
             entry = entries[item.storage_index.fqn]
-            if item.type == LoadItemType.BYTE_IO:
-                value = _value_bytes(storage, entry, item.storage_index.fqn, self.safe_globals)
-                planner.load_bytes(item, io.BytesIO(value))
-                continue
             assert isinstance(entry, TensorEntry)  # dcp_metadata made every other entry a bytes entry
             stored_dtype = torch_dtype_from_name(entry.dtype)
-            tensor_items.append((item, planner.resolve_tensor(item).detach(), readers[item.storage_index.fqn],
-                                 stored_dtype))
+            reads.append((item, planner.resolve_tensor(item).detach(), readers[item.storage_index.fqn], stored_dtype))
 
         jobs = []
-        for item, dest, reader, stored_dtype in tensor_items:
+        for item, dest, reader, stored_dtype in reads:
             offsets = [a + b for a, b in zip(item.storage_index.offset or (), item.storage_offsets)]
             if dest.device.type == "cpu" and dest.dtype == stored_dtype and dest.dim() > 0:
                 # Straight into the destination, in row pieces read concurrently: each item is a whole local shard
@@ -163,11 +339,7 @@ class ZarrReader(StorageReader):
                              partial(_read_into_tensor, reader, stored_dtype, offsets, item.lengths, dest)))
         self.bytes_read += sum(run_jobs(jobs, storage.requests_in_flight(self.thread_count), storage.batch_bytes,
                                         name="dcp-zarr-read", max_bytes_in_flight=storage.max_bytes_in_flight))
-        for item, dest, _, _ in tensor_items:
-            planner.commit_tensor(item, dest)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+        return [(item, dest) for item, dest, _, _ in reads]
 
     def read_entry(self, fqn: str):
         """One saved entry, whole, outside ``dcp.load`` (no collectives): a tensor at its global shape, or the value."""

@@ -30,6 +30,8 @@ from dcp_zarr.chunk_io import (
     write_chunk,
     write_inner_chunks,
 )
+from dcp_zarr.collective.aggregated_writes import write_aggregated
+from dcp_zarr.collective.transfer import Group
 from dcp_zarr.entry_reader import untrusted_types
 from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
 from dcp_zarr.format.consolidated import encoded_copy, encoded_root
@@ -46,13 +48,15 @@ from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, commit, open_storage, store_objects
+from dcp_zarr.storage import LocalStorage, Storage, commit, is_local, local_path, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.version import versions
 
 # A rank's rows of an array-spanning shard are written in runs of about this many bytes: one job each, so a large
 # box is spread over the IO threads (and a device tensor is copied to host a run at a time).
 _SHARD_RUN_BYTES = 16 << 20
+# What an aggregator holds at once, and a rank sends in one round (ZarrWriter's exchange_bytes).
+DEFAULT_EXCHANGE_BYTES = 256 << 20
 
 
 class ZarrWriter(StorageWriter, WriterStaging):
@@ -79,13 +83,20 @@ class ZarrWriter(StorageWriter, WriterStaging):
             dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
             ``"all"`` compares every value; ``"none"`` checks nothing (replicas.py).
         retry: the ``RetryPolicy`` of this writer's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
+        aggregate_below: with ``ZarrSavePlanner``, an array held in pieces by several ranks, none of them this many
+            bytes or more, is written by an aggregator rank as one object per block instead of one per rank: its
+            pieces travel over the planner's process group (collective/). Default: the storage's own
+            (``Storage.aggregate_below``: larger for object stores, where every object is a request); 0: never.
+        exchange_bytes: the bytes of blocks an aggregator holds at once, and of parts a rank sends in one round,
+            when pieces are aggregated; also the largest block written as one object.
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
                  thread_count: int = 4,
                  sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
-                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None):
+                 replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
+                 aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
         if check_replicas not in replicas.CHECK_MODES:
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
         self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
@@ -97,6 +108,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self.check_replicas = check_replicas
         self.replica_check_bytes = int(replica_check_bytes)
         self.retry = retry
+        if aggregate_below is not None and (type(aggregate_below) is not int or aggregate_below < 0):
+            raise ValueError(f"aggregate_below={aggregate_below!r}: expected a number of bytes >= 0, or None for the "
+                             "storage's default")
+        if type(exchange_bytes) is not int or exchange_bytes < 1:
+            raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
+        self.aggregate_below = aggregate_below
+        self.exchange_bytes = exchange_bytes
         # One for every storage this writer opens: whether the store has answered yet decides whether a refused
         # connection is retried (retry.py).
         self._retrying = Retrying(retry)
@@ -148,7 +166,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._own_values, self._own_objects = {}, {}
         if isinstance(plan.planner_data, RankState):  # ZarrSavePlanner: planned here, a digest goes to DCP
             self._local = LocalSave(plan.planner_data, self._rank, self.is_coordinator, self.check_replicas,
-                                    self.replica_check_bytes)
+                                    self.replica_check_bytes, self._aggregate_below(), self.exchange_bytes)
             return SavePlan(items=[], storage_data=self._local.summary)
         self._local = None
         items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
@@ -216,19 +234,34 @@ class ZarrWriter(StorageWriter, WriterStaging):
         values, objects = {}, {}
         nbytes = 0
         if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
-            array_shards = self._open(ticket.staging_location).writes_at_offsets
-            items, assignment = local.rank_writes(ticket, self.inner_chunk_bytes, array_shards)
+            storage = self._open(ticket.staging_location)
+            items, assignment = local.rank_writes(ticket, self.inner_chunk_bytes, storage.writes_at_offsets)
+            aggregated_keys = self._write_aggregated(local, storage, planner)
             for result in self._write_items(items, assignment, planner, with_sources=False):
                 nbytes += result.size_in_bytes
                 if "value" in result.storage_data:
                     values[result.index.fqn] = result.storage_data["value"]
                 elif "object_nbytes" in result.storage_data:
                     objects[result.index.fqn] = result.storage_data["object_nbytes"]
+            self.written_keys = aggregated_keys + self.written_keys
         if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
             self._own_values, self._own_objects = values, objects
             values, objects = {}, {}
         report = RankReport(values, objects, checksums)
         return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
+
+    def _write_aggregated(self, local: LocalSave, storage: Storage, planner: SavePlanner) -> list[str]:
+        """The blocks of the arrays aggregated in this save (collective/): every rank of the save takes part in
+        every round, on the planner's process group, which is the one DCP saves on (check_summaries): for
+        dcp.async_save, the background save's own group, whose collectives nothing else interleaves with."""
+        aggregation = local.aggregation(self.inner_chunk_bytes)
+        if not aggregation.arrays:
+            return []
+        entries = local.global_entries()
+        specs = local.array_specs(self.inner_chunk_bytes, storage.writes_at_offsets, set(aggregation.arrays))
+        held = local.held_pieces(planner, self.inner_chunk_bytes)
+        return write_aggregated(aggregation, entries, specs, held, Group(local.group), storage, self.thread_count,
+                                local.merged)
 
     def _write_items(self, items: list[WriteItem], assignment: RankAssignment, planner: SavePlanner,
                      with_sources: bool = True) -> list[WriteResult]:
@@ -371,6 +404,16 @@ class ZarrWriter(StorageWriter, WriterStaging):
         if self.store is not None:
             return store_objects.open_store(self.store, self._retrying)
         return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self._retrying)
+
+    def _aggregate_below(self) -> int:
+        """The piece size under which arrays are aggregated: the writer's, else its storage's default."""
+        if self.aggregate_below is not None:
+            return self.aggregate_below
+        if self.store is not None:
+            return store_objects.open_store(self.store, self._retrying).aggregate_below
+        if is_local(self.path):
+            return LocalStorage(local_path(self.path)).aggregate_below  # by its file system (file_systems.py)
+        return Storage.aggregate_below  # zarr_store's for URLs: the base's
 
     def _target(self) -> str:
         return store_objects.label(self.store) if self.store is not None else self.path

@@ -23,9 +23,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from dcp_zarr.errors import IncompleteCheckpointError, InvalidKeyError, MalformedMetadataError, NotACheckpointError
+from dcp_zarr.errors import (
+    IncompleteCheckpointError,
+    InvalidKeyError,
+    MalformedMetadataError,
+    MetadataTooLargeError,
+    NotACheckpointError,
+)
 from dcp_zarr.format.consolidated import NodeDocuments, node_documents
-from dcp_zarr.format.encoding import collector_paused
+from dcp_zarr.format.encoding import collector_paused, decode_json
 from dcp_zarr.format.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
 from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
@@ -328,15 +334,14 @@ def _index_list(value, what: str) -> tuple[int, ...]:
 
 def read_manifest(storage: Storage) -> Manifest:
     """The manifest of a complete checkpoint, or an error that says what the store is instead."""
-    # The root document's thousands of containers are freed once the manifest is made from them: collected while
-    # alive, they would be promoted to the oldest generation and set off a full collection (encoding.decode_json).
-    with collector_paused():
-        return _read_manifest(storage)
+    return manifest_of_root(read_root(storage), storage.url)
 
 
-def _read_manifest(storage: Storage) -> Manifest:
+def read_root(storage: Storage) -> bytes:
+    """The root ``zarr.json``'s bytes (refused unread beyond MAX_MANIFEST_BYTES), or an error that says what the
+    store is instead of a checkpoint."""
     try:
-        root = storage.read_json(ROOT_KEY, max_bytes=MAX_MANIFEST_BYTES)
+        data = storage.read_range(ROOT_KEY, 0, MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
             raise IncompleteCheckpointError(
@@ -345,17 +350,32 @@ def _read_manifest(storage: Storage) -> Manifest:
             ) from None
         raise NotACheckpointError(
             f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
-    except MalformedMetadataError:
-        raise
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise MetadataTooLargeError(f"{storage.url}/{ROOT_KEY} is larger than {MAX_MANIFEST_BYTES} bytes; refused "
+                                    "unread")
+    return data
+
+
+def manifest_of_root(data: bytes, url: str) -> Manifest:
+    """The manifest in the bytes of a root ``zarr.json`` read from ``url``, or an error saying what they are."""
+    # The root document's thousands of containers are freed once the manifest is made from them: collected while
+    # alive, they would be promoted to the oldest generation and set off a full collection (encoding.decode_json).
+    with collector_paused():
+        return _manifest_of_root(data, url)
+
+
+def _manifest_of_root(data: bytes, url: str) -> Manifest:
+    try:
+        root = decode_json(data)
     except (ValueError, RecursionError) as exc:
-        raise MalformedMetadataError(f"{storage.url}: root zarr.json is not valid JSON ({exc})") from None
+        raise MalformedMetadataError(f"{url}: root zarr.json is not valid JSON ({exc})") from None
     if not isinstance(root, dict) or root.get("zarr_format") != 3:
-        raise NotACheckpointError(f"{storage.url} is not a zarr v3 store (root zarr.json has no zarr_format 3)")
+        raise NotACheckpointError(f"{url} is not a zarr v3 store (root zarr.json has no zarr_format 3)")
     document = root.get("attributes", {}).get(MANIFEST_ATTRIBUTE) if isinstance(root.get("attributes"), dict) else None
     if document is None:
         raise NotACheckpointError(
-            f"{storage.url} is a zarr store but not a dcp_zarr checkpoint "
+            f"{url} is a zarr store but not a dcp_zarr checkpoint "
             f"(no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
         )
-    where = f"{storage.url}/{ROOT_KEY}"
+    where = f"{url}/{ROOT_KEY}"
     return dataclasses.replace(Manifest.from_json(document, where), node_documents=node_documents(root, where))

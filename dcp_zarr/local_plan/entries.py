@@ -226,7 +226,7 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
         if isinstance(value, DTensor):
             mesh = meshes.get(value.device_mesh)
             if mesh is None:
-                mesh = meshes[value.device_mesh] = _mesh_slice(value.device_mesh, roots, group_rank)
+                mesh = meshes[value.device_mesh] = mesh_slice(value.device_mesh, roots, group_rank)
             entries[fqn] = Entry(*common, DTENSOR, mesh, tuple(value.placements), source=source)
         elif sharded_type is not None and isinstance(value, sharded_type):
             shards = tuple(sorted((tuple(s.shard_offsets), tuple(s.shard_sizes), group_rank(s.placement.rank()))
@@ -241,7 +241,8 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
     return entries, items_by_fqn
 
 
-def _mesh_slice(device_mesh, roots: dict, group_rank: Callable[[int], int]) -> MeshSlice:
+def mesh_slice(device_mesh, roots: dict, group_rank: Callable[[int], int]) -> MeshSlice:
+    """A DeviceMesh as a slice of its root mesh, ranks in DCP's group (``roots``: root meshes made so far)."""
     # A sub-mesh knows its root through a private method (torch 2.2 on); without it the mesh is taken as its own
     # root, and ranks on other slices then differ in their digests and are planned by an exchange.
     get_root = getattr(device_mesh, "_get_root_mesh", None)
@@ -255,6 +256,15 @@ def _mesh_slice(device_mesh, roots: dict, group_rank: Callable[[int], int]) -> M
     if device_mesh is root_mesh:
         return MeshSlice.of_root(root)
     return MeshSlice.of(root, device_mesh.shape, [group_rank(r) for r in device_mesh.mesh.flatten().tolist()])
+
+
+def group_rank_of(group) -> Callable[[int], int]:
+    """Global rank (a DeviceMesh's) -> rank in ``group`` (the same for the default group)."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return int
+    return lambda global_rank: dist.get_group_rank(group, global_rank)
 
 
 def _sharded_tensor_type() -> Any:

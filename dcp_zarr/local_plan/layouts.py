@@ -183,7 +183,7 @@ def dtensor_boxes(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements
     ranges = [range(n) if shards_along(placement) else range(1) for n, placement in zip(mesh_shape, placements)]
     boxes = set()
     for coordinate in itertools.product(*ranges):
-        boxes.add(_box_at(size, mesh_shape, placements, coordinate))
+        boxes.add(box_at(size, mesh_shape, placements, coordinate))
     return sorted(boxes)
 
 
@@ -194,10 +194,10 @@ def shards_along(placement) -> bool:
 def dtensor_box(entry: Entry, rank: int) -> Box:
     """The box ``rank`` holds of a DTENSOR entry."""
     assert entry.mesh is not None  # every DTENSOR entry has one
-    return _box_at(entry.size, entry.mesh.shape, entry.placements, entry.mesh.coordinate(rank))
+    return box_at(entry.size, entry.mesh.shape, entry.placements, entry.mesh.coordinate(rank))
 
 
-def _box_at(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coordinate: tuple[int, ...]) -> Box:
+def box_at(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coordinate: tuple[int, ...]) -> Box:
     """boxes.py's arithmetic, or DTensor's own function for placements it does not know."""
     box = dtensor_local_box(size, mesh_shape, placements, coordinate)
     if box is None:

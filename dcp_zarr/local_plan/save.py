@@ -18,10 +18,19 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from dcp_zarr import replicas
+from dcp_zarr.collective.aggregation import Aggregation, plan_aggregation
 from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.dtypes import numpy_dtype
 from dcp_zarr.format.layout import ChunkLayout
-from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, Entry, rank_entries, structure_digest
+from dcp_zarr.local_plan.entries import (
+    DTENSOR,
+    EVERY_RANK,
+    TENSOR,
+    Entry,
+    group_rank_of,
+    rank_entries,
+    structure_digest,
+)
 from dcp_zarr.local_plan.exchange import Merged, exchange_entries, merge
 from dcp_zarr.local_plan.layouts import entry_layout
 from dcp_zarr.local_plan.planner import RankState
@@ -34,14 +43,14 @@ class LocalSave:
     """One rank's locally planned save (the module's docstring says when each part runs)."""
 
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
-                 replica_check_bytes: int):
+                 replica_check_bytes: int, aggregate_below: int = 0, exchange_bytes: int = 256 << 20):
         group = state.planner.process_group
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
         self.rank = rank if rank is not None else (dist.get_rank(group) if distributed else 0)
         self.coordinator = coordinator
-        group_rank = _group_rank(group) if distributed else int
+        group_rank = group_rank_of(group) if distributed else int
         self.entries, self.items = rank_entries(state.items, state.state_dict, state.mappings, self.rank, group_rank)
         for entry in self.entries.values():
             if entry.dtype is not None:
@@ -57,6 +66,11 @@ class LocalSave:
         self.summary = Summary(self.rank, self.world_size, digest, group_digests)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
+        # collective/: arrays held in pieces smaller than this are written by aggregators, in rounds of at most
+        # exchange_bytes a rank
+        self.aggregate_below = aggregate_below
+        self.exchange_bytes = exchange_bytes
+        self._merged_aggregation: Aggregation | None = None
 
     def plan_alone(self) -> None:
         """DCP saves on this rank alone (``no_dist=True`` in a job with a process group, or a group of one): plan for
@@ -110,21 +124,23 @@ class LocalSave:
 
     def rank_writes(self, ticket: Ticket, inner_chunk_bytes: int, array_shards: bool
                     ) -> tuple[list[WriteItem], RankAssignment]:
-        """The items this rank writes and its RankAssignment, as DCP's coordinator path would have sent them."""
+        """The items this rank writes and its RankAssignment, as DCP's coordinator path would have sent them (the
+        arrays its aggregators write left out: ``aggregation``)."""
         if ticket.exchange:
             self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group))
-            decisions = self._decisions_after_exchange(self.merged)
+            decisions = self._aggregated(self._decisions_after_exchange(self.merged), inner_chunk_bytes)
             items = self._items_written(decisions)
             specs = self.array_specs(inner_chunk_bytes, array_shards,
                                      {i.index.fqn for i in items} | decisions.describes)
         else:
             # The structure every rank agreed on decides the plan: reused while it stays the same (the digest)
             key = ("rank", self.summary.digest, self.rank, self.coordinator, self.world_size, inner_chunk_bytes,
-                   array_shards)
+                   array_shards, self.aggregate_below, self.exchange_bytes)
             reused = _recent_plans.get(key)
             if reused is None:
                 box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
                 decisions = rank_decisions(self.entries, self.rank, self.world_size, box_nbytes, self.coordinator)
+                decisions = self._aggregated(decisions, inner_chunk_bytes)
                 fqns = {fqn for fqn in self.items if fqn in decisions.writes} | decisions.describes
                 reused = _recent_plans.put(key, (decisions, self.array_specs(inner_chunk_bytes, array_shards, fqns)))
             decisions, specs = reused
@@ -137,6 +153,42 @@ class LocalSave:
         )
         return items, assignment
 
+    def aggregation(self, inner_chunk_bytes: int) -> Aggregation:
+        """The save's aggregated arrays and the rounds of their blocks (collective/aggregation.py), alike on every
+        rank; reused while the structure stays the same."""
+        if self.merged is not None:
+            if self._merged_aggregation is None:
+                self._merged_aggregation = plan_aggregation(self.merged.entries, self.world_size, self.aggregate_below,
+                                                            inner_chunk_bytes, self.exchange_bytes, self.merged)
+            return self._merged_aggregation
+        key = ("aggregation", self.summary.digest, self.world_size, self.aggregate_below, inner_chunk_bytes,
+               self.exchange_bytes)
+        return _recent_plans.get(key) or _recent_plans.put(key, plan_aggregation(
+            self.entries, self.world_size, self.aggregate_below, inner_chunk_bytes, self.exchange_bytes))
+
+    def _aggregated(self, decisions: Decisions, inner_chunk_bytes: int) -> Decisions:
+        """``decisions`` without the aggregated arrays' boxes, which their aggregators write; each aggregated
+        array's zarr.json is written by the aggregator of its first block."""
+        arrays = self.aggregation(inner_chunk_bytes).arrays
+        if not arrays:
+            return decisions
+        writes = frozenset(w for w in decisions.writes if (w if isinstance(w, str) else w.fqn) not in arrays)
+        describes = frozenset(f for f in decisions.describes if f not in arrays)
+        return Decisions(writes, describes | {f for f, a in arrays.items() if a.aggregators[0] == self.rank})
+
+    def held_pieces(self, planner, inner_chunk_bytes: int) -> dict[str, list]:
+        """fqn -> [(box, data)] of this rank's non-empty boxes of every aggregated array (its items' data)."""
+        arrays = self.aggregation(inner_chunk_bytes).arrays
+        held: dict[str, list] = {}
+        for fqn in arrays:
+            for item in self.items.get(fqn, ()):
+                data = item.tensor_data
+                if data is None or not all(data.chunk.sizes):
+                    continue
+                box = (tuple(data.chunk.offsets), tuple(data.chunk.sizes))
+                held.setdefault(fqn, []).append((box, planner.resolve_data(item).detach()))
+        return held
+
     def _items_written(self, decisions: Decisions) -> list[WriteItem]:
         return [item for fqn, held in self.items.items() for item in held
                 if fqn in decisions.writes or item.index in decisions.writes]
@@ -144,7 +196,8 @@ class LocalSave:
     def saved_arrays(self, inner_chunk_bytes: int, array_shards: bool) -> tuple[dict[str, ArraySpec], dict[str, int]]:
         """(fqn -> ArraySpec, fqn -> non-empty boxes saved) of every array of the save, for the coordinator's
         manifest; reused while the structure stays the same."""
-        key = ("save", self.summary.digest, inner_chunk_bytes, array_shards)
+        key = ("save", self.summary.digest, inner_chunk_bytes, array_shards, self.world_size, self.aggregate_below,
+               self.exchange_bytes)
         reused = None if self.merged is not None else _recent_plans.get(key)
         if reused is None:
             specs = self.array_specs(inner_chunk_bytes, array_shards)
@@ -190,9 +243,12 @@ class LocalSave:
         return specs
 
     def layout(self, entry: Entry, inner_chunk_bytes: int, array_shards: bool) -> tuple[ChunkLayout, int]:
+        """(the array's layout, its count of non-empty boxes saved)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
-        return entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards, boxes)
+        layout, count = entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards, boxes)
+        aggregated = self.aggregation(inner_chunk_bytes).arrays.get(entry.fqn)
+        return (layout if aggregated is None else aggregated.layout), count
 
 
 class _RecentPlans:
@@ -235,9 +291,3 @@ def _digest_of(sums: dict[MetadataIndex, str]) -> str:
         digest.update(f"{index.fqn}|{list(index.offset or ())}|{sums[index]}\n".encode())
     return digest.hexdigest()
 
-
-def _group_rank(group):
-    """Global rank (a DeviceMesh's) -> rank in DCP's group (the same for the default group)."""
-    if group is None or group is dist.group.WORLD:
-        return int
-    return lambda global_rank: dist.get_group_rank(group, global_rank)

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, VALUE, Entry, MeshSlice
 from dcp_zarr.local_plan.layouts import shards_along
 
-Key = TypeVar("Key", str, MetadataIndex)
+Key = TypeVar("Key", str, MetadataIndex, tuple)
 
 
 def balanced(weights: Sequence[tuple[Key, int]], bins: int) -> dict[Key, int]:

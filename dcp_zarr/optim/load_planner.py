@@ -116,6 +116,11 @@ class ZarrLoadPlanner(DefaultLoadPlanner):
                            "(one step at lr=0) before dcp.load.", len(self.unrequested),
                            ", ".join(self.unrequested[:3]))
 
+    def stored_key(self, key: str) -> str | None:
+        """The saved key that ``key`` of the state dict loads from (after translation), or None when it is not
+        loaded: what ZarrReader's shared reads ask of a key this rank has no read item for (an empty box)."""
+        return self._sources.get(key)
+
     def create_local_plan(self) -> LoadPlan:
         metadata = self.metadata
         assert metadata is not None  # set_up_planner refuses to plan without it

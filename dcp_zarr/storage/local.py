@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 from dcp_zarr.errors import InvalidKeyError, UnsafeFileError
 from dcp_zarr.storage.base import Storage, StoredValue
+from dcp_zarr.storage.file_systems import is_shared
 
+SHARED_AGGREGATE_BELOW = 1 << 20
 # writev accepts at most IOV_MAX buffers per call (1024 on Linux).
 _IOV_MAX = getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -22,6 +24,13 @@ class LocalStorage(Storage):
     def __init__(self, root: str, *, sync_files: bool = True):
         self.root = os.path.abspath(root)
         self.url = self.root
+        # Ranks already write one shard file per array here (layout.array_shard_layout). On one machine's own file
+        # system the exchange costs more than their writes, at every piece size measured (4 KiB to 1 MiB pieces at
+        # 4 ranks, tmpfs: saves 0.67-0.95x as fast aggregated, benchmarks/reports/storage-traffic.md): never
+        # aggregated. On a shared one (Lustre, GPFS, NFS, ...), many writers' small unaligned writes to one file are
+        # what it serves worst: pieces under SHARED_AGGREGATE_BELOW are aggregated (not measured here: no such file
+        # system is reachable from this project's machines).
+        self.aggregate_below = SHARED_AGGREGATE_BELOW if is_shared(self.root) else 0
         self.sync_files = sync_files
         self._directories: set[str] = set()  # made already: one mkdir per directory, not one per file written
         self._safe_directories: set[str] = set()  # checked to hold no symbolic link below the root

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 
 from moto.server import ThreadedMotoServer
 
@@ -22,8 +23,23 @@ AWS_ENVIRONMENT = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "tes
                    "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+class Traffic:
+    """What the server served while counted: requests by method, bytes received (PUT bodies) and sent (GET
+    bodies), and GETs by key (the last path component's parent and name: ``zarr.json``, ``w/c.0``)."""
+
+    def __init__(self):
+        self.requests: Counter = Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.gets: Counter = Counter()
+
+    def __repr__(self) -> str:
+        return f"Traffic({dict(self.requests)}, in {self.bytes_in} B, out {self.bytes_out} B)"
+
+
 class _InFlight:
-    """WSGI middleware: counts concurrent PUTs and can hold each one for a while, to make overlap observable."""
+    """WSGI middleware: counts concurrent PUTs and can hold each one for a while, to make overlap observable; and
+    counts what is served while a ``Traffic`` is set (``S3Server.counting``)."""
 
     def __init__(self, app):
         self.app = app
@@ -31,8 +47,38 @@ class _InFlight:
         self.current = 0
         self.peak = 0
         self.put_delay = 0.0
+        self.traffic: Traffic | None = None
 
     def __call__(self, environ, start_response):
+        traffic = self.traffic
+        if traffic is not None:
+            return self._counted(traffic, environ, start_response)
+        return self._served(environ, start_response)
+
+    def _counted(self, traffic: Traffic, environ, start_response):
+        method = environ.get("REQUEST_METHOD", "?")
+        with self.lock:
+            traffic.requests[method] += 1
+            if method == "PUT":
+                traffic.bytes_in += int(environ.get("CONTENT_LENGTH") or 0)
+            if method == "GET":
+                traffic.gets["/".join(environ.get("PATH_INFO", "").split("/")[-2:])] += 1
+        body = self._served(environ, start_response)
+        if method != "GET":
+            return body
+
+        def counted():
+            for piece in body:
+                with self.lock:
+                    traffic.bytes_out += len(piece)
+                yield piece
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
+
+        return counted()
+
+    def _served(self, environ, start_response):
         if environ.get("REQUEST_METHOD") != "PUT":
             return self.app(environ, start_response)
         with self.lock:
@@ -80,6 +126,16 @@ class S3Server:
             yield lambda: self._counter.peak
         finally:
             self._counter.put_delay = 0.0
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count what the server serves inside the block; yields the ``Traffic``, filled as requests come."""
+        traffic = Traffic()
+        self._counter.traffic = traffic
+        try:
+            yield traffic
+        finally:
+            self._counter.traffic = None
 
     def stop(self) -> None:
         self._server.stop()
