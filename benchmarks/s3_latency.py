@@ -48,12 +48,14 @@ ZARR_KINDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
 
 
 class LatencyAndCounts:
-    """WSGI middleware: sleeps before each request and counts requests by method; ``/__bench__/`` controls it."""
+    """WSGI middleware: sleeps before each request and counts requests by method, the bytes of PUT bodies received
+    (``bytes_in``) and of GET bodies sent (``bytes_out``); ``/__bench__/`` controls it."""
 
     def __init__(self, app):
         self.app = app
         self.latency_s = 0.0
         self.counts: Counter = Counter()
+        self.bytes_in = self.bytes_out = 0
         self.lock = threading.Lock()
         self.cpu_at_reset = time.process_time()
 
@@ -61,21 +63,35 @@ class LatencyAndCounts:
         path = environ.get("PATH_INFO", "")
         if path.startswith("/__bench__/"):
             return self._control(path, environ.get("QUERY_STRING", ""), start_response)
+        method = environ.get("REQUEST_METHOD", "?")
         with self.lock:
-            self.counts[environ.get("REQUEST_METHOD", "?")] += 1
+            self.counts[method] += 1
+            if method == "PUT":
+                self.bytes_in += int(environ.get("CONTENT_LENGTH") or 0)
         if self.latency_s:
             time.sleep(self.latency_s)
-        return self.app(environ, start_response)
+        body = self.app(environ, start_response)
+        return self._counted(body) if method == "GET" else body
+
+    def _counted(self, body):
+        for piece in body:
+            with self.lock:
+                self.bytes_out += len(piece)
+            yield piece
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
 
     def _control(self, path: str, query: str, start_response):
         if path == "/__bench__/latency":
             self.latency_s = float(query.removeprefix("ms=")) / 1000
         with self.lock:
             # the server's CPU since the last reset (this process does nothing else; see the module docstring)
-            body = json.dumps({"methods": dict(self.counts),
+            body = json.dumps({"methods": dict(self.counts), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                                "server_cpu_s": time.process_time() - self.cpu_at_reset}).encode()
             if path == "/__bench__/reset":
                 self.counts.clear()
+                self.bytes_in = self.bytes_out = 0
                 self.cpu_at_reset = time.process_time()
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
         return [body]

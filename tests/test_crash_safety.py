@@ -37,7 +37,7 @@ from dcp_zarr.storage import commit as commit_module
 from dcp_zarr.storage.commit import STAGING_MARK
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
-from tests.support.faults import causes, crash_state, save_program
+from tests.support.faults import causes, crash_state, load_program, save_program
 from tests.support.states import blank_like, load_full, save_plain
 from tests.support.stores import tree_digest
 
@@ -131,9 +131,11 @@ def _leftover_state(path: str, candidates: list[int], label: str) -> str:
     return "complete"
 
 
-def _run_trial(zygote, ws: Workspace, seed: int, kill: dict | None = None, timer: tuple | None = None):
-    """One save of ``seed``; ``kill`` for a self-kill at an event, ``timer=(delay, ranks)`` for a kill from outside."""
-    launch = zygote.launch(save_program, WORLD_SIZE, ws.target, seed, kill)
+def _run_trial(zygote, ws: Workspace, seed: int, kill: dict | None = None, timer: tuple | None = None,
+               options: dict | None = None):
+    """One save of ``seed``; ``kill`` for a self-kill at an event, ``timer=(delay, ranks)`` for a kill from outside;
+    ``options``: the writer's, over the trials' own."""
+    launch = zygote.launch(save_program, WORLD_SIZE, ws.target, seed, kill, options)
     if timer is not None:
         delay, ranks = timer
         assert launch.wait_reported("saving", 60, ranks=[0]), "rank 0 never started saving"
@@ -142,8 +144,8 @@ def _run_trial(zygote, ws: Workspace, seed: int, kill: dict | None = None, timer
     return launch.wait(60)
 
 
-def _save_completely(zygote, ws: Workspace, seed: int) -> list[list[str]]:
-    outcomes = _run_trial(zygote, ws, seed)
+def _save_completely(zygote, ws: Workspace, seed: int, options: dict | None = None) -> list[list[str]]:
+    outcomes = _run_trial(zygote, ws, seed, options=options)
     assert all(o[0] == "ok" for o in outcomes.values()), outcomes
     ws.check(seed, f"clean save of seed {seed}", count=False)
     assert ws.committed == seed
@@ -194,6 +196,52 @@ def test_sigkill_at_every_io_step_of_a_save_never_commits_a_partial_checkpoint(z
     # final directory fsync) find the new one. Both must have happened, or the trials did not straddle the commit.
     assert ws.outcomes["new"] > 0 and (ws.outcomes["old"] + ws.outcomes["absent"]) > 0
     assert outcome_by_kind["write"].keys() <= {"old", "absent"}, "a kill during the writes committed something"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigkill_at_each_exchange_of_an_aggregated_save_or_a_shared_load_leaves_the_checkpoint_as_it_was(
+        zygote, tmp_path):
+    """Collective I/O (issue 25): a rank killed as it enters a round of an aggregated save's exchange leaves the
+    previous checkpoint (or none) and no staging area that loads as complete; one killed in a load's shared reads
+    leaves the store untouched, and the other rank fails instead of waiting for it."""
+    ws = Workspace(str(tmp_path))
+    options = {"aggregate_below": 1 << 40, "exchange_bytes": 4096}  # every array aggregated, in several rounds
+    seeds = iter(range(20_000, 30_000))
+    trials = Counter()
+    for fresh in (True, False):
+        ws.prepare(fresh=True)
+        if not fresh:
+            _save_completely(zygote, ws, next(seeds), options)
+        sequences = _save_completely(zygote, ws, next(seeds), options)
+        points = [{"rank": rank, "event": i, "kind": kind} for rank, sequence in enumerate(sequences)
+                  for i, kind in enumerate(sequence, 1) if kind == "transfer"]
+        assert len(points) >= 2 * WORLD_SIZE, f"too few rounds to kill in: {sequences}"
+        for point in points:
+            ws.prepare(fresh=fresh)
+            seed = next(seeds)
+            outcomes = _run_trial(zygote, ws, seed, kill=point, options=options)
+            label = f"aggregated save, rank {point['rank']} killed at exchange event {point['event']}"
+            assert outcomes[point["rank"]][0] == "died", f"{label}: {outcomes}"
+            trials[f"save: {ws.check(seed, label)}"] += 1
+    assert set(trials) <= {"save: old", "save: absent"}, trials
+    before = tree_digest(ws.target)
+    reading = {"read_once_below": 1 << 40, "exchange_bytes": 4096}
+    clean = zygote.launch(load_program, WORLD_SIZE, ws.target, None, reading).wait(60)
+    assert all(o[0] == "ok" for o in clean.values()), clean
+    for rank in range(WORLD_SIZE):
+        for event, kind in enumerate(clean[rank][1], 1):
+            if kind != "transfer":
+                continue
+            point = {"rank": rank, "event": event}
+            outcomes = zygote.launch(load_program, WORLD_SIZE, ws.target, point, reading).wait(60)
+            label = f"shared load, rank {rank} killed at exchange event {event}"
+            assert outcomes[rank][0] == "died", f"{label}: {outcomes}"
+            assert outcomes[1 - rank][0] == "raised", f"{label}: the other rank did not fail by itself: {outcomes}"
+            assert tree_digest(ws.target) == before, f"{label}: the store changed"
+            trials["load: store untouched"] += 1
+    _matching_seed(ws.target, [ws.committed], "after the load trials")
+    print(f"\nkill at an exchange: {dict(trials)}; leftover staging dirs: {dict(ws.leftover_outcomes)}")
 
 
 @pytest.mark.slow

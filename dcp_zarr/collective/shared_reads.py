@@ -62,7 +62,8 @@ class SharedReads:
             itemsize = STORED_DTYPES[entry.dtype][0].itemsize
             chunk_shape = entry.chunk_shape or tuple(entry.shape)
             step = entry.inner_chunk_rows or (chunk_shape[0] if chunk_shape else 1)
-            mode = self.modes[dest] = _mode(need, itemsize, read_once_below)
+            granule = math.prod(chunk_shape[1:]) * step if chunk_shape else 1
+            mode = self.modes[dest] = _mode(need, itemsize, read_once_below, granule)
             if mode == REGION:
                 for box, holders in _distinct_boxes(need, world_size):
                     for part in _row_blocks(box, step, itemsize, budget):
@@ -119,15 +120,19 @@ class SharedReads:
         return sorted(found)
 
 
-def _mode(need: Need, itemsize: int, read_once_below: int) -> str:
+def _mode(need: Need, itemsize: int, read_once_below: int, granule: int) -> str:
+    """How ``need`` is read; ``granule``: the elements of the smallest piece of the array one read can fetch (an
+    inner chunk of a shard, else a whole chunk)."""
     if need.holding == EVERY_RANK:
         return REGION
     assert need.holding == DTENSOR and need.mesh is not None
-    first = box_at(need.size, need.mesh.shape, need.placements, (0,) * len(need.mesh.shape))
-    if math.prod(first[1]) * itemsize < read_once_below:  # torch.chunk's first piece is the largest
+    largest = math.prod(box_at(need.size, need.mesh.shape, need.placements, (0,) * len(need.mesh.shape))[1])
+    if largest * itemsize < read_once_below:  # torch.chunk's first piece is the largest
         return CHUNKS
     if len(box_holders(need.mesh, need.placements, need.mesh.root.ranks[0])) > 1:
-        return REGION
+        # replicas: each box read by one of its holders; by the stored chunk where a chunk, read whole, spans
+        # several boxes (each box's reader would read all of it)
+        return CHUNKS if granule > largest else REGION
     return DIRECT
 
 

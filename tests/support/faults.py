@@ -19,8 +19,8 @@ import torch.distributed.checkpoint as dcp
 from dcp_zarr import ZarrSavePlanner
 from tests.support.states import random_bits
 
-__all__ = ["CRASH_WRITER_OPTIONS", "causes", "crash_state", "install_kill_hooks", "managed_save_program",
-           "save_program", "sharded_state"]
+__all__ = ["CRASH_WRITER_OPTIONS", "causes", "crash_state", "install_kill_hooks", "load_program",
+           "managed_save_program", "save_program", "sharded_state"]
 
 
 def causes(exc: BaseException) -> list[BaseException]:
@@ -80,15 +80,31 @@ def sharded_state(seed: int, world_size: int) -> dict:
 CRASH_WRITER_OPTIONS = {"overwrite": True, "inner_chunk_bytes": 2048, "thread_count": 2}
 
 
-def save_program(rank: int, world_size: int, report, target: str, seed: int, kill: dict | None):
-    """Rank program of a crash trial: save ``sharded_state(seed)`` to ``target``; returns this rank's events, in
-    order."""
+def save_program(rank: int, world_size: int, report, target: str, seed: int, kill: dict | None,
+                 options: dict | None = None):
+    """Rank program of a crash trial: save ``sharded_state(seed)`` to ``target`` (with ZarrWriter ``options`` over
+    CRASH_WRITER_OPTIONS); returns this rank's events, in order."""
     from dcp_zarr import ZarrWriter
 
     state = sharded_state(seed, world_size)
     counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
     report("saving", time.monotonic())
-    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(target, **CRASH_WRITER_OPTIONS))
+    writer = ZarrWriter(target, **{**CRASH_WRITER_OPTIONS, **(options or {})})
+    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=writer)
+    return counter.sequence
+
+
+def load_program(rank: int, world_size: int, report, target: str, kill: dict | None, options: dict):
+    """Rank program of a crash trial of a load: load ``target`` into a blank sharded state with ZarrReader
+    ``options``; returns this rank's events (its collective exchanges among them), in order."""
+    from dcp_zarr import ZarrReader
+
+    state = sharded_state(0, world_size)
+    blank = {group: {name: value.clone() * 0 if hasattr(value, "clone") else value for name, value in values.items()}
+             for group, values in state.items()}
+    counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
+    report("loading", time.monotonic())
+    dcp.load(blank, storage_reader=ZarrReader(target, **options))
     return counter.sequence
 
 
@@ -138,6 +154,7 @@ def install_kill_hooks(kill: dict | None) -> _Counter:
     ``kill = {"event": n, "torn": bool}``: SIGKILL this process at its n-th event; for a write with ``torn``, after
     writing only the first half of the bytes.
     """
+    from dcp_zarr.collective import transfer
     from dcp_zarr.storage import commit
     from dcp_zarr.storage.local import LocalStorage
 
@@ -179,4 +196,5 @@ def install_kill_hooks(kill: dict | None) -> _Counter:
     wrap(os, "rmdir", "rmdir")
     wrap(commit, "_exchange", "exchange")
     wrap(commit, "_fsync_directory", "fsync_dir")
+    wrap(transfer.Group, "exchange", "transfer")  # a round of collective I/O's messages (collective/transfer.py)
     return counter

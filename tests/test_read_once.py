@@ -1,0 +1,207 @@
+"""Reads done once (collective/): the root zarr.json is read by DCP's coordinator alone, a region several ranks need
+(replicas, plain tensors every rank loads) and the small pieces of one stored chunk are read by one rank and sent
+to the others; loads stay bit-exact at any layout, and a rank that cannot read fails every rank (real gloo ranks)."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
+from dcp_zarr.collective.load_call import dcp_load_wrapper
+from dcp_zarr.storage import LocalStorage
+from tests.support.compare import assert_state_equal
+from tests.support.faults import causes
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.distributed]
+
+ALWAYS = 1 << 40
+SHAPES = {"a": (24, 5), "b": (7,), "c": (13, 3), "d": ()}
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(shape, generator=g) for k, shape in SHAPES.items()}
+
+
+def state_as(layout: str, world_size: int, full: dict[str, torch.Tensor]) -> dict:
+    """The state dict a rank of ``layout`` holds: FSDP (Shard(0)), HSDP (Replicate, Shard(0)) or DDP (plain)."""
+    if layout == "ddp":
+        return {k: v.clone() for k, v in full.items()}
+    if layout == "fsdp":
+        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (2, world_size // 2)), [Replicate(), Shard(0)]
+    return {k: distribute_tensor(v, mesh, placements if v.dim() else [Replicate()] * mesh.ndim)
+            for k, v in full.items()}
+
+
+def blank(state: dict) -> dict:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def plain(state: dict) -> dict:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+
+def save(rank, world_size, path, layout):
+    state = state_as(layout, world_size, full_tensors())
+    dcp.save(state, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS), planner=ZarrSavePlanner())
+
+
+def load_counting(rank, world_size, path, layout, options):
+    """Rank program: a load in ``layout``; what it loaded, the bytes it read and its reads of the root zarr.json."""
+    roots = []
+    original = LocalStorage.read_range
+
+    def counted(self, key, start, length):
+        if key == "zarr.json":
+            roots.append(key)
+        return original(self, key, start, length)
+
+    LocalStorage.read_range = counted
+    target = blank(state_as(layout, world_size, full_tensors()))
+    reader = ZarrReader(path, **options)
+    dcp.load(target, storage_reader=reader)
+    return plain(target), reader.bytes_read, len(roots)
+
+
+def tensor_bytes(path: str) -> int:
+    entries = open_checkpoint(path).manifest.entries.values()
+    return sum(math.prod(e.shape) * 4 for e in entries if e.kind == "tensor")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("read_once") / "ckpt.zarr")
+    run_ranks(save, 4, path, "fsdp")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, options, most", [
+    ("fsdp", {"read_once_below": ALWAYS}, 1.1),  # small pieces: each stored chunk read once, pieces sent on
+    ("hsdp", {}, 1.1),  # replicas: each shard read by one rank of its replica group
+    ("ddp", {}, 1.1),  # every rank loads every tensor whole: read by one rank, sent to the others
+    ("ddp", {"read_once": False}, 4.2),  # as before: every rank reads everything (and its checksums)
+])
+def test_storage_serves_a_load_about_once_whatever_the_replicas(saved, layout, options, most):
+    results = run_ranks(load_counting, 4, saved, layout, options)
+    for loaded, _, _ in results:
+        assert_state_equal(loaded, full_tensors())
+    read = sum(r[1] for r in results)
+    assert read <= most * tensor_bytes(saved), (read, tensor_bytes(saved))
+    if options.get("read_once", True):
+        assert [r[2] for r in results] == [1, 0, 0, 0], "the root zarr.json is read by the coordinator alone"
+    else:
+        assert read >= 3.5 * tensor_bytes(saved)
+        assert [r[2] for r in results] == [1, 1, 1, 1]
+
+
+def load_alone(rank, world_size, path):
+    """Rank program: only rank 0 loads, with no_dist=True, while a process group exists."""
+    loaded = None
+    if rank == 0:
+        target = blank(full_tensors())
+        dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+        loaded = target
+    dist.barrier()
+    return loaded
+
+
+@pytest.mark.slow
+def test_a_load_on_one_rank_alone_reads_everything_itself(saved):
+    assert_state_equal(run_ranks(load_alone, 2, saved)[0], full_tensors())
+
+
+def load_on_subgroup(rank, world_size, path):
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        return None
+    mesh = init_device_mesh("cpu", (world_size,))
+    del mesh
+    target = blank(full_tensors())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load(target, storage_reader=ZarrReader(path), process_group=group)
+    return target, [str(w.message) for w in caught if "process group" in str(w.message)]
+
+
+@pytest.mark.slow
+def test_a_reader_on_another_group_than_the_loads_reads_alone_and_says_how_to_share(saved):
+    results = run_ranks(load_on_subgroup, 3, saved)
+    for loaded, _ in results[:2]:
+        assert_state_equal(loaded, full_tensors())
+    assert any("ZarrReader(process_group=...)" in text for text in results[0][1]), results[0][1]
+
+
+def find_wrapper(rank, world_size, path):
+    found = []
+
+    class Looking(ZarrReader):
+        def read_metadata(self, *args, **kwargs):
+            wrapper = dcp_load_wrapper()
+            found.append(None if wrapper is None else (wrapper.use_dist, wrapper.get_world_size()))
+            return super().read_metadata(*args, **kwargs)
+
+    dcp.load(blank(full_tensors()), storage_reader=Looking(path))
+    return found
+
+
+@pytest.mark.slow
+def test_dcp_keeps_its_load_wrapper_where_the_reader_looks_for_it(saved):
+    # If torch moves it, the root is read by every rank again: this test says so before the figures do.
+    assert run_ranks(find_wrapper, 2, saved) == [[(True, 2)], [(True, 2)]]
+
+
+def load_expecting_failure(rank, world_size, path, layout):
+    try:
+        dcp.load(blank(state_as(layout, world_size, full_tensors())), storage_reader=ZarrReader(path))
+    except CheckpointException as exc:
+        return [f"{type(c).__name__}: {c}" for c in causes(exc)]
+    return None
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_its_shared_unit_fails_the_load_on_every_rank(saved, store_copy):
+    damaged = store_copy(saved)
+    chunk = damaged / "a" / "c.0.0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    results = run_ranks(load_expecting_failure, 2, str(damaged), "ddp")
+    assert all(results), results
+    text = "\n".join(results[0])
+    assert "CorruptChunkError" in text and "'a'" in text and "crc32c" in text, text
+    assert "CollectiveIOError" in text and "of the process group failed" in text, text
+
+
+def load_differing(rank, world_size, path):
+    """Rank program: rank 1 loads one key fewer (a partial load): the needs differ, each rank reads for itself."""
+    full = full_tensors()
+    target = blank(full)
+    if rank == 1:
+        del target["c"]
+    reader = ZarrReader(path)
+    dcp.load(target, storage_reader=reader)
+    return target
+
+
+@pytest.mark.slow
+def test_ranks_that_need_different_keys_read_for_themselves(saved):
+    results = run_ranks(load_differing, 2, saved)
+    assert_state_equal(results[0], full_tensors())
+    expected = full_tensors()
+    del expected["c"]
+    assert_state_equal(results[1], expected)
+    assert os.path.isdir(saved)

@@ -1,0 +1,67 @@
+"""Requests and bytes through an object store per save and load, counted at a real S3 server on 127.0.0.1 (issue
+25's targets): PUTs per save and GETs per load at most 2 x arrays + 8 + 4 x ranks, and the bytes a load reads at
+most 1.1x the tensors' bytes, for FSDP, HSDP and DDP layouts of small tensors (pieces of about 4 KB a rank)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
+from tests.support.compare import assert_state_equal
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.s3,
+              pytest.mark.usefixtures("aws_environment")]
+
+WORLD_SIZE = 4
+ARRAYS = 48
+SHAPE = (96, 40)  # fp32: 15 KB an array, about 4 KB a rank
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"layers.{i}.w": torch.randn(SHAPE, generator=g) for i in range(ARRAYS)}
+
+
+def as_layout(layout: str, world_size: int, full: dict) -> dict:
+    if layout == "ddp":
+        return {k: v.clone() for k, v in full.items()}
+    if layout == "fsdp":
+        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (2, world_size // 2)), [Replicate(), Shard(0)]
+    return {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+
+
+def save(rank, world_size, url, options, layout):
+    state = as_layout(layout, world_size, full_state())
+    dcp.save(state, storage_writer=ZarrWriter(url, storage_options=options), planner=ZarrSavePlanner())
+
+
+def load(rank, world_size, url, options, layout):
+    target = {k: torch.zeros_like(v) for k, v in as_layout(layout, world_size, full_state()).items()}
+    dcp.load(target, storage_reader=ZarrReader(url, storage_options=options))
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in target.items()}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "ddp"])
+def test_an_object_store_serves_two_requests_an_array_and_each_byte_once(s3, layout):
+    url, options = f"s3://{s3.bucket}/{layout}-{uuid.uuid4().hex[:8]}.zarr", s3.storage_options()
+    with s3.counting() as saved:
+        run_ranks(save, WORLD_SIZE, url, options, layout)
+    with s3.counting() as loaded:
+        results = run_ranks(load, WORLD_SIZE, url, options, layout)
+    for state in results:
+        assert_state_equal(state, full_state())
+    most = 2 * ARRAYS + 8 + 4 * WORLD_SIZE
+    assert saved.requests["PUT"] <= most, saved
+    assert loaded.requests["GET"] <= most, loaded
+    assert loaded.gets["ckpt.zarr/zarr.json".replace("ckpt.zarr", url.rsplit("/", 1)[-1])] == 1, loaded.gets
+    tensor_bytes = ARRAYS * SHAPE[0] * SHAPE[1] * 4
+    assert loaded.bytes_out <= 1.1 * tensor_bytes, (loaded.bytes_out, tensor_bytes)
