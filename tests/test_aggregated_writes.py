@@ -217,3 +217,33 @@ def test_aggregate_below_and_exchange_bytes_are_checked():
         ZarrWriter("x", exchange_bytes=0)
     with pytest.raises(ValueError, match="read_once_below='1'"):
         ZarrReader("x", read_once_below="1")
+
+
+def async_aggregated(rank, world_size, path):
+    """Rank program: dcp.async_save on a gloo group of its own, as CheckpointManager saves, every array aggregated;
+    training goes on (a collective on the default group) while the background save exchanges on its own group."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    group = dist.new_group(backend="gloo")
+    full = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)
+    state = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)])}
+    future = dcp.async_save(state, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS),
+                            planner=ZarrSavePlanner(process_group=group), process_group=group,
+                            async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    state["w"].to_local().add_(1)  # the save works from its staged copy
+    dist.all_reduce(torch.ones(1))  # the training's own collective, meanwhile
+    future.result()
+    return full
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_async_save_aggregates_on_the_background_saves_own_group(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    full = run_ranks(async_aggregated, 2, path)[0]
+    assert chunk_files(path)["w"] == ["c.0.0"]
+    target = {"w": torch.zeros(40, 6)}
+    dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+    assert torch.equal(target["w"], full)

@@ -212,3 +212,29 @@ def test_a_save_from_a_cuda_rank_and_a_cpu_rank_loads_into_cuda(tmp_path):
     expected = {"rank0": full, "rank1": full, "shared": full["w_bf16"]}
     back = load(on(blank_like(expected), "cuda"), path)
     assert_state_equal(on(back, "cpu"), expected)
+
+
+def load_into_cuda_on_rank0(rank, world_size, path, seed):
+    """Rank 0 loads into CUDA tensors, rank 1 into CPU ones; every tensor is needed whole by both, so each is read
+    by one of them and sent to the other over gloo (host memory): rank 0 receives into a staging buffer and copies
+    it to the device, and sends what it read from host memory."""
+    full = full_tensors(seed)
+    device = "cuda" if rank == 0 else "cpu"
+    target = {"model": {k: torch.zeros_like(v, device=device) for k, v in full.items()}}
+    reader = ZarrReader(path, thread_count=3)
+    dcp.load(target, storage_reader=reader)
+    assert_state_equal(on(target["model"], "cpu"), full)
+    return reader.bytes_read
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_reads_done_once_deliver_into_cuda_tensors(tmp_path):
+    from tests.support.ranks import run_ranks
+
+    path = str(tmp_path / "plain.zarr")
+    full = full_tensors(17)
+    save({"model": full}, path)
+    read = run_ranks(load_into_cuda_on_rank0, 2, path, 17)
+    stored = sum(v.numel() * v.element_size() for v in full.values())
+    assert sum(read) < 1.5 * stored, (read, stored)  # each tensor read once, not by both ranks

@@ -205,3 +205,21 @@ def test_ranks_that_need_different_keys_read_for_themselves(saved):
     del expected["c"]
     assert_state_equal(results[1], expected)
     assert os.path.isdir(saved)
+
+
+def load_as_float64(rank, world_size, path):
+    """Rank program: every rank loads every tensor whole, into float64 tensors (stored float32): the parts sent to
+    a rank land in a staging buffer of the stored dtype, then are copied into its tensors."""
+    target = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in full_tensors().items()}
+    reader = ZarrReader(path)
+    dcp.load(target, storage_reader=reader)
+    return target, reader.bytes_read
+
+
+@pytest.mark.slow
+def test_shared_parts_reach_tensors_of_another_dtype_through_a_staging_copy(saved):
+    results = run_ranks(load_as_float64, 2, saved)
+    expected = {k: v.double() for k, v in full_tensors().items()}
+    for loaded, _ in results:
+        assert_state_equal(loaded, expected)
+    assert sum(r[1] for r in results) <= 1.1 * tensor_bytes(saved)
