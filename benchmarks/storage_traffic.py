@@ -13,10 +13,12 @@ tensors, every rank all of them).
 Against a loopback S3 server (moto, started here behind s3_latency.py's middleware, which sleeps ``--latency-ms``
 before every request and counts requests by method and the bytes of PUT and GET bodies) each layout is saved and
 loaded by dcp_zarr (``ZarrWriter`` with ``ZarrSavePlanner``, ``ZarrReader``, their defaults for object stores) and
-by DCP's FsspecWriter/FsspecReader (4 threads), in rotating order, one untimed round first; times are medians of the
-slowest rank's over ``--repeats``, counts those of the first timed round. Against a local directory (``--local``,
-default /dev/shm) dcp_zarr and FileSystemWriter/Reader, with requests counted where each calls its files: dcp_zarr's
-``LocalStorage`` calls, and the streams FileSystemWriter/Reader open (writes, reads and bytes through them).
+by DCP's FsspecWriter/FsspecReader (4 threads), and with ``--off`` by dcp_zarr without collective I/O (``zarr-off``:
+``aggregate_below=0``, ``read_once=False``, as before it), in rotating order, one untimed round first; times are
+medians of the slowest rank's over ``--repeats``, counts those of the first timed round. Against a local directory
+(``--local-dir``, default /dev/shm) dcp_zarr and FileSystemWriter/Reader (and ``zarr-off``), with requests counted
+where each calls its files: dcp_zarr's ``LocalStorage`` calls, and the streams FileSystemWriter/Reader open (the
+files opened, and the bytes written or read through them).
 
 Output: ``--out`` (JSON, default benchmarks/results/storage_traffic.json) and a Markdown table beside it, stamped with
 the commit and torch version. The simulation (``--simulate``, traffic_simulation.py) counts the same requests at up
@@ -187,8 +189,9 @@ def measure(args, rt) -> dict:
     rows: list[dict] = []
 
     def save(kind: str, where: str, state) -> None:
-        if kind == "zarr":
-            writer = ZarrWriter(where, storage_options=None if where.startswith("/") else options)
+        if kind in ("zarr", "zarr-off"):
+            writer = ZarrWriter(where, storage_options=None if where.startswith("/") else options,
+                                **({"aggregate_below": 0} if kind == "zarr-off" else {}))
             dcp.save(state, storage_writer=writer, planner=ZarrSavePlanner())
         elif kind == "fsspec":
             dcp.save(state, storage_writer=FsspecWriter(where, thread_count=4, sync_files=False, **options))
@@ -196,8 +199,9 @@ def measure(args, rt) -> dict:
             dcp.save(state, storage_writer=FileSystemWriter(where, thread_count=4, sync_files=False))
 
     def load(kind: str, where: str, target) -> None:
-        if kind == "zarr":
-            reader = ZarrReader(where, storage_options=None if where.startswith("/") else options)
+        if kind in ("zarr", "zarr-off"):
+            reader = ZarrReader(where, storage_options=None if where.startswith("/") else options,
+                                read_once=kind == "zarr")
         elif kind == "fsspec":
             reader = FsspecReader(where, **options)
         else:
@@ -229,7 +233,7 @@ def measure(args, rt) -> dict:
             continue
         state = layout_state(layout, rt.world_size, full)
         for storage, latency in targets:
-            kinds = ("zarr", "fsspec") if storage == "s3" else ("zarr", "fs")
+            kinds = (("zarr", "fsspec") if storage == "s3" else ("zarr", "fs")) + (("zarr-off",) if args.off else ())
             if storage == "s3" and rt.rank == 0:
                 control(args.endpoint, f"latency?ms={latency}")
             times: dict[tuple[str, str], list[float]] = {}
@@ -306,7 +310,7 @@ def serve_and_launch(args) -> list[dict]:
             command = ["torchrun", "--standalone", f"--nproc-per-node={ws}", os.path.abspath(__file__),
                        "--rank-program", "--endpoint", server.endpoint, "--latency-ms", args.latency_ms,
                        "--repeats", str(args.repeats), "--arrays", str(args.arrays), "--shape", args.shape,
-                       "--local-dir", args.local or "", "--out", out]
+                       "--local-dir", args.local or "", "--out", out] + (["--off"] if args.off else [])
             if subprocess.call(command) != 0:
                 raise SystemExit(f"the ranks of world size {ws} failed")
             with open(out) as f:
@@ -361,6 +365,8 @@ def main(argv=None) -> int:
                         default=os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                                              "dcp-zarr-traffic"),
                         help="a local directory to measure too ('' for none)")
+    parser.add_argument("--off", action="store_true",
+                        help="also dcp_zarr without collective I/O (aggregate_below=0, read_once=False: as before it)")
     parser.add_argument("--simulate", default=None, help="world sizes to simulate instead (traffic_simulation.py)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "storage_traffic.json"))
     parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)

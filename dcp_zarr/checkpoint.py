@@ -244,8 +244,8 @@ class Checkpoint:
     def region_reader(self, entry: Entry) -> RegionReader:
         reader = self._readers.get(entry.fqn)
         if reader is None:
-            reader = self._readers[entry.fqn] = tensor_reader(self.storage, self.manifest.entries[entry.fqn],
-                                                              entry.fqn, self.manifest.node_documents.get(entry.node))
+            reader = self._readers[entry.fqn] = tensor_reader(self.storage, self.manifest.entries[entry.fqn], entry.fqn,
+                                                              checked=self.manifest.checked_copies.get(entry.node))
         return reader
 
     def _read_box(self, entry: Entry, offsets: list[int], out: np.ndarray) -> None:

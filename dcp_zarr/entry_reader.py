@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import datetime
 import decimal
-import functools
 import io
 import pathlib
 import uuid
@@ -18,7 +17,9 @@ from collections.abc import Sequence
 
 from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError, UntrustedTypeError
-from dcp_zarr.format.encoding import CHECKSUM_BYTES, array_metadata, layout_from_array_metadata, verify_plain
+from dcp_zarr.format.array_checks import checked_layout
+from dcp_zarr.format.encoding import CHECKSUM_BYTES, verify_plain
+from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
@@ -28,40 +29,23 @@ from dcp_zarr.storage import Storage
 MAX_ARRAY_METADATA_BYTES = 1 << 20
 
 
-def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | None = None) -> RegionReader:
-    """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest: the copy in the
-    root's consolidated metadata when given (``Manifest.node_documents``), else the array's own, read here."""
+def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | None = None,
+                  checked: ChunkLayout | str | None = None) -> RegionReader:
+    """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest
+    (format/array_checks.py): ``checked``, the check of the copy in the root's consolidated metadata as the manifest
+    was read (``Manifest.checked_copies``: the layout, or why the copy is refused), or ``array_doc`` given, else the
+    array's own, read here."""
     if not isinstance(entry, TensorEntry):
         raise MalformedMetadataError(f"{storage.url}: entry {fqn!r} is stored as a {entry.kind}, not a tensor")
     node = entry.node
-    if array_doc is None:
-        array_doc = array_document(storage, node, fqn)
-    layout = layout_from_array_metadata(array_doc, f"{storage.url}: array {node!r}")
-    if layout.shape != entry.shape:
-        raise MalformedMetadataError(
-            f"{storage.url}: array {node!r} has shape {list(layout.shape)} but the manifest says {list(entry.shape)}")
-    if entry.chunk_shape is not None and (layout.chunk_shape, layout.inner_rows) != (entry.chunk_shape,
-                                                                                     entry.inner_chunk_rows):
-        raise MalformedMetadataError(
-            f"{storage.url}: array {node!r} has chunks {list(layout.chunk_shape)} with inner chunks of "
-            f"{layout.inner_rows} rows, but the manifest says {list(entry.chunk_shape)} and {entry.inner_chunk_rows}")
-    np_dtype, zarr_name = STORED_DTYPES[entry.dtype]  # a name the manifest checked (manifest.stored_numpy_dtype)
-    # Chunks are decoded as this version encodes them; an array whose zarr.json says otherwise (another data type,
-    # compression, no checksums) would be misread, so it is refused by name instead.
-    expected = _encoded_as(layout, zarr_name, np_dtype.itemsize)
-    for field in ("data_type", "codecs", "chunk_key_encoding"):
-        if array_doc.get(field) != expected[field]:
-            raise MalformedMetadataError(
-                f"{storage.url}: array {node!r} of entry {fqn!r}: zarr.json has {field} {array_doc.get(field)!r}, "
-                f"but a {entry.dtype} entry is stored with {expected[field]!r}")
-    return RegionReader(storage, node, layout, np_dtype)
-
-
-@functools.lru_cache(maxsize=1024)
-def _encoded_as(layout, zarr_name: str, itemsize: int) -> dict:
-    """What the checked fields of an array's zarr.json must say (read only: shared by every array of the layout,
-    as a model's arrays have few)."""
-    return array_metadata(layout, zarr_name, itemsize)
+    if isinstance(checked, str):
+        raise MalformedMetadataError(checked)
+    if checked is None:
+        if array_doc is None:
+            array_doc = array_document(storage, node, fqn)
+        checked = checked_layout(array_doc, f"{storage.url}: array {node!r}", fqn, entry.shape, entry.chunk_shape,
+                                 entry.inner_chunk_rows, entry.dtype)
+    return RegionReader(storage, node, checked, STORED_DTYPES[entry.dtype][0])
 
 
 def array_document(storage: Storage, node: str, fqn: str) -> dict:

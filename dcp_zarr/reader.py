@@ -148,7 +148,6 @@ class ZarrReader(StorageReader):
         self.manifest: Manifest | None = None
         self.bytes_read = 0
         self._read_items: list[ReadItem] = []  # this rank's read items, kept here instead of sent (prepare_local_plan)
-        self._together = False  # whether this load's ranks share reads (prepare_global_plan's answer)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -229,16 +228,16 @@ class ZarrReader(StorageReader):
 
     def _tensor_readers(self, storage: Storage, items: list[ReadItem]) -> dict[str, RegionReader]:
         """A checked RegionReader per tensor the plan reads, each checked against its array's zarr.json: the copy in
-        the root's consolidated metadata, or in a store without one the array's own, read concurrently (one after
-        another they would be a round trip per tensor: seconds for a few hundred tensors on an object store)."""
+        the root's consolidated metadata (checked as the manifest was read), or in a store without one the array's
+        own, read concurrently (one after another they would be a round trip per tensor: seconds for a few hundred
+        tensors on an object store)."""
         manifest = self._read_manifest()
-        entries, documents = manifest.entries, manifest.node_documents
+        entries, checked = manifest.entries, manifest.checked_copies
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in items))
-        if all(entries[fqn].node in documents for fqn in fqns):  # no request: checked here, not on threads that
-            # would only pass the GIL around (800 tensors: 14 ms here against 32 ms on 4 threads)
-            return {fqn: tensor_reader(storage, entries[fqn], fqn, documents[entries[fqn].node]) for fqn in fqns}
-        found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn, documents.get(entries[fqn].node)))
-                          for fqn in fqns],
+        if all(entries[fqn].node in checked for fqn in fqns):  # no request: made here, not on threads
+            return {fqn: tensor_reader(storage, entries[fqn], fqn, checked=checked[entries[fqn].node]) for fqn in fqns}
+        found = run_jobs([(0, partial(tensor_reader, storage, entries[fqn], fqn,
+                                      checked=checked.get(entries[fqn].node))) for fqn in fqns],
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
         return dict(zip(fqns, found))
 
@@ -279,24 +278,25 @@ class ZarrReader(StorageReader):
             by_dest = {item.dest_index.fqn: item for item in items if item.type != LoadItemType.BYTE_IO}
             direct = alone + [by_dest[dest] for dest in needs if not shared.shared(dest) and dest in by_dest]
             committed = []
-            try:
+            destinations = {}
+            try:  # what fails here is raised on every rank at the first round, so that no rank waits for this one
                 committed = self._read_directly(storage, direct, planner)
                 self._read_bytes(storage, [i for i in items if i.type == LoadItemType.BYTE_IO], planner)
-            except Exception as exc:  # noqa: BLE001  (raised on every rank at the first round)
+                for key in needs:
+                    if shared.shared(key) and key in by_dest:
+                        item = by_dest[key]
+                        tensor = planner.resolve_tensor(item).detach()
+                        destinations[key] = (tensor, _region_of(item))
+                        committed.append((item, tensor))
+            except Exception as exc:  # noqa: BLE001
                 failure = exc
-            destinations = {}
-            for key in needs:
-                if shared.shared(key) and key in by_dest:
-                    item = by_dest[key]
-                    tensor = planner.resolve_tensor(item).detach()
-                    destinations[key] = (tensor, _region_of(item))
-                    committed.append((item, tensor))
             readers: dict[str, RegionReader] = {}
 
             def reader_of(array: str) -> RegionReader:
                 if array not in readers:
                     entry = manifest.entries[array]
-                    readers[array] = tensor_reader(storage, entry, array, manifest.node_documents.get(entry.node))
+                    readers[array] = tensor_reader(storage, entry, array,
+                                                   checked=manifest.checked_copies.get(entry.node))
                 return readers[array]
 
             self.bytes_read += read_shared(shared, group, destinations, reader_of,
@@ -354,7 +354,7 @@ class ZarrReader(StorageReader):
         if not isinstance(entry, TensorEntry):
             return torch.load(io.BytesIO(_value_bytes(storage, entry, fqn, self.safe_globals)), weights_only=True)
         tensor = torch.empty(entry.shape, dtype=torch_dtype_from_name(entry.dtype))
-        reader = tensor_reader(storage, entry, fqn, self.manifest.node_documents.get(entry.node))
+        reader = tensor_reader(storage, entry, fqn, checked=self.manifest.checked_copies.get(entry.node))
         self.bytes_read += reader.read_into([0] * tensor.dim(), tensor_as_numpy(tensor))
         return tensor
 

@@ -259,7 +259,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
             return []
         entries = local.global_entries()
         specs = local.array_specs(self.inner_chunk_bytes, storage.writes_at_offsets, set(aggregation.arrays))
-        held = local.held_pieces(planner, self.inner_chunk_bytes)
+
+        def held() -> dict:  # called inside the exchange, so that a tensor that cannot be saved fails every rank
+            return {fqn: [(box, _checked_tensor(tensor, fqn)) for box, tensor in boxes]
+                    for fqn, boxes in local.held_pieces(planner, self.inner_chunk_bytes).items()}
+
         return write_aggregated(aggregation, entries, specs, held, Group(local.group), storage, self.thread_count,
                                 local.merged)
 

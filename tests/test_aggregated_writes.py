@@ -219,31 +219,65 @@ def test_aggregate_below_and_exchange_bytes_are_checked():
         ZarrReader("x", read_once_below="1")
 
 
-def async_aggregated(rank, world_size, path):
-    """Rank program: dcp.async_save on a gloo group of its own, as CheckpointManager saves, every array aggregated;
-    training goes on (a collective on the default group) while the background save exchanges on its own group."""
+def async_aggregated(rank, world_size, path, executor):
+    """Rank program: dcp.async_save with every array aggregated. The thread executor saves on a gloo group of its
+    own, as CheckpointManager does, while training goes on (a collective on the default group); the process executor
+    saves in its own process, on that process's default group."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     mesh = init_device_mesh("cpu", (world_size,))
-    group = dist.new_group(backend="gloo")
     full = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6)
     state = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)])}
-    future = dcp.async_save(state, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS),
-                            planner=ZarrSavePlanner(process_group=group), process_group=group,
-                            async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    writer = ZarrWriter(path, aggregate_below=ALWAYS)
+    if executor == "thread":
+        group = dist.new_group(backend="gloo")
+        future = dcp.async_save(state, storage_writer=writer, planner=ZarrSavePlanner(process_group=group),
+                                process_group=group, async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    else:
+        future = dcp.async_save(state, storage_writer=writer, planner=ZarrSavePlanner(),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     state["w"].to_local().add_(1)  # the save works from its staged copy
-    dist.all_reduce(torch.ones(1))  # the training's own collective, meanwhile
+    if executor == "thread":
+        dist.all_reduce(torch.ones(1))  # the training's own collective, meanwhile
     future.result()
     return full
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_async_save_aggregates_on_the_background_saves_own_group(tmp_path):
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_an_async_save_aggregates_on_the_background_saves_own_group(tmp_path, executor):
     path = str(tmp_path / "ckpt.zarr")
-    full = run_ranks(async_aggregated, 2, path)[0]
+    full = run_ranks(async_aggregated, 2, path, executor)[0]
     assert chunk_files(path)["w"] == ["c.0.0"]
     target = {"w": torch.zeros(40, 6)}
+    dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+    assert torch.equal(target["w"], full)
+
+
+def save_on_a_subgroup(rank, world_size, path):
+    """Rank program: ranks 1 and 2 of 3 save a DTensor on their own mesh and group; rank 0 only makes the mesh (its
+    group is made collectively). The exchange addresses ranks by the group's numbering."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [1, 2])
+    if rank == 0:
+        return None
+    full = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)])}
+    group = mesh.get_group()
+    dcp.save(state, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS),
+             planner=ZarrSavePlanner(process_group=group), process_group=group)
+    return full
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_save_on_a_subgroup_aggregates_among_its_own_ranks(tmp_path):
+    path = str(tmp_path / "ckpt.zarr")
+    full = run_ranks(save_on_a_subgroup, 3, path)[1]
+    assert chunk_files(path)["w"] == ["c.0.0"]
+    target = {"w": torch.zeros(12, 5)}
     dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
     assert torch.equal(target["w"], full)

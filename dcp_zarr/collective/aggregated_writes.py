@@ -28,19 +28,22 @@ from dcp_zarr.storage import Storage
 Held = dict[str, list[tuple[Box, torch.Tensor]]]  # fqn -> this rank's non-empty boxes of it, with their data
 
 
-def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs: dict[str, ArraySpec], held: Held,
-                     group: Group, storage: Storage, thread_count: int, merged: Merged | None = None
-                     ) -> list[str]:
+def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs: dict[str, ArraySpec],
+                     held: Callable[[], Held], group: Group, storage: Storage, thread_count: int,
+                     merged: Merged | None = None) -> list[str]:
     """Run every round of the save's aggregation on this rank; returns the chunk keys it wrote. Every rank calls
-    it, with the same plan; an error on any rank is raised on every rank, after the round it happened in."""
+    it, with the same plan; an error on any rank (``held()``, this rank's non-empty boxes of the aggregated arrays
+    with their data, included) is raised on every rank, at the check of the round it happened in."""
     rank = group.rank
     own: Held = {}  # the boxes of aggregated arrays this rank sends (and places itself, in the blocks it writes)
-    for fqn, boxes in held.items():
-        if fqn in aggregation.arrays:
+    failure: BaseException | None = None
+    try:
+        for fqn, boxes in held().items():
             chosen = set(own_pieces(entries[fqn], rank, [box for box, _ in boxes], merged))
             own[fqn] = sorted(((box, tensor) for box, tensor in boxes if box in chosen), key=lambda b: b[0])
+    except Exception as exc:  # noqa: BLE001  (raised on every rank by the first round's check)
+        failure = exc
     senders: dict[str, list] = {}  # fqn -> its pieces, for the blocks this rank aggregates
-    failure: BaseException | None = None
     written: list[str] = []
     for number, units in enumerate(aggregation.rounds):
         sends: dict[int, list[torch.Tensor]] = {}
@@ -48,6 +51,8 @@ def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs:
         mine = [unit for unit in units if unit.owner == rank]
         incoming: dict[int, list] = defaultdict(list)  # sender -> [(fqn, block, part box)], in message order
         try:
+            if failure is not None:
+                raise failure
             outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
             for unit in units:
                 fqn, block = unit.key
@@ -78,6 +83,8 @@ def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs:
         group.exchange(sends, receives)
         del sends
         try:
+            if failure is not None:
+                raise failure
             written += _write_blocks(mine, aggregation, entries, specs, own, incoming, receives, storage,
                                      thread_count)
         except Exception as exc:  # noqa: BLE001

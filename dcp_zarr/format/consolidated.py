@@ -43,39 +43,50 @@ def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
     return f'{head},"{KEY}":{{"kind":"inline","must_understand":false,"metadata":{{{metadata}}}}}}}'.encode()
 
 
-def node_documents(root: dict, where: str) -> NodeDocuments:
-    """Node path -> ``zarr.json`` document of every node the root's consolidated metadata holds; empty when it has
-    none (stores saved before it was written: their arrays' own ``zarr.json`` is read instead). Each document is
-    checked where it is used, as the node's own would be. ``where`` names the root document in errors."""
+def copies_of(root: dict, where: str) -> dict[str, dict]:
+    """Node path -> ``zarr.json`` document of every node the root's consolidated metadata holds (decoded); empty when
+    it has none (stores saved before it was written: their arrays' own ``zarr.json`` is read instead). Each document
+    is checked where it is used, as the node's own would be. ``where`` names the root document in errors."""
     field = root.get(KEY)
     if field is None:
-        return NodeDocuments({})
+        return {}
     metadata = field.get("metadata") if isinstance(field, dict) else None
     if not isinstance(metadata, dict) or field.get("kind") != "inline":
         raise MalformedMetadataError(f"{where}: {KEY} is not inline consolidated metadata (a 'metadata' object)")
-    texts = {}
     for path, document in metadata.items():
         if not isinstance(document, dict):
             raise MalformedMetadataError(f"{where}: {KEY} entry {path!r} is not a zarr.json document")
-        texts[path] = json_text(document)
-    return NodeDocuments(texts)
+    return metadata
 
 
 class NodeDocuments(Mapping[str, dict]):
-    """The consolidated copies, each kept as its JSON text and decoded when looked up (a fresh dict each time).
+    """The consolidated copies of a root's bytes: decoded when first looked up (the root once, each copy then kept
+    as its JSON text), each a fresh dict when looked up.
 
-    Decoded, a load would hold about twenty dicts and lists per array for as long as it runs (17,000 for 800
+    A load does not look them up: it uses their checks, made as the manifest is read (``Manifest.checked_copies``).
+    Decoded and kept, they would be about twenty dicts and lists per array for as long as a load runs (17,000 for 800
     tensors), which the garbage collector promotes to its oldest generation and then scans in a full collection of
     the process: 0.1-0.12 s with torch loaded, in most loads of 800 tensors (benchmarks/reports/planning.md)."""
 
-    def __init__(self, texts: dict[str, str]):
-        self._texts = texts
+    def __init__(self, paths: tuple[str, ...] = (), data: bytes = b"", where: str = ""):
+        self._paths = frozenset(paths)
+        self._data = data
+        self._where = where
+        self._texts: dict[str, str] | None = None
 
     def __getitem__(self, node: str) -> dict:
+        if node not in self._paths:
+            raise KeyError(node)
+        if self._texts is None:
+            copies = copies_of(decode_json(self._data), self._where)
+            self._texts = {path: json_text(document) for path, document in copies.items()}
         return decode_json(self._texts[node])
 
+    def __contains__(self, node) -> bool:
+        return node in self._paths
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._texts)
+        return iter(sorted(self._paths))
 
     def __len__(self) -> int:
-        return len(self._texts)
+        return len(self._paths)

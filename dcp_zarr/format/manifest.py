@@ -30,9 +30,16 @@ from dcp_zarr.errors import (
     MetadataTooLargeError,
     NotACheckpointError,
 )
-from dcp_zarr.format.consolidated import NodeDocuments, node_documents
+from dcp_zarr.format.array_checks import checked_layout
+from dcp_zarr.format.consolidated import NodeDocuments, copies_of
 from dcp_zarr.format.encoding import collector_paused, decode_json
-from dcp_zarr.format.layout import CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR, check_node_name, chunk_key
+from dcp_zarr.format.layout import (
+    CHUNK_KEY_SEPARATOR,
+    LEGACY_CHUNK_KEY_SEPARATOR,
+    ChunkLayout,
+    check_node_name,
+    chunk_key,
+)
 from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
 from dcp_zarr.optim.keys import OptimizerTable
@@ -130,7 +137,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     # node -> its zarr.json from the root's consolidated metadata (consolidated.py); not part of the manifest
     # document, and empty for stores saved without it
-    node_documents: NodeDocuments = field(default_factory=lambda: NodeDocuments({}), repr=False, compare=False)
+    node_documents: NodeDocuments = field(default_factory=NodeDocuments, repr=False, compare=False)
+    # node -> the check of its copy in the consolidated metadata against its entry (format/array_checks.py), made
+    # as the manifest is read: the layout, or why the copy is refused (raised when the entry is read)
+    checked_copies: dict[str, ChunkLayout | str] = field(default_factory=dict, repr=False, compare=False)
 
     def to_json(self) -> dict:
         return {
@@ -378,4 +388,17 @@ def _manifest_of_root(data: bytes, url: str) -> Manifest:
             f"(no '{MANIFEST_ATTRIBUTE}' attribute at its root)"
         )
     where = f"{url}/{ROOT_KEY}"
-    return dataclasses.replace(Manifest.from_json(document, where), node_documents=node_documents(root, where))
+    manifest = Manifest.from_json(document, where)
+    copies = copies_of(root, where)
+    checked: dict[str, ChunkLayout | str] = {}
+    for fqn, entry in manifest.entries.items():
+        copy = copies.get(entry.node) if isinstance(entry, TensorEntry) else None
+        if copy is not None:
+            assert isinstance(entry, TensorEntry)
+            try:
+                checked[entry.node] = checked_layout(copy, f"{url}: array {entry.node!r}", fqn, entry.shape,
+                                                     entry.chunk_shape, entry.inner_chunk_rows, entry.dtype)
+            except MalformedMetadataError as exc:
+                checked[entry.node] = str(exc)
+    return dataclasses.replace(manifest, node_documents=NodeDocuments(tuple(copies), data, where),
+                               checked_copies=checked)

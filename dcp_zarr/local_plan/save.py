@@ -186,7 +186,7 @@ class LocalSave:
                 if data is None or not all(data.chunk.sizes):
                     continue
                 box = (tuple(data.chunk.offsets), tuple(data.chunk.sizes))
-                held.setdefault(fqn, []).append((box, planner.resolve_data(item).detach()))
+                held.setdefault(fqn, []).append((box, planner.resolve_data(item)))
         return held
 
     def _items_written(self, decisions: Decisions) -> list[WriteItem]:

@@ -44,8 +44,10 @@ class Storage(abc.ABC):
     # Bytes of copies the jobs in flight may hold at once (None: the jobs copy nothing, as local writes do).
     max_bytes_in_flight: int | None = None
 
-    # A save with ZarrSavePlanner aggregates an array held in pieces smaller than this (ZarrWriter's aggregate_below):
-    # the size below which one request per piece costs more than sending the piece to the rank writing its block.
+    # A save with ZarrSavePlanner aggregates an array held in pieces smaller than this (ZarrWriter's aggregate_below),
+    # and a load reads such pieces a stored chunk at a time (ZarrReader's read_once_below): the size below which a
+    # request per piece costs more than sending the piece over the process group. Object stores: every object is a
+    # request (and S3 serves about 3,500 PUTs a second per prefix), so pieces up to 4 MiB are worth the exchange.
     aggregate_below: int = 4 << 20
 
     # Whether write_at works: several ranks writing parts of one file (local files, not object stores).
