@@ -201,7 +201,7 @@ def measure(args, rt) -> dict:
     def load(kind: str, where: str, target) -> None:
         if kind in ("zarr", "zarr-off"):
             reader = ZarrReader(where, storage_options=None if where.startswith("/") else options,
-                                read_once=kind == "zarr")
+                                read_once=None if kind == "zarr" else False)  # zarr: the storage's default
         elif kind == "fsspec":
             reader = FsspecReader(where, **options)
         else:

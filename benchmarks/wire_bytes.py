@@ -28,8 +28,8 @@ row into new directories under ``--target``: ``save_first`` is the first ``dcp.s
 the last one.
 
 - ``zarr_local``: ``ZarrWriter`` with ``dcp_zarr.ZarrSavePlanner`` (the locally planned save); then loads of its
-  first checkpoint: ``load_zarr`` (``ZarrReader``, DCP's default load planner) and ``load_zarr_zlp``
-  (``ZarrReader`` with ``dcp_zarr.ZarrLoadPlanner``);
+  first checkpoint: ``load_zarr`` (``ZarrReader(read_once=True)``, as it reads from object stores, DCP's default
+  load planner) and ``load_zarr_zlp`` (the same with ``dcp_zarr.ZarrLoadPlanner``);
 - ``zarr_default``: ``ZarrWriter`` with DCP's ``DefaultSavePlanner``;
 - ``fs_default``: DCP's ``FileSystemWriter`` with its default planner; then ``load_fs`` (``FileSystemReader``);
 - ``zarr_cached``: ``ZarrWriter`` with ``DefaultSavePlanner(enable_plan_caching=True)`` (a new planner each save,
@@ -446,10 +446,10 @@ def _reader(load: str, path: str):
 
     if load == "load_fs":
         return FileSystemReader(path), None
-    if load == "load_zarr":
-        return ZarrReader(path), None
+    if load == "load_zarr":  # read_once=True: reads shared as on object stores (a local path's default is not to)
+        return ZarrReader(path, read_once=True), None
     if load == "load_zarr_zlp":
-        return ZarrReader(path), ZarrLoadPlanner()
+        return ZarrReader(path, read_once=True), ZarrLoadPlanner()
     raise ValueError(f"unknown load {load!r}")
 
 

@@ -42,7 +42,7 @@ from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root, read_manifest, read_root
 from dcp_zarr.local_plan.entries import group_rank_of
 from dcp_zarr.scheduler import run_jobs
-from dcp_zarr.storage import Storage, open_storage, store_objects
+from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
@@ -119,7 +119,10 @@ class ZarrReader(StorageReader):
             reads are shared (collective/).
         read_once: read what several ranks need once: a region several ranks load whole (replicas: HSDP, DDP,
             ``Replicate``, plain tensors) by one of them, and the small pieces of one stored chunk by one rank, then
-            sent over the process group to the ranks that need them. False: every rank reads for itself.
+            sent over the process group to the ranks that need them; the root zarr.json by DCP's coordinator alone.
+            False: every rank reads for itself. Default (None): where the storage's default aggregates writes
+            (object stores, shared file systems; not a machine's own file system, whose page cache already serves
+            a file's bytes once to every process on it, faster than the exchange: storage-traffic.md).
         read_once_below: DTensor pieces smaller than this are read a stored chunk at a time (default: the
             storage's ``aggregate_below``, as ZarrWriter's).
         exchange_bytes: the bytes a rank reads for others in one round of shared reads.
@@ -128,7 +131,7 @@ class ZarrReader(StorageReader):
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
                  thread_count: int = 4,
                  safe_globals: list | None = None, retry: RetryPolicy | None = None, process_group=None,
-                 read_once: bool = True, read_once_below: int | None = None,
+                 read_once: bool | None = None, read_once_below: int | None = None,
                  exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
         if read_once_below is not None and (type(read_once_below) is not int or read_once_below < 0):
             raise ValueError(f"read_once_below={read_once_below!r}: expected a number of bytes >= 0, or None for the "
@@ -136,7 +139,7 @@ class ZarrReader(StorageReader):
         if type(exchange_bytes) is not int or exchange_bytes < 1:
             raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
         self.process_group = process_group
-        self.read_once = bool(read_once)
+        self.read_once = None if read_once is None else bool(read_once)
         self.read_once_below = read_once_below
         self.exchange_bytes = exchange_bytes
         self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)
@@ -179,7 +182,7 @@ class ZarrReader(StorageReader):
     def _manifest_read_once(self) -> Manifest:
         """The manifest, from the root zarr.json read by DCP's coordinator alone and broadcast to the other ranks
         when DCP's load runs on several (collective/load_call.py), else read here."""
-        load = dcp_load_wrapper() if self.read_once else None
+        load = dcp_load_wrapper() if self._shares_reads() else None
         if load is None or not load.use_dist or load.get_world_size() < 2:
             return read_manifest(self._storage())
         payload: tuple | None = None
@@ -194,6 +197,16 @@ class ZarrReader(StorageReader):
         if payload[0] == "error":
             raise payload[1]
         return manifest_of_root(payload[1], payload[2])
+
+    def _shares_reads(self) -> bool:
+        """``read_once``, or by default whether the storage's default aggregates (decided alike on every rank)."""
+        if self.read_once is not None:
+            return self.read_once
+        if self.store is not None:
+            return store_objects.open_store(self.store, self._retrying).aggregate_below > 0
+        if is_local(self.path):
+            return LocalStorage(local_path(self.path)).aggregate_below > 0  # a shared file system
+        return True  # an object store
 
     def _read_manifest(self) -> Manifest:
         """The manifest of a load under way: DCP calls read_metadata or set_up_storage_reader (each reads it) first."""
@@ -210,7 +223,7 @@ class ZarrReader(StorageReader):
         # the rank, and the plan DCP gathers to the coordinator and scatters back carries none: a few hundred bytes
         # per rank instead of one pickled ReadItem per local shard and tensor.
         self._read_items = list(plan.items)
-        seen = LoadSummary(*_rank_and_world(self.process_group)) if self.read_once else None
+        seen = LoadSummary(*_rank_and_world(self.process_group)) if self._shares_reads() else None
         return dataclasses.replace(plan, items=[], storage_data=seen)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
@@ -262,9 +275,10 @@ class ZarrReader(StorageReader):
         group = Group(self.process_group)
         manifest = self._read_manifest()
         failure: BaseException | None = None
+        below = self.read_once_below if self.read_once_below is not None else storage.aggregate_below
         try:
             needs, alone = rank_needs(items, getattr(planner, "state_dict", {}), _stored_key(planner, manifest),
-                                      group_rank_of(self.process_group))
+                                      group_rank_of(self.process_group), replicas_only=below == 0)
             digest = needs_digest(needs, group.size)
         except Exception as exc:  # noqa: BLE001  (this rank raises below, after the others know)
             failure, needs, alone, digest = exc, {}, list(items), b"failed"
@@ -273,7 +287,6 @@ class ZarrReader(StorageReader):
                 raise failure
             committed = self._read_directly(storage, items, planner)  # the ranks differ: each reads for itself
         else:
-            below = self.read_once_below if self.read_once_below is not None else storage.aggregate_below
             shared = SharedReads(needs, manifest.entries, group.size, below, self.exchange_bytes)
             by_dest = {item.dest_index.fqn: item for item in items if item.type != LoadItemType.BYTE_IO}
             direct = alone + [by_dest[dest] for dest in needs if not shared.shared(dest) and dest in by_dest]

@@ -226,7 +226,7 @@ def test_sigkill_at_each_exchange_of_an_aggregated_save_or_a_shared_load_leaves_
             trials[f"save: {ws.check(seed, label)}"] += 1
     assert set(trials) <= {"save: old", "save: absent"}, trials
     before = tree_digest(ws.target)
-    reading = {"read_once_below": 1 << 40, "exchange_bytes": 4096}
+    reading = {"read_once": True, "read_once_below": 1 << 40, "exchange_bytes": 4096}
     clean = zygote.launch(load_program, WORLD_SIZE, ws.target, None, reading).wait(60)
     assert all(o[0] == "ok" for o in clean.values()), clean
     for rank in range(WORLD_SIZE):

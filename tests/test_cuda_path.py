@@ -221,7 +221,7 @@ def load_into_cuda_on_rank0(rank, world_size, path, seed):
     full = full_tensors(seed)
     device = "cuda" if rank == 0 else "cpu"
     target = {"model": {k: torch.zeros_like(v, device=device) for k, v in full.items()}}
-    reader = ZarrReader(path, thread_count=3)
+    reader = ZarrReader(path, thread_count=3, read_once=True)
     dcp.load(target, storage_reader=reader)
     assert_state_equal(on(target["model"], "cpu"), full)
     return reader.bytes_read

@@ -90,10 +90,10 @@ def saved(tmp_path_factory) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, options, most", [
-    ("fsdp", {"read_once_below": ALWAYS}, 1.1),  # small pieces: each stored chunk read once, pieces sent on
-    ("hsdp", {}, 1.1),  # replicas: each shard read by one rank of its replica group
-    ("ddp", {}, 1.1),  # every rank loads every tensor whole: read by one rank, sent to the others
-    ("ddp", {"read_once": False}, 4.2),  # as before: every rank reads everything (and its checksums)
+    ("fsdp", {"read_once": True, "read_once_below": ALWAYS}, 1.1),  # small pieces: each stored chunk read once
+    ("hsdp", {"read_once": True}, 1.1),  # replicas: each shard read by one rank of its replica group
+    ("ddp", {"read_once": True}, 1.1),  # every rank loads every tensor whole: read by one rank, sent to the others
+    ("ddp", {}, 4.2),  # a machine's own file system by default: every rank reads everything (and its checksums)
 ])
 def test_storage_serves_a_load_about_once_whatever_the_replicas(saved, layout, options, most):
     results = run_ranks(load_counting, 4, saved, layout, options)
@@ -101,7 +101,7 @@ def test_storage_serves_a_load_about_once_whatever_the_replicas(saved, layout, o
         assert_state_equal(loaded, full_tensors())
     read = sum(r[1] for r in results)
     assert read <= most * tensor_bytes(saved), (read, tensor_bytes(saved))
-    if options.get("read_once", True):
+    if options.get("read_once"):
         assert [r[2] for r in results] == [1, 0, 0, 0], "the root zarr.json is read by the coordinator alone"
     else:
         assert read >= 3.5 * tensor_bytes(saved)
@@ -133,7 +133,7 @@ def load_on_subgroup(rank, world_size, path):
     target = blank(full_tensors())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.load(target, storage_reader=ZarrReader(path), process_group=group)
+        dcp.load(target, storage_reader=ZarrReader(path, read_once=True), process_group=group)
     return target, [str(w.message) for w in caught if "process group" in str(w.message)]
 
 
@@ -154,7 +154,7 @@ def find_wrapper(rank, world_size, path):
             found.append(None if wrapper is None else (wrapper.use_dist, wrapper.get_world_size()))
             return super().read_metadata(*args, **kwargs)
 
-    dcp.load(blank(full_tensors()), storage_reader=Looking(path))
+    dcp.load(blank(full_tensors()), storage_reader=Looking(path, read_once=True))
     return found
 
 
@@ -166,7 +166,7 @@ def test_dcp_keeps_its_load_wrapper_where_the_reader_looks_for_it(saved):
 
 def load_expecting_failure(rank, world_size, path, layout):
     try:
-        dcp.load(blank(state_as(layout, world_size, full_tensors())), storage_reader=ZarrReader(path))
+        dcp.load(blank(state_as(layout, world_size, full_tensors())), storage_reader=ZarrReader(path, read_once=True))
     except CheckpointException as exc:
         return [f"{type(c).__name__}: {c}" for c in causes(exc)]
     return None
@@ -192,7 +192,7 @@ def load_differing(rank, world_size, path):
     target = blank(full)
     if rank == 1:
         del target["c"]
-    reader = ZarrReader(path)
+    reader = ZarrReader(path, read_once=True)
     dcp.load(target, storage_reader=reader)
     return target
 
@@ -211,7 +211,7 @@ def load_as_float64(rank, world_size, path):
     """Rank program: every rank loads every tensor whole, into float64 tensors (stored float32): the parts sent to
     a rank land in a staging buffer of the stored dtype, then are copied into its tensors."""
     target = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in full_tensors().items()}
-    reader = ZarrReader(path)
+    reader = ZarrReader(path, read_once=True)
     dcp.load(target, storage_reader=reader)
     return target, reader.bytes_read
 

@@ -46,7 +46,7 @@ def expected_steps() -> dict[str, torch.Tensor]:
     return {"w": torch.tensor(3.0), "v": torch.tensor(5, dtype=torch.int64)}
 
 
-def _save_on_ranks(rank, world_size, path):
+def _save_on_ranks(rank, world_size, path, options=None):
     mesh = init_device_mesh("cpu", (world_size,))
     model = {}
     for name, full in expected_model().items():
@@ -55,7 +55,7 @@ def _save_on_ranks(rank, world_size, path):
                                          stride=full.stride())
     optim = {"state": {k: {"step": v} for k, v in expected_steps().items()}}
     dcp.save({"model": model, "optim": optim}, planner=ZarrSavePlanner(),
-             storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES))
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES, **(options or {})))
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,34 @@ def test_tensorstore_reads_regions_of_sharded_arrays(store):
 def test_tensorstore_reads_the_consolidated_copy_too(consolidated):
     assert_same_bits(_tensorstore(consolidated, "model/float8_e4m3fn").read().result(),
                      expected_model()["float8_e4m3fn"], "fp8")
+
+
+# ---- aggregated arrays (collective I/O): blocks of rows, each one rank's chunk, shards of inner chunks -------------
+
+# every array aggregated, in blocks of 3 KiB: the 64 float32 rows of 40 are 4 blocks of 18 rows (inner chunks of 6)
+AGGREGATED = {"aggregate_below": 1 << 40, "exchange_bytes": 3 * INNER_BYTES}
+
+
+@pytest.fixture(scope="module")
+def aggregated(tmp_path_factory):
+    path = tmp_path_factory.mktemp("aggregated") / "ckpt.zarr"
+    run_ranks(_save_on_ranks, 2, str(path), AGGREGATED)
+    return path
+
+
+def test_an_aggregated_store_reads_bit_exact_in_zarr_python_tensorstore_and_xarray(aggregated):
+    big = open_checkpoint(aggregated).entries["model.big_f32"]
+    assert (big.chunk_shape, big.inner_chunk_rows) == ((18, 40), 6), big
+    group = zarr.open_group(str(aggregated), mode="r")
+    tree = xr.open_datatree(str(aggregated), engine="zarr", consolidated=True)
+    for node, tensor in expected_arrays().items():
+        assert_same_bits(group[node][...], tensor, f"zarr-python: {node}")
+        assert_same_bits(_tensorstore(aggregated, node).read().result(), tensor, f"TensorStore: {node}")
+        parent, _, name = node.rpartition("/")
+        assert_same_bits(tree[parent][name].values, tensor, f"xarray: {node}")
+    full = expected_model()["big_f32"]  # a region across blocks and inner chunks
+    assert_same_bits(_tensorstore(aggregated, "model/big_f32")[10:27, 3:9].read().result(), full[10:27, 3:9],
+                     "big_f32 across blocks")
 
 
 # ---- zarr-python without dcp_zarr: the data types come from the zarr.data_type entry points -------------------------

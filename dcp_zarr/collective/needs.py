@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_zarr.local_plan.boxes import Box
 from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, MeshSlice, mesh_slice
-from dcp_zarr.local_plan.layouts import box_at
+from dcp_zarr.local_plan.layouts import box_at, shards_along
 
 
 class Need(NamedTuple):
@@ -58,11 +58,14 @@ def _rank_set(mesh: MeshSlice) -> frozenset[int]:
 
 
 def rank_needs(items: Iterable[ReadItem], state_dict: dict, stored_key: Callable[[str], str | None],
-               group_rank: Callable[[int], int]) -> tuple[dict[str, Need], list[ReadItem]]:
+               group_rank: Callable[[int], int], replicas_only: bool = False
+               ) -> tuple[dict[str, Need], list[ReadItem]]:
     """(dest key -> Need of this rank, the tensor items no Need covers: read by this rank itself).
 
     ``stored_key``: the stored entry a state-dict key is loaded from, for keys this rank has no items for (an
-    empty box of a DTensor); ``group_rank``: a mesh's rank in the load's process group."""
+    empty box of a DTensor); ``group_rank``: a mesh's rank in the load's process group; ``replicas_only``: only
+    needs several ranks share (small pieces are not read a chunk at a time): a DTensor whose placements replicate
+    nothing is read by its rank alone without describing it (what every rank decides alike from placements)."""
     by_dest: dict[str, list[ReadItem]] = defaultdict(list)
     for item in items:
         if item.type != LoadItemType.BYTE_IO:
@@ -73,6 +76,9 @@ def rank_needs(items: Iterable[ReadItem], state_dict: dict, stored_key: Callable
     meshes: dict = {}
     for dest, value in state_dict.items():
         held = by_dest.pop(dest, [])
+        if replicas_only and isinstance(value, DTensor) and not _replicated(value):
+            alone += held
+            continue
         need = _need(dest, value, held, stored_key, group_rank, roots, meshes)
         if need is None:
             alone += held
@@ -81,6 +87,16 @@ def rank_needs(items: Iterable[ReadItem], state_dict: dict, stored_key: Callable
     for held in by_dest.values():  # items for keys the state dict does not name (a planner's own): read alone
         alone += held
     return needs, alone
+
+
+def _replicated(value: DTensor) -> bool:
+    """Whether other ranks hold this rank's box of a DTensor: a mesh dim it does not shard along, or other slices of
+    its root mesh (each holding the same DTensor)."""
+    mesh = value.device_mesh
+    if any(n > 1 and not shards_along(p) for n, p in zip(mesh.shape, value.placements)):
+        return True
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    return get_root is not None and get_root() is not mesh and get_root().size() > mesh.size()
 
 
 def _need(dest: str, value, held: list[ReadItem], stored_key, group_rank, roots: dict, meshes: dict) -> Need | None:
