@@ -138,8 +138,10 @@ class ZarrReader(StorageReader):
                              "storage's default")
         if type(exchange_bytes) is not int or exchange_bytes < 1:
             raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
+        if read_once is not None and type(read_once) is not bool:  # "false" is truthy: never guess
+            raise ValueError(f"read_once={read_once!r}: expected True, False or None for the storage's default")
         self.process_group = process_group
-        self.read_once = None if read_once is None else bool(read_once)
+        self.read_once = read_once
         self.read_once_below = read_once_below
         self.exchange_bytes = exchange_bytes
         self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)

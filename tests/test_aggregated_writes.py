@@ -217,6 +217,11 @@ def test_aggregate_below_and_exchange_bytes_are_checked():
         ZarrWriter("x", exchange_bytes=0)
     with pytest.raises(ValueError, match="read_once_below='1'"):
         ZarrReader("x", read_once_below="1")
+    with pytest.raises(ValueError, match="exchange_bytes=-4"):
+        ZarrReader("x", exchange_bytes=-4)
+    with pytest.raises(ValueError, match="read_once='false'"):
+        ZarrReader("x", read_once="false")
+    assert ZarrReader("x", read_once=False).read_once is False
 
 
 def async_aggregated(rank, world_size, path, executor):
