@@ -210,7 +210,7 @@ def test_ranks_that_differ_are_aggregated_after_their_exchange(tmp_path):
     assert torch.equal(target["only_on_1"], torch.full((3,), 7.0))
 
 
-def test_aggregate_below_and_exchange_bytes_are_checked():
+def test_collective_io_options_are_checked():
     with pytest.raises(ValueError, match="aggregate_below=-1"):
         ZarrWriter("x", aggregate_below=-1)
     with pytest.raises(ValueError, match="exchange_bytes=0"):
