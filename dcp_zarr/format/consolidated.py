@@ -11,6 +11,7 @@ checks that the two agree.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 
 from dcp_zarr.errors import MalformedMetadataError
@@ -59,6 +60,11 @@ def copies_of(root: dict, where: str) -> dict[str, dict]:
     return metadata
 
 
+# Keeps a copy as the text it was decoded from, whatever that held: a store's NaN or Infinity must come back out of
+# the copy for the checks that refuse it by name (json_text, which refuses them, would raise a bare ValueError).
+_KEPT_TEXT = json.JSONEncoder(separators=(",", ":"), allow_nan=True)
+
+
 class NodeDocuments(Mapping[str, dict]):
     """The consolidated copies of a root's bytes: decoded when first looked up (the root once, each copy then kept
     as its JSON text), each a fresh dict when looked up.
@@ -79,7 +85,7 @@ class NodeDocuments(Mapping[str, dict]):
             raise KeyError(node)
         if self._texts is None:
             copies = copies_of(decode_json(self._data), self._where)
-            self._texts = {path: json_text(document) for path, document in copies.items()}
+            self._texts = {path: _KEPT_TEXT.encode(document) for path, document in copies.items()}
         return decode_json(self._texts[node])
 
     def __contains__(self, node) -> bool:
