@@ -153,7 +153,7 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
             planner.set_up_planner(state, metadata, rank == 0)
             items = planner.create_local_plan().items
             needs, alone = rank_needs(items, planner.state_dict, lambda key: key, group_rank_of(None))
-            mine = needs_digest(needs, world)
+            mine = needs_digest(needs, world, (below, DEFAULT_EXCHANGE_BYTES))
             if shared is None:
                 digest = mine
                 shared = SharedReads(needs if collective else {}, manifest.entries, world, below,

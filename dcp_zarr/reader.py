@@ -183,25 +183,37 @@ class ZarrReader(StorageReader):
 
     def _manifest_read_once(self) -> Manifest:
         """The manifest, from the root zarr.json read by DCP's coordinator alone and broadcast to the other ranks
-        when DCP's load runs on several (collective/load_call.py), else read here."""
-        load = dcp_load_wrapper() if self._shares_reads() else None
+        when DCP's load runs on several (collective/load_call.py), else read here.
+
+        The coordinator decides for every rank whether it shares the root (its ``_shares_reads``), and every rank
+        of the load joins the broadcast either way: ranks that decided apart (one sees the path on a machine's own
+        file system, another on NFS) would otherwise wait in different collectives. On a machine's own file
+        system that broadcast carries a few bytes and every rank reads the root itself."""
+        load = dcp_load_wrapper()
         if load is None or not load.use_dist or load.get_world_size() < 2:
             return read_manifest(self._storage())
         payload: tuple | None = None
         if load.is_coordinator:
             try:
-                storage = self._storage()
-                payload = ("root", read_root(storage), storage.url)
+                if self._shares_reads():
+                    storage = self._storage()
+                    payload = ("root", read_root(storage), storage.url)
+                else:
+                    payload = ("each",)
             except Exception as exc:  # noqa: BLE001  (every rank raises it, below)
                 payload = ("error", _sendable(exc))
         payload = load.broadcast_object(payload)
         assert payload is not None
         if payload[0] == "error":
             raise payload[1]
+        if payload[0] == "each":
+            return read_manifest(self._storage())
         return manifest_of_root(payload[1], payload[2])
 
     def _shares_reads(self) -> bool:
-        """``read_once``, or by default whether the storage's default aggregates (decided alike on every rank)."""
+        """``read_once``, or by default whether the storage's default aggregates. Ranks may decide apart (each sees
+        its own mount): the coordinator's decides the root's broadcast, and reads are shared only where every
+        rank's does (prepare_global_plan)."""
         if self.read_once is not None:
             return self.read_once
         if self.store is not None:
@@ -281,7 +293,7 @@ class ZarrReader(StorageReader):
         try:
             needs, alone = rank_needs(items, getattr(planner, "state_dict", {}), _stored_key(planner, manifest),
                                       group_rank_of(self.process_group), replicas_only=below == 0)
-            digest = needs_digest(needs, group.size)
+            digest = needs_digest(needs, group.size, (below, self.exchange_bytes))
         except Exception as exc:  # noqa: BLE001  (this rank raises below, after the others know)
             failure, needs, alone, digest = exc, {}, list(items), b"failed"
         if not group.same_everywhere(digest) or failure is not None:

@@ -166,7 +166,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._own_values, self._own_objects = {}, {}
         if isinstance(plan.planner_data, RankState):  # ZarrSavePlanner: planned here, a digest goes to DCP
             self._local = LocalSave(plan.planner_data, self._rank, self.is_coordinator, self.check_replicas,
-                                    self.replica_check_bytes, self._aggregate_below(), self.exchange_bytes)
+                                    self.replica_check_bytes, self._aggregate_below(), self.exchange_bytes,
+                                    self.inner_chunk_bytes)
             return SavePlan(items=[], storage_data=self._local.summary)
         self._local = None
         items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items

@@ -181,6 +181,36 @@ def test_an_aggregator_that_fails_to_write_fails_the_save_on_every_rank_and_the_
         not name.startswith(".ckpt.zarr") or "partial" in name for name in os.listdir(tmp_path))
 
 
+def save_with_options_that_differ(rank, world_size, path):
+    """Rank program: a checkpoint, then a save over it whose rank 0 would not aggregate while the others would."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    good = {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])}
+    dcp.save(good, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS), planner=ZarrSavePlanner())
+    bad = {"w": distribute_tensor(torch.full((8, 3), -1.0), mesh, [Shard(0)])}
+    try:
+        dcp.save(bad, storage_writer=ZarrWriter(path, aggregate_below=0 if rank == 0 else ALWAYS, overwrite=True),
+                 planner=ZarrSavePlanner())
+    except CheckpointException as exc:
+        return [f"{type(c).__name__}: {c}" for c in causes(exc)]
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_writers_whose_options_differ_across_ranks_are_refused_before_anything_is_written(tmp_path):
+    # Ranks that decide aggregation apart (aggregate_below's default follows each rank's view of the mount) would
+    # write different layouts: some pieces twice, others never.
+    path = str(tmp_path / "ckpt.zarr")
+    results = run_ranks(save_with_options_that_differ, 3, path)
+    for messages in results:
+        text = "\n".join(messages)
+        assert "PlanMismatchError" in text and f"aggregate_below: 0 on rank 0; {ALWAYS} on ranks 1, 2" in text, text
+        assert "exchange_bytes" not in text, text
+    target = {"w": torch.zeros(8, 3)}
+    dcp.load(target, storage_reader=ZarrReader(path), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(24.0).reshape(8, 3))
+
+
 def _aggregator_of_w(world_size: int) -> int:
     from dcp_zarr.collective.aggregation import plan_aggregation
     from dcp_zarr.local_plan.entries import DTENSOR, Entry, Mesh, MeshSlice

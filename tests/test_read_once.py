@@ -108,6 +108,41 @@ def test_storage_serves_a_load_about_once_whatever_the_replicas(saved, layout, o
         assert [r[2] for r in results] == [1, 1, 1, 1]
 
 
+def load_deciding_apart(rank, world_size, path, coordinator_shares):
+    """Rank program: the coordinator's reader shares reads or not, every other rank's decides the other way (as
+    ranks that see the path on a machine's own file system and on NFS would)."""
+    shares = coordinator_shares if rank == 0 else not coordinator_shares
+    return load_counting(rank, world_size, path, "ddp", {"read_once": shares})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("coordinator_shares", [True, False])
+def test_ranks_that_decide_apart_whether_to_share_still_load(saved, coordinator_shares):
+    # The coordinator decides for every rank whether the root is read once; the reads are shared only where every
+    # rank would. Before, the ranks waited in different collectives until run_ranks' timeout.
+    results = run_ranks(load_deciding_apart, 3, saved, coordinator_shares, timeout=60)
+    for loaded, _, _ in results:
+        assert_state_equal(loaded, full_tensors())
+    assert [r[2] for r in results] == ([1, 0, 0] if coordinator_shares else [1, 1, 1])
+    assert sum(r[1] for r in results) >= 2.5 * tensor_bytes(saved), "every rank read the tensors for itself"
+
+
+def load_below_apart(rank, world_size, path):
+    """Rank program: every rank shares reads, but only rank 0 reads these small pieces a chunk at a time (1 byte:
+    the others still describe their needs, so that the needs alone do not tell the ranks apart)."""
+    return load_counting(rank, world_size, path, "fsdp", {"read_once": True, "read_once_below": ALWAYS if rank == 0
+                                                          else 1})
+
+
+@pytest.mark.slow
+def test_ranks_whose_read_options_differ_each_read_for_themselves(saved):
+    # The options that decide who reads what are in the digest the ranks compare: ranks that differ read alone.
+    results = run_ranks(load_below_apart, 3, saved, timeout=60)
+    for loaded, _, _ in results:
+        assert_state_equal(loaded, full_tensors())
+    assert [r[2] for r in results] == [1, 0, 0], "the root is still read once"
+
+
 def load_alone(rank, world_size, path):
     """Rank program: only rank 0 loads, with no_dist=True, while a process group exists."""
     loaded = None

@@ -130,9 +130,10 @@ def _need(dest: str, value, held: list[ReadItem], stored_key, group_rank, roots:
     return Need(dest, array, size, EVERY_RANK)
 
 
-def needs_digest(needs: dict[str, Need], world_size: int) -> bytes:
-    """16 bytes, equal on two ranks exactly when their needs describe the same load."""
-    digest = hashlib.blake2b(repr(world_size).encode(), digest_size=16)
+def needs_digest(needs: dict[str, Need], world_size: int, options: tuple = ()) -> bytes:
+    """16 bytes, equal on two ranks exactly when their needs describe the same load, read with the same ``options``
+    (the ones that decide who reads what: a default may follow the file system each rank sees the path on)."""
+    digest = hashlib.blake2b(repr((world_size, options)).encode(), digest_size=16)
     for dest in sorted(needs):
         need = needs[dest]
         digest.update(repr((need.dest, need.array, need.size, need.holding, need.mesh.token if need.mesh else "",

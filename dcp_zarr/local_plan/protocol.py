@@ -1,7 +1,8 @@
 """The messages of a locally planned save, each O(1) in the tensors a rank holds, and the coordinator's checks.
 
-1. Each rank's plan, gathered by DCP: a ``Summary`` (its rank, the world it sees, the digest of its entries and one
-   digest of the replica checksums per group of ranks that hold the same boxes) instead of its items.
+1. Each rank's plan, gathered by DCP: a ``Summary`` (its rank, the world it sees, the digest of its entries, one
+   digest of the replica checksums per group of ranks that hold the same boxes, and the writer's options that decide
+   who writes what) instead of its items.
 2. The coordinator's answer, scattered by DCP: a ``Ticket`` (the save's id and staging location; whether the digests
    differed, so that the ranks exchange what differs; which replica groups disagreed, so that their ranks report
    the checksums of each key instead of writing).
@@ -24,6 +25,12 @@ class Summary(NamedTuple):
     world_size: int
     digest: str  # entries.structure_digest
     replica_digests: tuple[tuple[str, str], ...]  # (replica group, digest of its keys' checksums)
+    # ZarrWriter's options that decide who writes what (SAVE_OPTIONS, in order). A default may differ between ranks
+    # (aggregate_below follows the mount type each rank sees): ranks that disagree would write different layouts.
+    options: tuple[int | None, ...] = ()
+
+
+SAVE_OPTIONS = ("inner_chunk_bytes", "aggregate_below", "exchange_bytes")
 
 
 class Ticket(NamedTuple):
@@ -50,6 +57,7 @@ def check_summaries(summaries: list[Summary]) -> tuple[bool, frozenset[str]]:
                 f"DCP's rank {dcp_rank} of {world_size} is rank {summary.rank} of {summary.world_size} in "
                 "ZarrSavePlanner's process group: pass ZarrSavePlanner(process_group=...) the group given to "
                 "dcp.save (default: the whole world)")
+    _check_options(summaries)
     differ = len({s.digest for s in summaries}) > 1
     if differ:  # the exchange finds the true replicas, and each rank reports the checksum of each
         return True, frozenset()
@@ -58,3 +66,29 @@ def check_summaries(summaries: list[Summary]) -> tuple[bool, frozenset[str]]:
         for group, digest in summary.replica_digests:
             digests[group].add(digest)
     return differ, frozenset(group for group, found in digests.items() if len(found) > 1)
+
+
+def _check_options(summaries: list[Summary]) -> None:
+    """Raises naming each option the ranks disagree on, and which ranks have which value."""
+    ranks_of: dict[tuple[int | None, ...], list[int]] = defaultdict(list)
+    for rank, summary in enumerate(summaries):
+        ranks_of[summary.options].append(rank)
+    if len(ranks_of) < 2:
+        return
+    found = []
+    for i, name in enumerate(SAVE_OPTIONS):
+        values: dict[int | None, list[int]] = defaultdict(list)
+        for options, ranks in ranks_of.items():
+            values[options[i] if i < len(options) else None] += ranks
+        if len(values) > 1:
+            found.append(f"{name}: " + "; ".join(f"{value} on {_ranks_text(sorted(ranks))}"
+                                                  for value, ranks in sorted(values.items(), key=lambda kv: kv[1])))
+    raise PlanMismatchError(
+        "ZarrWriter's options differ across the ranks of this save, which would then write different layouts: "
+        + ", ".join(found) + ". Pass every rank's ZarrWriter the same values (aggregate_below's default follows the "
+        "file system each rank sees the path on: pass it explicitly where ranks see different ones)")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"

@@ -43,7 +43,8 @@ class LocalSave:
     """One rank's locally planned save (the module's docstring says when each part runs)."""
 
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
-                 replica_check_bytes: int, aggregate_below: int = 0, exchange_bytes: int = 256 << 20):
+                 replica_check_bytes: int, aggregate_below: int = 0, exchange_bytes: int = 256 << 20,
+                 inner_chunk_bytes: int | None = None):
         group = state.planner.process_group
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
@@ -63,7 +64,8 @@ class LocalSave:
         self.planner = state.planner
         self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
         group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
-        self.summary = Summary(self.rank, self.world_size, digest, group_digests)
+        options = (inner_chunk_bytes, aggregate_below, exchange_bytes)  # protocol.SAVE_OPTIONS, checked alike
+        self.summary = Summary(self.rank, self.world_size, digest, group_digests, options)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
         # collective/: arrays held in pieces smaller than this are written by aggregators, in rounds of at most
