@@ -42,7 +42,7 @@ from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root, read_manifest, read_root
 from dcp_zarr.local_plan.entries import group_rank_of
 from dcp_zarr.scheduler import run_jobs
-from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage, store_objects
+from dcp_zarr.storage import Storage, default_aggregate_below, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
@@ -216,11 +216,7 @@ class ZarrReader(StorageReader):
         rank's does (prepare_global_plan)."""
         if self.read_once is not None:
             return self.read_once
-        if self.store is not None:
-            return store_objects.open_store(self.store, self._retrying).aggregate_below > 0
-        if is_local(self.path):
-            return LocalStorage(local_path(self.path)).aggregate_below > 0  # a shared file system
-        return True  # an object store
+        return default_aggregate_below(self.path, self.store, self._retrying) > 0  # object stores, shared FS
 
     def _read_manifest(self) -> Manifest:
         """The manifest of a load under way: DCP calls read_metadata or set_up_storage_reader (each reads it) first."""

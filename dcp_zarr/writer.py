@@ -48,7 +48,7 @@ from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import LocalStorage, Storage, commit, is_local, local_path, open_storage, store_objects
+from dcp_zarr.storage import Storage, commit, default_aggregate_below, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.version import versions
 
@@ -414,11 +414,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         """The piece size under which arrays are aggregated: the writer's, else its storage's default."""
         if self.aggregate_below is not None:
             return self.aggregate_below
-        if self.store is not None:
-            return store_objects.open_store(self.store, self._retrying).aggregate_below
-        if is_local(self.path):
-            return LocalStorage(local_path(self.path)).aggregate_below  # by its file system (file_systems.py)
-        return Storage.aggregate_below  # zarr_store's for URLs: the base's
+        return default_aggregate_below(self.path, self.store, self._retrying)
 
     def _target(self) -> str:
         return store_objects.label(self.store) if self.store is not None else self.path

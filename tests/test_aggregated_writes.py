@@ -145,22 +145,30 @@ def test_file_systems_shared_over_a_network_are_told_from_local_ones(tmp_path):
     assert file_system_type("/tmp/x", str(tmp_path / "absent")) is None
 
 
-def save_failing(rank, world_size, path, fail_on):
-    """Rank program: a good save, then one with overwrite=True whose aggregator ``fail_on`` cannot write."""
+def save_over_a_checkpoint(world_size, path, writer: ZarrWriter, before=None) -> list[str] | None:
+    """A good save of "w", then ``before()`` and a save of other values with ``writer``: its causes if it failed."""
     mesh = init_device_mesh("cpu", (world_size,))
     good = {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])}
     dcp.save(good, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS), planner=ZarrSavePlanner())
-    if rank == fail_on:
-        def failing(storage, key, data, layout):
-            raise OSError(28, f"No space left on device (injected, writing {key})")
-        aggregated_writes.write_chunk = failing
+    if before is not None:
+        before()
     bad = {"w": distribute_tensor(torch.full((8, 3), -1.0), mesh, [Shard(0)])}
     try:
-        dcp.save(bad, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS, overwrite=True),
-                 planner=ZarrSavePlanner())
+        dcp.save(bad, storage_writer=writer, planner=ZarrSavePlanner())
     except CheckpointException as exc:
         return [f"{type(c).__name__}: {c}" for c in causes(exc)]
     return None
+
+
+def save_failing(rank, world_size, path, fail_on):
+    """Rank program: a good save, then one with overwrite=True whose aggregator ``fail_on`` cannot write."""
+    def break_the_writes():
+        def failing(storage, key, data, layout):
+            raise OSError(28, f"No space left on device (injected, writing {key})")
+        aggregated_writes.write_chunk = failing
+
+    return save_over_a_checkpoint(world_size, path, ZarrWriter(path, aggregate_below=ALWAYS, overwrite=True),
+                                  break_the_writes if rank == fail_on else None)
 
 
 @pytest.mark.slow
@@ -183,16 +191,8 @@ def test_an_aggregator_that_fails_to_write_fails_the_save_on_every_rank_and_the_
 
 def save_with_options_that_differ(rank, world_size, path):
     """Rank program: a checkpoint, then a save over it whose rank 0 would not aggregate while the others would."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    good = {"w": distribute_tensor(torch.arange(24.0).reshape(8, 3), mesh, [Shard(0)])}
-    dcp.save(good, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS), planner=ZarrSavePlanner())
-    bad = {"w": distribute_tensor(torch.full((8, 3), -1.0), mesh, [Shard(0)])}
-    try:
-        dcp.save(bad, storage_writer=ZarrWriter(path, aggregate_below=0 if rank == 0 else ALWAYS, overwrite=True),
-                 planner=ZarrSavePlanner())
-    except CheckpointException as exc:
-        return [f"{type(c).__name__}: {c}" for c in causes(exc)]
-    return None
+    below = 0 if rank == 0 else ALWAYS
+    return save_over_a_checkpoint(world_size, path, ZarrWriter(path, aggregate_below=below, overwrite=True))
 
 
 @pytest.mark.slow

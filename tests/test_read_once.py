@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.collective.load_call import dcp_load_wrapper
@@ -22,6 +21,7 @@ from dcp_zarr.storage import LocalStorage
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 from tests.support.ranks import run_ranks
+from tests.support.shardings import in_layout
 
 pytestmark = [pytest.mark.distributed]
 
@@ -34,18 +34,6 @@ def full_tensors() -> dict[str, torch.Tensor]:
     return {k: torch.randn(shape, generator=g) for k, shape in SHAPES.items()}
 
 
-def state_as(layout: str, world_size: int, full: dict[str, torch.Tensor]) -> dict:
-    """The state dict a rank of ``layout`` holds: FSDP (Shard(0)), HSDP (Replicate, Shard(0)) or DDP (plain)."""
-    if layout == "ddp":
-        return {k: v.clone() for k, v in full.items()}
-    if layout == "fsdp":
-        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
-    else:
-        mesh, placements = init_device_mesh("cpu", (2, world_size // 2)), [Replicate(), Shard(0)]
-    return {k: distribute_tensor(v, mesh, placements if v.dim() else [Replicate()] * mesh.ndim)
-            for k, v in full.items()}
-
-
 def blank(state: dict) -> dict:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
@@ -55,7 +43,7 @@ def plain(state: dict) -> dict:
 
 
 def save(rank, world_size, path, layout):
-    state = state_as(layout, world_size, full_tensors())
+    state = in_layout(layout, world_size, full_tensors())
     dcp.save(state, storage_writer=ZarrWriter(path, aggregate_below=ALWAYS), planner=ZarrSavePlanner())
 
 
@@ -70,7 +58,7 @@ def load_counting(rank, world_size, path, layout, options):
         return original(self, key, start, length)
 
     LocalStorage.read_range = counted
-    target = blank(state_as(layout, world_size, full_tensors()))
+    target = blank(in_layout(layout, world_size, full_tensors()))
     reader = ZarrReader(path, **options)
     dcp.load(target, storage_reader=reader)
     return plain(target), reader.bytes_read, len(roots)
@@ -201,7 +189,7 @@ def test_dcp_keeps_its_load_wrapper_where_the_reader_looks_for_it(saved):
 
 def load_expecting_failure(rank, world_size, path, layout):
     try:
-        dcp.load(blank(state_as(layout, world_size, full_tensors())), storage_reader=ZarrReader(path, read_once=True))
+        dcp.load(blank(in_layout(layout, world_size, full_tensors())), storage_reader=ZarrReader(path, read_once=True))
     except CheckpointException as exc:
         return [f"{type(c).__name__}: {c}" for c in causes(exc)]
     return None

@@ -9,12 +9,11 @@ import uuid
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.ranks import run_ranks
+from tests.support.shardings import in_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.s3,
               pytest.mark.usefixtures("aws_environment")]
@@ -29,23 +28,13 @@ def full_state() -> dict[str, torch.Tensor]:
     return {f"layers.{i}.w": torch.randn(SHAPE, generator=g) for i in range(ARRAYS)}
 
 
-def as_layout(layout: str, world_size: int, full: dict) -> dict:
-    if layout == "ddp":
-        return {k: v.clone() for k, v in full.items()}
-    if layout == "fsdp":
-        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
-    else:
-        mesh, placements = init_device_mesh("cpu", (2, world_size // 2)), [Replicate(), Shard(0)]
-    return {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
-
-
 def save(rank, world_size, url, options, layout):
-    state = as_layout(layout, world_size, full_state())
+    state = in_layout(layout, world_size, full_state())
     dcp.save(state, storage_writer=ZarrWriter(url, storage_options=options), planner=ZarrSavePlanner())
 
 
 def load(rank, world_size, url, options, layout):
-    target = {k: torch.zeros_like(v) for k, v in as_layout(layout, world_size, full_state()).items()}
+    target = {k: torch.zeros_like(v) for k, v in in_layout(layout, world_size, full_state()).items()}
     dcp.load(target, storage_reader=ZarrReader(url, storage_options=options))
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in target.items()}
 

@@ -8,7 +8,7 @@ from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.local import LocalStorage
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
-__all__ = ["Storage", "LocalStorage", "is_local", "local_path", "open_storage"]
+__all__ = ["Storage", "LocalStorage", "default_aggregate_below", "is_local", "local_path", "open_storage"]
 
 
 def is_local(location: str | os.PathLike) -> bool:
@@ -36,6 +36,18 @@ def open_storage(location: str | os.PathLike, storage_options: dict | None = Non
     url = os.fspath(location)
     store = FsspecStore.from_url(url, storage_options=_s3_client_options(url, storage_options), read_only=read_only)
     return ZarrStoreStorage(store, url, as_retrying(retry))
+
+
+def default_aggregate_below(location: str | os.PathLike, store=None, retry: Retrying | None = None) -> int:
+    """The storage's ``aggregate_below`` for a path or URL, or a zarr store object, without opening a URL: a local
+    path's by its file system (file_systems.py), a store object's by its kind, any URL's the base's (object stores)."""
+    if store is not None:
+        from dcp_zarr.storage import store_objects
+
+        return store_objects.open_store(store, as_retrying(retry)).aggregate_below
+    if is_local(location):
+        return LocalStorage(local_path(location)).aggregate_below
+    return Storage.aggregate_below
 
 
 def as_retrying(retry: RetryPolicy | Retrying | None) -> Retrying:
