@@ -108,3 +108,17 @@ class PlanMismatchError(ZarrCheckpointError, ValueError):
 
 class CollectiveIOError(ZarrCheckpointError, RuntimeError):
     """Another rank failed during a save's or load's collective I/O (its own error says why), so this one stopped."""
+
+
+class UnsupportedModeError(ZarrCheckpointError, ValueError):
+    """A DCP mode that ZarrWriter or ZarrReader cannot honour (``use_collectives=False``); refused before anything is
+    written, on every rank, with the reason and what to use instead."""
+
+
+class FrameworkNotInstalledError(ZarrCheckpointError, ImportError):
+    """An adapter of ``dcp_zarr.integrations`` was imported without the framework it adapts installed."""
+
+
+class FrameworkVersionError(ZarrCheckpointError, RuntimeError):
+    """The installed framework no longer has the internals an adapter of ``dcp_zarr.integrations`` relies on; the
+    message names the framework's version and the one the adapter was written against."""

@@ -33,7 +33,7 @@ from dcp_zarr.chunk_io import (
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
 from dcp_zarr.entry_reader import untrusted_types
-from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UntrustedTypeWarning
+from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UnsupportedModeError, UntrustedTypeWarning
 from dcp_zarr.format.consolidated import encoded_copy, encoded_root
 from dcp_zarr.format.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
@@ -48,7 +48,7 @@ from dcp_zarr.optim.keys import tables_from_entries
 from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.scheduler import run_jobs
 from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, commit, default_aggregate_below, open_storage, store_objects
+from dcp_zarr.storage import Storage, commit, default_aggregate_below, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.version import versions
 
@@ -57,6 +57,12 @@ from dcp_zarr.version import versions
 _SHARD_RUN_BYTES = 16 << 20
 # What an aggregator holds at once, and a rank sends in one round (ZarrWriter's exchange_bytes).
 DEFAULT_EXCHANGE_BYTES = 256 << 20
+_NO_COLLECTIVES = (
+    "ZarrWriter does not save with dcp.save(..., use_collectives=False): in that mode no rank hears of another, "
+    "so no rank can know when every rank's chunks are in the store, and the store would be committed (look "
+    "complete) with other ranks' chunks missing. Nothing was written. Save with use_collectives=True (the "
+    "default): with planner=ZarrSavePlanner() (what CheckpointManager uses) DCP's collectives carry a fixed few "
+    "bytes per rank, however many tensors a rank holds, which is what use_collectives=False is for at scale")
 
 
 class ZarrWriter(StorageWriter, WriterStaging):
@@ -74,7 +80,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
         storage_options: passed to fsspec for URLs (credentials, ``endpoint_url``, ...).
         thread_count: concurrent chunk writes per rank.
         sync_files: fsync chunks and directories before the commit (local paths).
-        overwrite: replace a checkpoint already at ``path`` (after the new one is complete, locally).
+        overwrite: whether a checkpoint already at ``path`` is replaced. ``None`` (the default): where the old
+            checkpoint survives until the new one is complete, as on a local or shared file system (the new store is
+            swapped in by one rename), so that a job resuming from an earlier step can save that step again, as with
+            DCP's ``FileSystemWriter``; on object stores, which have no rename and where replacing means deleting the
+            old checkpoint first, it is refused. ``True``: replaced everywhere (on object stores, deleted first).
+            ``False``: never replaced.
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
         cache_staged_state_dict: keep ``dcp.async_save``'s staging buffers for the next save with this writer
             (``checkpoint_id=`` per save, each after the previous one's future resolved); ``close()`` frees them.
@@ -92,8 +103,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
-                 thread_count: int = 4,
-                 sync_files: bool = True, overwrite: bool = False, inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
+                 thread_count: int = 4, sync_files: bool = True, overwrite: bool | None = None,
+                 inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
                  aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
@@ -103,6 +114,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self.storage_options = storage_options
         self.thread_count = max(1, int(thread_count))
         self.sync_files = sync_files
+        if overwrite not in (None, True, False):
+            raise ValueError(f"overwrite={overwrite!r}: expected True, False or None (replace only where the old "
+                             "checkpoint survives until the new one is complete)")
         self.overwrite = overwrite
         self.inner_chunk_bytes = inner_chunk_bytes
         self.check_replicas = check_replicas
@@ -155,12 +169,16 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         if not self.path and self.store is None:
             raise ValueError("ZarrWriter needs a path or a store: pass path or store=, or checkpoint_id= to dcp.save")
+        if kwargs.get("use_collectives", True) is False:
+            # Every rank gets here before anything is written (DCP calls this first on each rank, and in this mode
+            # no rank waits for another), so every rank refuses alike.
+            raise UnsupportedModeError(_NO_COLLECTIVES)
         self.is_coordinator = is_coordinator
         self._rank = kwargs.get("rank")  # in DCP's process group (torch passes it to a method taking **kwargs)
         if is_coordinator and self.store is not None:
-            commit.check_stored(self._open(""), self.overwrite)
+            commit.check_stored(self._open(""), self._replaces())
         elif is_coordinator:
-            commit.check_target(self.path, self.storage_options, self.overwrite, retry=self._retrying)
+            commit.check_target(self.path, self.storage_options, self._replaces(), retry=self._retrying)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._own_values, self._own_objects = {}, {}
@@ -401,7 +419,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         copies = {group: encoded_copy(document) for group, document in groups.items()}
         copies.update(self._array_copies(entries))
         storage.write(ROOT_KEY, [encoded_root(group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}), copies)])
-        commit.commit(storage, self.path, replace=self.overwrite)
+        commit.commit(storage, self.path, replace=self._replaces())
 
     # -- helpers -----------------------------------------------------------------------------------------------------
 
@@ -409,6 +427,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
         if self.store is not None:
             return store_objects.open_store(self.store, self._retrying)
         return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self._retrying)
+
+    def _replaces(self) -> bool:
+        """Whether this save replaces a checkpoint at its target: ``overwrite``, or by default where the old one is
+        kept until the new one is complete (a local path, or a ``LocalStore``, which resolve() made a path)."""
+        if self.overwrite is not None:
+            return self.overwrite
+        return self.store is None and is_local(self.path)
 
     def _aggregate_below(self) -> int:
         """The piece size under which arrays are aggregated: the writer's, else its storage's default."""

@@ -34,7 +34,7 @@ from dcp_zarr.checkpoint import open_checkpoint
 from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.storage import commit as commit_module
-from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, load_program, save_program
@@ -61,7 +61,7 @@ class Workspace:
     def __init__(self, root: str, name: str = "ckpt.zarr"):
         self.root = root
         self.target = os.path.join(root, name)
-        self.staging_prefix = f".{name}{STAGING_MARK}"
+        self.staging_prefix = f"{name}{STAGING_MARK}"  # in STAGING_DIR beside the target
         self.sentinel = os.path.join(root, "earlier.zarr")
         save_plain(state_of(1), self.sentinel)
         self.sentinel_digest = tree_digest(self.sentinel)
@@ -93,11 +93,15 @@ class Workspace:
         assert tree_digest(self.sentinel) == self.sentinel_digest, f"{label}: the earlier checkpoint was modified"
         for name in sorted(os.listdir(self.root)):
             path = os.path.join(self.root, name)
-            if path in (self.target, self.sentinel) or name in self.leftovers or name in self.others:
+            if path in (self.target, self.sentinel) or name in self.others:
                 continue
-            assert name.startswith(self.staging_prefix), f"{label}: unexpected {name!r} beside the target"
-            self.leftovers.add(name)
-            self.leftover_outcomes[_leftover_state(path, candidates, label)] += 1
+            assert name == STAGING_DIR, f"{label}: unexpected {name!r} beside the target"
+            for staged in sorted(os.listdir(path)):
+                if staged in self.leftovers:
+                    continue
+                assert staged.startswith(self.staging_prefix), f"{label}: unexpected {name}/{staged!r}"
+                self.leftovers.add(staged)
+                self.leftover_outcomes[_leftover_state(os.path.join(path, staged), candidates, label)] += 1
         if count:
             self.outcomes[outcome] += 1
         return outcome
@@ -386,7 +390,8 @@ def test_every_file_and_directory_is_fsynced_before_the_commit_and_the_parent_af
     assert len(commits) == 1, log
     at = commits[0]
     staging = log[at][1]
-    assert os.path.basename(staging).startswith(f".ckpt.zarr{STAGING_MARK}")
+    assert os.path.basename(staging).startswith(f"ckpt.zarr{STAGING_MARK}")
+    assert os.path.dirname(staging) == str(tmp_path / STAGING_DIR)
     files, dirs = _tree(target)
     as_staged = lambda paths: {p.replace(target, staging, 1) for p in paths}  # noqa: E731
     missing = _durable_before(log, at, as_staged(files), as_staged(dirs), staging)
@@ -425,7 +430,7 @@ class _SaveElsewhereFirst(dcp.DefaultSavePlanner):
 def test_a_checkpoint_that_appears_during_a_save_is_not_replaced_without_overwrite(tmp_path):
     target = str(tmp_path / "ckpt.zarr")
     with pytest.raises(CheckpointException) as info:
-        dcp.save(state_of(8), storage_writer=ZarrWriter(target), planner=_SaveElsewhereFirst(target))
+        dcp.save(state_of(8), storage_writer=ZarrWriter(target, overwrite=False), planner=_SaveElsewhereFirst(target))
     assert any(isinstance(c, CheckpointExistsError) for c in causes(info.value)), causes(info.value)
     assert_state_equal(load_full(target, TEMPLATE), state_of(9))
     assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"], "the refused save's staging directory is removed"

@@ -27,7 +27,7 @@ from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrReader, Za
 from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage, open_storage
 from dcp_zarr.storage import local as local_storage
-from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
 from tests.support.compare import assert_state_equal
 from tests.support.faults import CRASH_WRITER_OPTIONS, causes, crash_state, sharded_state
 from tests.support.ranks import Zygote
@@ -52,11 +52,11 @@ def workspace(tmp_path):
 def _assert_untouched(target: str, earlier: str, earlier_digest: dict) -> None:
     assert_state_equal(load_full(target, OLD), OLD)
     assert tree_digest(earlier) == earlier_digest
-    parent = os.path.dirname(target)
-    for name in os.listdir(parent):
+    staging_dir = os.path.join(os.path.dirname(target), STAGING_DIR)
+    for name in os.listdir(staging_dir) if os.path.isdir(staging_dir) else []:
         if STAGING_MARK in name:  # what the failed save wrote so far: never taken for a checkpoint
             with pytest.raises((NotACheckpointError, MalformedMetadataError)):
-                read_manifest(LocalStorage(os.path.join(parent, name)))
+                read_manifest(LocalStorage(os.path.join(staging_dir, name)))
 
 
 class _Disk:

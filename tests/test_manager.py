@@ -19,7 +19,7 @@ import torch
 from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrSavePlanner
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
-from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
 from tests.support.compare import assert_state_equal
 from tests.support.faults import crash_state, managed_save_program
 from tests.support.ranks import run_ranks
@@ -102,12 +102,28 @@ def test_an_async_save_is_waited_for_by_the_next_save_and_retention_follows_it(t
 
 
 def test_an_async_save_error_is_raised_by_wait(tmp_path):
-    with CheckpointManager(tmp_path) as manager:
+    with CheckpointManager(tmp_path, overwrite=False) as manager:
         manager.save(1, state(1))
         manager.save(1, state(1), async_save=True)  # step 1 exists and overwrite is off
         with pytest.raises(BaseException, match="Checkpoint already exists"):
             manager.wait()
         assert manager.steps() == [1] and saved_step(manager, 1) == 1
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_saved_again_after_resuming_from_an_earlier_one_replaces_it(tmp_path, async_save):
+    """A job that resumes from step 1 after step 2 was saved saves step 2 again: by default the new one replaces it
+    (once complete), as FileSystemWriter would; frameworks resuming from an earlier step do exactly this."""
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(1, state(1))
+        manager.save(2, state(2))
+    with CheckpointManager(tmp_path) as manager:
+        manager.save(2, state(5), async_save=async_save)
+        manager.wait()
+        target = {"w": torch.zeros(4, 3), "meta": {"step": -1, "name": ""}}
+        assert manager.steps() == [1, 2] and manager.load(target) == 2
+        assert torch.equal(target["w"], state(5)["w"]) and target["meta"] == state(5)["meta"]
+    assert sorted(os.listdir(tmp_path)) == [".dcp-zarr", step_name(1), step_name(2)]
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
@@ -210,17 +226,22 @@ def test_the_holder_refreshes_its_lease(tmp_path):
 def test_cleanup_removes_the_leftovers_of_saves_that_are_gone_and_nothing_else(tmp_path):
     with CheckpointManager(tmp_path) as manager:
         manager.save(1, state(1))
-    staging = tmp_path / f".{step_name(2)}{STAGING_MARK}abc"  # a killed save of step 2
+    staging = tmp_path / STAGING_DIR / f"{step_name(2)}{STAGING_MARK}abc"  # a killed save of step 2
     (staging / "w").mkdir(parents=True)
     (staging / "w" / "c.0.0").write_bytes(b"\0" * 64)
-    deleting = tmp_path / f".{step_name(0)}.dcp-zarr-deleting-xyz"  # a deletion killed halfway
+    deleting = tmp_path / STAGING_DIR / f"{step_name(0)}.deleting-0f"  # a deletion killed halfway
     deleting.mkdir()
-    foreign = [tmp_path / ".hidden-notes", tmp_path / "step-7.zarr.bak", tmp_path / ".other.zarr.dcp-zarr-partial-1"]
+    # what versions before 0.2 left beside the stores
+    legacy = [tmp_path / f".{step_name(3)}.dcp-zarr-partial-abc", tmp_path / f".{step_name(4)}.dcp-zarr-deleting-1"]
+    for path in legacy:
+        path.mkdir()
+    foreign = [tmp_path / ".hidden-notes", tmp_path / "step-7.zarr.bak", tmp_path / ".other.zarr.dcp-zarr-partial-1",
+               tmp_path / STAGING_DIR / f"other.zarr{STAGING_MARK}1"]
     for path in foreign:
         path.write_text("not ours")
 
     with CheckpointManager(tmp_path) as manager:
-        assert not staging.exists() and not deleting.exists()
+        assert not staging.exists() and not deleting.exists() and not any(path.exists() for path in legacy)
         assert all(path.exists() for path in foreign)
         assert manager.steps() == [1]
 
@@ -460,7 +481,7 @@ def _filled_root(root) -> None:
     with CheckpointManager(root) as manager:
         for step in (1, 2, 3, 4):
             manager.save(step, state(step))
-    (root / f".{step_name(5)}{STAGING_MARK}dead").mkdir()  # a save that was killed
+    (root / STAGING_DIR / f"{step_name(5)}{STAGING_MARK}dead").mkdir(parents=True)  # a save that was killed
 
 
 def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, capsys):
@@ -473,7 +494,7 @@ def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, 
     assert [(r["step"], r["complete"]) for r in listing["steps"]] == [(1, True), (2, True), (3, True), (4, True),
                                                                      (9, False)]
     assert all(r["nbytes"] > 0 for r in listing["steps"][:4]) and listing["held"] is None
-    assert listing["leftovers"] == [f".{step_name(5)}{STAGING_MARK}dead"]
+    assert listing["leftovers"] == [f"{STAGING_DIR}/{step_name(5)}{STAGING_MARK}dead"]
     with CheckpointManager(tmp_path):
         assert main(["list", str(tmp_path)]) == 0
         out = capsys.readouterr().out
@@ -491,7 +512,7 @@ def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tm
     assert main(["prune", str(tmp_path), "--keep-last", "1", "--keep-every", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["deleted"] == [1, 3] and result["kept"] == [2, 4]
-    assert result["leftovers_removed"] == [f".{step_name(5)}{STAGING_MARK}dead"]
+    assert result["leftovers_removed"] == [f"{STAGING_DIR}/{step_name(5)}{STAGING_MARK}dead"]
     with CheckpointManager(tmp_path) as manager:
         assert manager.steps() == [2, 4] and saved_step(manager, 2) == 2
 

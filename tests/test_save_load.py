@@ -32,6 +32,7 @@ from dcp_zarr import (
 )
 from dcp_zarr.format.dtypes import numpy_as_tensor
 from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
+from dcp_zarr.storage import commit
 from tests.support.compare import assert_state_equal
 from tests.support.states import DTYPES, random_bits
 
@@ -222,7 +223,7 @@ def test_refusing_to_replace_a_checkpoint_says_what_dcp_says(tmp_path):
     path = str(tmp_path / "twice.zarr")
     save({"x": torch.ones(1)}, path)
     with pytest.raises(CheckpointException, match="Checkpoint already exists"):
-        save({"x": torch.ones(1)}, path)
+        save({"x": torch.ones(1)}, path, overwrite=False)
 
 
 def test_checkpoint_id_argument_selects_the_path(tmp_path):
@@ -275,15 +276,36 @@ def test_keys_that_would_escape_the_store_are_rejected_before_writing(tmp_path, 
     assert not any(p.name.startswith(".bad.zarr") for p in tmp_path.iterdir()), "nothing was written"
 
 
-def test_existing_checkpoint_is_kept_unless_overwrite(tmp_path):
+def test_existing_checkpoint_is_kept_with_overwrite_false(tmp_path):
     path = str(tmp_path / "ckpt.zarr")
     save({"x": torch.ones(2)}, path)
     with pytest.raises(CheckpointException) as info:
-        save({"x": torch.full((2,), 2.0)}, path)
+        save({"x": torch.full((2,), 2.0)}, path, overwrite=False)
     assert isinstance(info.value.failures[0][0], CheckpointExistsError)
     assert torch.equal(load({"x": torch.zeros(2)}, path)["x"], torch.ones(2))
     save({"x": torch.full((3,), 2.0)}, path, overwrite=True)
     assert torch.equal(load({"x": torch.zeros(3)}, path)["x"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"], "no staging or replaced directories are left behind"
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["ZarrSavePlanner", "DCP's planner"])
+def test_a_local_checkpoint_is_replaced_by_default_once_the_new_one_is_complete(tmp_path, planned, monkeypatch):
+    """overwrite=None (the default): a file system's checkpoint is replaced, as FileSystemWriter's is, so a job that
+    resumes from an earlier step can save the next steps again; the old one stays until the new one is complete."""
+    path = str(tmp_path / "ckpt.zarr")
+    save({"x": torch.ones(2)}, path)
+    seen_at_commit = []
+    real_commit = commit.commit
+
+    def commit_and_look(staging, target, replace=False):  # the old checkpoint is still whole when the commit starts
+        seen_at_commit.append((replace, load({"x": torch.zeros(2)}, target)["x"].tolist()))
+        real_commit(staging, target, replace)
+
+    monkeypatch.setattr(commit, "commit", commit_and_look)
+    planner = ZarrSavePlanner() if planned else None
+    dcp.save({"x": torch.full((2,), 3.0)}, planner=planner, storage_writer=ZarrWriter(path))
+    assert seen_at_commit == [(True, [1.0, 1.0])]
+    assert torch.equal(load({"x": torch.zeros(2)}, path)["x"], torch.full((2,), 3.0))
     assert sorted(os.listdir(tmp_path)) == ["ckpt.zarr"], "no staging or replaced directories are left behind"
 
 
@@ -452,7 +474,7 @@ class _FailingWriter(ZarrWriter):
 @pytest.mark.parametrize("where", ["while writing", "before planning (the target exists)"])
 def test_a_failed_async_save_does_not_block_the_next_one_on_the_same_writer(tmp_path, where):
     sd = {"w": torch.arange(6.0)}
-    writer = _FailingWriter(cache_staged_state_dict=True)
+    writer = _FailingWriter(cache_staged_state_dict=True, overwrite=False)
     target = tmp_path / "0.zarr"
     if where.startswith("before"):
         writer.fail = False

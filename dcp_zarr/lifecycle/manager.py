@@ -259,5 +259,5 @@ def _checked_step(step, root: str) -> int:
 
 
 def _seen(stores: list[StepStore]) -> str:
-    incomplete = [s.name for s in stores if not s.complete]
+    incomplete = [s.name for s in stores if not s.complete and s.other_format is None]
     return f" (incomplete, never loaded: {', '.join(incomplete)})" if incomplete else ""

@@ -3,15 +3,18 @@
 ::
 
     root/
-      step-00000003.zarr/                      a checkpoint (complete once its root zarr.json is there)
-      .step-00000004.zarr.dcp-zarr-partial-*   a local save in progress, or the leftover of a killed one
-      .step-00000001.zarr.dcp-zarr-deleting-*  a local store being deleted (renamed away first: atomic)
-      .dcp-zarr/lease.json                     which manager holds the root (lease.py)
-      .dcp-zarr/saving-00000004.json           a save was started (object stores write in place: only this
-                                               record says an incomplete step store is ours to remove)
-      .dcp-zarr/deleting-00000001.json         an object-store deletion was started
+      step-00000003.zarr/                                  a checkpoint (complete once its root zarr.json is there)
+      .dcp-zarr-staging/step-00000004.zarr.partial-*       a local save in progress, or the leftover of a killed one
+      .dcp-zarr-staging/step-00000001.zarr.deleting-*      a local store being deleted (renamed away first: atomic)
+      .dcp-zarr/lease.json                                 which manager holds the root (lease.py)
+      .dcp-zarr/saving-00000004.json                       a save was started (object stores write in place: only
+                                                           this record says an incomplete step store is ours)
+      .dcp-zarr/deleting-00000001.json                     an object-store deletion was started
 
-Only names of these forms are ever removed, so foreign files beside the stores are never touched.
+Step stores are also recognized under the names training frameworks give them: torchtitan's ``step-N``, Lightning's
+``epoch=E-step=N`` (``.ckpt`` or not), so ``dcp-zarr list`` and ``prune`` work on their checkpoint folders; a
+manager saves under its own ``step-N.zarr`` names. Only names of these forms are ever removed, so foreign files
+beside the stores are never touched.
 """
 
 from __future__ import annotations
@@ -27,15 +30,23 @@ from typing import TYPE_CHECKING
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
 from dcp_zarr.storage import is_local, local_path, open_storage
-from dcp_zarr.storage.commit import STAGING_MARK
+from dcp_zarr.storage.commit import LEGACY_STAGING_MARK, STAGING_DIR, STAGING_MARK, remove_staging_dir
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store
 
 RECORDS = ".dcp-zarr"
-DELETING_MARK = ".dcp-zarr-deleting-"
-_STEP_NAME = re.compile(r"^step-(\d+)\.zarr$")
-_HIDDEN_STEP = re.compile(r"^\.(step-\d+\.zarr)(" + re.escape(STAGING_MARK) + "|" + re.escape(DELETING_MARK) + r")")
+DELETING_MARK = ".deleting-"  # <name>.deleting-<id>, in STAGING_DIR
+# The step-store names recognized, each with the step as its one group: this package's CheckpointManager's, then
+# torchtitan's CheckpointManager's, then Lightning's ModelCheckpoint's default (a store a DCP strategy writes).
+STEP_NAME_FORMS = ("step-N.zarr", "step-N", "epoch=E-step=N[.ckpt]")
+_STEP_NAMES = (re.compile(r"^step-(\d+)\.zarr$"), re.compile(r"^step-(\d+)$"),
+               re.compile(r"^epoch=\d+-step=(\d+)(?:\.ckpt)?$"))
+_LEGACY_LEFTOVER = re.compile(r"^\.(step-\d+\.zarr)(" + re.escape(LEGACY_STAGING_MARK) + r"|\.dcp-zarr-deleting-)")
+_STAGED = re.compile(r"^(?P<name>.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(DELETING_MARK) + r")[0-9a-f]+$")
+# What marks a step folder as another format's checkpoint: DCP's FileSystemWriter, Hugging Face safetensors.
+_OTHER_FORMATS = {".metadata": "a DCP checkpoint (FileSystemWriter)",
+                  "model.safetensors.index.json": "Hugging Face safetensors"}
 _RECORD = re.compile(r"^(saving|deleting)-(\d+)\.json$")
 STEP_DIGITS = 8
 
@@ -50,8 +61,12 @@ def step_name(step: int) -> str:
 
 
 def parse_step(name: str) -> int | None:
-    match = _STEP_NAME.match(name)
-    return int(match.group(1)) if match else None
+    """The step of a step store's name (``STEP_NAME_FORMS``), else None."""
+    for form in _STEP_NAMES:
+        match = form.match(name)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 @dataclass(frozen=True)
@@ -59,6 +74,7 @@ class StepStore:
     step: int
     name: str
     complete: bool
+    other_format: str | None = None  # what it is instead, when it is a step folder of another format
 
 
 class CheckpointRoot:
@@ -107,13 +123,25 @@ class CheckpointRoot:
         return sorted(n.rstrip("/") for n in sync(listing()))
 
     def step_stores(self) -> list[StepStore]:
-        """Every ``step-N.zarr`` under the root, ascending by step, with whether it is a complete checkpoint."""
+        """Every step store under the root (``STEP_NAME_FORMS``), ascending by step, with whether it is a complete
+        checkpoint; of two names of one step, this package's ``step-N.zarr`` last."""
         found = []
         for name in self.names():
             step = parse_step(name)
             if step is not None:
-                found.append(StepStore(step, name, self.is_complete(name)))
-        return sorted(found, key=lambda s: s.step)
+                complete = self.is_complete(name)
+                found.append(StepStore(step, name, complete, None if complete else self._other_format(name)))
+        return sorted(found, key=lambda s: (s.step, s.name == step_name(s.step)))
+
+    def _other_format(self, name: str) -> str | None:
+        storage = open_storage(self.location(name), self.storage_options, read_only=True)
+        for marker, what in _OTHER_FORMATS.items():
+            try:
+                if storage.exists(marker):
+                    return what
+            except (ZarrCheckpointError, OSError):
+                return None
+        return None
 
     def is_complete(self, name: str) -> bool:
         """Whether ``name`` holds a committed dcp_zarr checkpoint: its root zarr.json carries a manifest marked
@@ -141,10 +169,17 @@ class CheckpointRoot:
         return int(sync(self._store.getsize_prefix(name)))
 
     def leftovers(self) -> list[str]:
-        """Local staging and deleting directories of step stores (``.step-N.zarr.dcp-zarr-partial-*``)."""
+        """Local staging and deleting directories of step stores (``.dcp-zarr-staging/step-N.zarr.partial-*``, and
+        the ``.step-N.zarr.dcp-zarr-partial-*`` that versions before 0.2 left beside the stores), relative to the
+        root."""
         if not self.local:
             return []
-        return [name for name in self.names() if _HIDDEN_STEP.match(name)]
+        staged = []
+        for name in self._list(STAGING_DIR):
+            match = _STAGED.match(name)
+            if match and parse_step(match.group("name")) is not None:
+                staged.append(f"{STAGING_DIR}/{name}")
+        return staged + [name for name in self.names() if _LEGACY_LEFTOVER.match(name)]
 
     def _forget_listings(self) -> None:
         """fsspec file systems cache listings (s3fs does); other processes write here, so list afresh each time."""
@@ -197,9 +232,11 @@ class CheckpointRoot:
             source = self.location(name)
             if not os.path.lexists(source):
                 return
-            aside = os.path.join(self.path, f".{name}{DELETING_MARK}{uuid.uuid4().hex[:12]}")
+            aside = os.path.join(self.path, STAGING_DIR, f"{name}{DELETING_MARK}{uuid.uuid4().hex[:12]}")
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
             os.rename(source, aside)
             shutil.rmtree(aside)
+            remove_staging_dir(aside)
             return
         self.write_record("deleting", step, {"step": step})
         self._remove_remote_store(name)
@@ -220,7 +257,10 @@ class CheckpointRoot:
             removed.append(name)
             if not dry_run:
                 self.remove_incomplete(name)
-        by_step = {s.step: s for s in self.step_stores()}
+                if name.startswith(STAGING_DIR + "/"):
+                    remove_staging_dir(self.location(name))
+        # The records are of this package's saves and deletions: of step-N.zarr, never of another name of step N.
+        by_step = {s.step: s for s in self.step_stores() if s.name == step_name(s.step)}
         for kind, step in self.records():
             store = by_step.get(step)
             if kind == "deleting":

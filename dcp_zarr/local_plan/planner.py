@@ -48,13 +48,26 @@ class ZarrSavePlanner(DefaultSavePlanner):
 
     Args:
         process_group: the group ``dcp.save`` runs on (its ``process_group=``; default: the whole world). The
-            writer checks that it is, and uses it only when the ranks' structures differ.
+            writer checks that it is, and uses it when the ranks' structures differ and for collective I/O. A
+            planner pickled into ``dcp.async_save``'s background process (``AsyncCheckpointerType.PROCESS``) plans
+            there on that process's default group, the one DCP saves on there, whatever group it was given here.
     """
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
                  process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(flatten_state_dict, flatten_sharded_tensors)
         self.process_group = process_group
+
+    def __getstate__(self) -> dict:
+        """What ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` sends to its background process: the
+        options, without the process group (a handle of this process, which pickle refuses) or a previous save's
+        state dict and plan. There DCP saves on that process's default group, which ``process_group=None`` names."""
+        state = dict(self.__dict__)
+        state["process_group"] = None
+        state["mappings"] = {}
+        for per_save in ("state_dict", "plan", "metadata", "global_plan", "_pending_local_plan"):
+            state.pop(per_save, None)
+        return state
 
     def create_local_plan(self) -> SavePlan:
         items = local_write_items(self.state_dict)  # this rank's items (its boxes), as DCP makes them

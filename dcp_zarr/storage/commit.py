@@ -1,8 +1,10 @@
 """Where a save writes before it is complete, and how it becomes the checkpoint at the requested path.
 
-* Local paths: every rank writes into a hidden staging directory beside the target; the coordinator writes the
-  root ``zarr.json`` there last, fsyncs, then renames the directory onto the target (swapping atomically with
-  ``renameat2(RENAME_EXCHANGE)`` when replacing). A crash at any moment leaves the target as it was.
+* Local paths: every rank writes into a staging directory in ``.dcp-zarr-staging/`` beside the target; the
+  coordinator writes the root ``zarr.json`` there last, fsyncs, then renames the directory onto the target (swapping
+  atomically with ``renameat2(RENAME_EXCHANGE)`` when replacing). A crash at any moment leaves the target as it was.
+  The staging directories sit one level down, under a name without digits, so that no framework's scan of the
+  target's parent for its step folders (torchtitan's ``step-N``, Lightning's ``step=N``) ever sees one.
 * Object stores have no rename: ranks write in place and the root ``zarr.json`` (written last) is the commit.
   Replacing an existing checkpoint there first deletes it, so it is refused unless ``overwrite=True``.
 """
@@ -19,7 +21,9 @@ from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
 from dcp_zarr.format.manifest import ROOT_KEY, read_manifest
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 
-STAGING_MARK = ".dcp-zarr-partial-"
+STAGING_DIR = ".dcp-zarr-staging"
+STAGING_MARK = ".partial-"  # <name>.partial-<save id>: a save's staging directory, in STAGING_DIR
+LEGACY_STAGING_MARK = ".dcp-zarr-partial-"  # .<name>.dcp-zarr-partial-<save id>, beside the target (before 0.2)
 # What an interrupted save leaves on an object store: zarr.json documents and chunk keys (c, c.0.1; c/0/1 in formats
 # 1 and 2). The first this many keys are checked before a save clears a prefix (a bound on the listing).
 _SAVE_KEY = re.compile(r"(^|/)(zarr\.json|c(\.\d+)*|c(/\d+)+)$")
@@ -33,7 +37,15 @@ def staging_location(target: str, save_id: str) -> str:
         return target
     path = local_path(target)
     parent, name = os.path.split(path.rstrip(os.sep))
-    return os.path.join(parent, f".{name}{STAGING_MARK}{save_id}")
+    return os.path.join(parent, STAGING_DIR, f"{name}{STAGING_MARK}{save_id}")
+
+
+def remove_staging_dir(staging: str) -> None:
+    """Remove the ``STAGING_DIR`` that held ``staging`` if no other save uses it now (rmdir refuses otherwise)."""
+    try:
+        os.rmdir(os.path.dirname(staging))
+    except OSError:
+        pass
 
 
 def check_target(target: str, storage_options: dict | None, overwrite: bool, *, retry=None) -> None:
@@ -72,8 +84,9 @@ def check_stored(storage: Storage, overwrite: bool, target: str | None = None) -
     if not overwrite:
         raise CheckpointExistsError(
             f"Checkpoint already exists: {target} already holds a checkpoint; pass overwrite=True to ZarrWriter to "
-            "replace it "
-            "(locally the old one is swapped out only after the new one is complete)"
+            "replace it (on an object store the old checkpoint is deleted before the new one is written, which is "
+            "why it is not replaced by default there; on a file system it is swapped out once the new one is "
+            "complete)"
         )
 
 
@@ -91,6 +104,7 @@ def abandon(staging: Storage) -> None:
     staging.remove_all()
     if isinstance(staging, LocalStorage):
         shutil.rmtree(staging.root, ignore_errors=True)
+        remove_staging_dir(staging.root)
 
 
 def commit(staging: Storage, target: str, replace: bool = False) -> None:
@@ -108,6 +122,7 @@ def commit(staging: Storage, target: str, replace: bool = False) -> None:
         _exchange(source, final)
         _fsync_directory(os.path.dirname(final))  # the new checkpoint is durable in place before the old one goes
         _discard(source)  # now holds the replaced checkpoint
+        remove_staging_dir(source)
         return
     try:
         os.rename(source, final)  # replaces an empty directory, fails on anything else
@@ -115,11 +130,13 @@ def commit(staging: Storage, target: str, replace: bool = False) -> None:
         if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
             raise
         shutil.rmtree(source, ignore_errors=True)
+        remove_staging_dir(source)
         raise CheckpointExistsError(
             f"Checkpoint already exists: {final} was written by someone else while this save ran; refusing to "
             "replace it (overwrite=False)"
         ) from None
     _fsync_directory(os.path.dirname(final))
+    remove_staging_dir(source)
 
 
 def _discard(path: str) -> None:

@@ -169,7 +169,15 @@ def _make_directory(directory: str) -> None:
     except FileExistsError:
         pass  # a directory (or, if not, the open that follows fails naming the file)
     except FileNotFoundError:
-        os.makedirs(directory, exist_ok=True)
+        for attempt in range(3):
+            try:
+                os.makedirs(directory, exist_ok=True)
+                return
+            except FileNotFoundError:
+                # A parent vanished between makedirs' steps: another save's commit removes the shared staging
+                # directory (commit.STAGING_DIR) once it is empty, which it was for that instant. Make it again.
+                if attempt == 2:
+                    raise
 
 
 def _consume(pending: list[memoryview], done: int) -> None:

@@ -7,7 +7,7 @@ holds the root, and applies the same retention as ``CheckpointManager(keep_last=
 from __future__ import annotations
 
 from dcp_zarr.lifecycle.lease import LEASE_KEY, Lease
-from dcp_zarr.lifecycle.root import CheckpointRoot, steps_to_delete
+from dcp_zarr.lifecycle.root import STEP_NAME_FORMS, CheckpointRoot, steps_to_delete
 from dcp_zarr.tools.inspection import human_bytes
 
 
@@ -18,8 +18,8 @@ def list_root(root: CheckpointRoot) -> dict:
     return {
         "root": root.url,
         "held": holder,
-        "steps": [{"step": s.step, "store": s.name, "complete": s.complete, "nbytes": root.size(s.name)}
-                  for s in stores],
+        "steps": [{"step": s.step, "store": s.name, "complete": s.complete, "nbytes": root.size(s.name),
+                   "other_format": s.other_format} for s in stores],
         "leftovers": root.leftovers() + [f"{kind} record of step {step}" for kind, step in root.records()],
     }
 
@@ -27,9 +27,11 @@ def list_root(root: CheckpointRoot) -> dict:
 def format_root_list(listing: dict) -> str:
     lines = [f"{listing['root']}: {'a manager holds it: ' + listing['held'] if listing['held'] else 'no live manager'}"]
     if not listing["steps"]:
-        lines.append("  no step stores")
+        lines.append(f"  no step stores (names recognized: {', '.join(STEP_NAME_FORMS)}; point it at the folder "
+                     "that holds them)")
     for row in listing["steps"]:
-        state = "complete" if row["complete"] else "incomplete (never loaded)"
+        state = ("complete" if row["complete"] else f"not a dcp_zarr store: {row['other_format']}"
+                 if row.get("other_format") else "incomplete (never loaded)")
         lines.append(f"  {row['step']:>10}  {row['store']}  {human_bytes(row['nbytes']):>10}  {state}")
     if listing["leftovers"]:
         lines.append("  left by saves or deletions that stopped (a manager or `dcp-zarr prune` removes them):")
