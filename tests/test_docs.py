@@ -93,9 +93,16 @@ def loopback_s3(monkeypatch):
 PAGE_FIXTURES = {"object-stores.md": "loopback_s3"}
 
 
+# The pages of dcp_zarr.integrations: each imports its framework (seconds), so they run with the framework tests.
+FRAMEWORK_PAGES = {"torchtitan.md", "lightning.md", "accelerate.md"}
+
+
 def _page_param(page):
-    """object-stores.md runs against the loopback S3 server: marked so that -m selections know it."""
+    """object-stores.md runs against the loopback S3 server, the framework pages import their frameworks: marked so
+    that -m selections know it."""
     marks = [pytest.mark.s3, pytest.mark.slow] if PAGE_FIXTURES.get(page.name) == "loopback_s3" else []
+    if page.name in FRAMEWORK_PAGES:
+        marks = [pytest.mark.frameworks, pytest.mark.slow]
     return pytest.param(page, marks=marks, id=str(page.relative_to(ROOT)))
 
 
@@ -104,6 +111,9 @@ def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, reques
     if page.name in PAGE_FIXTURES:
         request.getfixturevalue(PAGE_FIXTURES[page.name])
     monkeypatch.chdir(tmp_path)
+    # A page's blocks may set environment variables (accelerate's Accelerator does): undone after the page.
+    environment = dict(os.environ)
+    request.addfinalizer(lambda: (os.environ.clear(), os.environ.update(environment)))
     namespace: dict = {"__name__": "__doc_test__"}
     ran = 0
     with warnings.catch_warnings():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from dcp_zarr.errors import MetadataTooLargeError
+from dcp_zarr.errors import InvalidKeyError, MetadataTooLargeError
 from dcp_zarr.format.encoding import decode_json, json_text
 
 
@@ -31,6 +31,15 @@ class StoredValue:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def checked_key(url: str, key: str) -> list[str]:
+    """The components of ``key``; ``InvalidKeyError`` if one would leave the root (keys may come from a hostile
+    manifest): an empty one (``a//b``), ``.`` or ``..``."""
+    parts = key.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise InvalidKeyError(f"{url}: key {key!r} would leave the checkpoint's root")
+    return parts
 
 
 class Storage(abc.ABC):

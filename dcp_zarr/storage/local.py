@@ -10,7 +10,7 @@ import stat
 from collections.abc import Sequence
 
 from dcp_zarr.errors import InvalidKeyError, UnsafeFileError
-from dcp_zarr.storage.base import Storage, StoredValue
+from dcp_zarr.storage.base import Storage, StoredValue, checked_key
 from dcp_zarr.storage.file_systems import is_shared
 
 SHARED_AGGREGATE_BELOW = 1 << 20
@@ -36,10 +36,7 @@ class LocalStorage(Storage):
         self._safe_directories: set[str] = set()  # checked to hold no symbolic link below the root
 
     def _path(self, key: str) -> str:
-        parts = key.split("/")
-        if any(part in ("", ".", "..") for part in parts):  # keys may come from a hostile manifest
-            raise InvalidKeyError(f"{self.root}: key {key!r} would leave the checkpoint directory")
-        return os.path.join(self.root, *parts)
+        return os.path.join(self.root, *checked_key(self.root, key))
 
     def write(self, key: str, buffers: Sequence) -> None:
         # A fresh store is written into a staging directory, so plain create+write is atomic enough there; a
@@ -63,7 +60,8 @@ class LocalStorage(Storage):
                 offset += written
                 _consume(pending, written)
         except OSError as exc:
-            exc.filename = exc.filename or path  # pwritev's ENOSPC / EFBIG / EIO do not say which file
+            if exc.errno is not None and exc.filename is None:  # pwritev's ENOSPC / EFBIG / EIO do not say which
+                exc.filename = path  # file (an OSError without an errno would print as "[Errno None] None: path")
             raise
         finally:
             os.close(fd)
@@ -149,6 +147,16 @@ class LocalStorage(Storage):
     def remove_all(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
         self._directories.clear()
+
+    def first_keys(self, limit: int) -> list[str]:
+        found: list[str] = []
+        for directory, _, files in os.walk(self.root):
+            relative = os.path.relpath(directory, self.root)
+            for name in files:
+                found.append(name if relative == "." else f"{relative}/{name}".replace(os.sep, "/"))
+                if len(found) >= limit:
+                    return found
+        return found
 
     def flush(self) -> None:
         """Make every file and directory written under this root durable, with one ``syncfs`` call.

@@ -8,7 +8,7 @@ from zarr.abc.store import RangeByteRequest, Store, SuffixByteRequest
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
-from dcp_zarr.storage.base import Storage
+from dcp_zarr.storage.base import Storage, checked_key
 from dcp_zarr.storage.retry import Retrying, call_with_retry
 
 # Requests an object store keeps in flight per rank, at least: each waits mostly on the network (tens of ms a
@@ -33,6 +33,8 @@ class ZarrStoreStorage(Storage):
         self._prototype = default_buffer_prototype()
 
     def _call(self, operation, what: str, key: str):
+        if key:  # "" is the root itself (delete everything under, list)
+            checked_key(self.url, key)
         return call_with_retry(operation, what=what, key=key, url=self.url, retrying=self.retrying)
 
     def write(self, key: str, buffers: Sequence) -> None:

@@ -1,0 +1,154 @@
+"""torchtitan's checkpoint manager, saving zarr stores: one line of torchtitan's config chooses it.
+
+    checkpoint=ZarrCheckpointManager.Config(enable=True, ...)   # in place of CheckpointManager.Config(...)
+
+``ZarrCheckpointManager`` is torchtitan's ``CheckpointManager`` (when to save, async modes and their staging,
+retention, resume, the HF export) with three of its methods overridden, each where torchtitan names the storage:
+
+* ``dcp_save``: a training checkpoint (``step-N``) is a zarr store written by ``ZarrWriter``, planned by
+  ``ZarrSavePlanner`` on the group torchtitan saves on, in each async mode; an HF export is torchtitan's own.
+* ``dcp_load``: a ``step-N`` store, or ``initial_load_path``, is read by ``ZarrReader``; a DCP directory (it holds
+  ``.metadata``: saved before the switch) and HF loads are torchtitan's own.
+* ``_find_load_step``: a ``step-N`` folder holding a committed dcp_zarr store counts, besides torchtitan's own.
+  torchtitan counts only folders holding DCP's ``.metadata`` or an HF index: without this a resume starts afresh.
+
+Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_changed_internals``)
+and raises ``FrameworkVersionError`` naming the installed torchtitan and 0.3.0 when one moved.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.local_plan.planner import ZarrSavePlanner
+from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.reader import ZarrReader
+from dcp_zarr.writer import ZarrWriter
+
+__all__ = ["WRITTEN_FOR", "ZarrCheckpointManager"]
+
+WRITTEN_FOR = "0.3.0"
+_ADAPTER = "dcp_zarr.integrations.torchtitan"
+_MANAGER_MODULE = "torchtitan.components.checkpointer.dcp"
+# torchtitan's own step folders (_create_checkpoint_id), matched whole: not a name that merely contains one.
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+# The methods overridden below, as torchtitan 0.3.0 declares them: its _save, _load and
+# _save_last_step call them with these arguments.
+_OVERRIDDEN = {
+    "dcp_save": ("self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"),
+    "dcp_load": ("self", "state_dict", "checkpoint_id", "from_hf", "from_quantized"),
+    "_find_load_step": ("self", "folder"),
+}
+# What CheckpointManager.__init__ sets and the overrides read: the folder, the states (its model wrapper), the
+# gloo group of async saves and the pinned-memory stager.
+_INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager")
+
+
+def _changed_internals(manager_module: ModuleType) -> list[str]:
+    """The internals of torchtitan 0.3.0 this adapter relies on that ``manager_module`` lacks, one line each."""
+    missing = missing_attributes(manager_module, ("CheckpointManager", "AsyncMode", "MODEL", "ModelWrapper",
+                                                  "filesystem", "GarbageCollection"), _MANAGER_MODULE)
+    if missing:
+        return missing
+    manager = manager_module.CheckpointManager
+    for name, parameters in _OVERRIDDEN.items():
+        method = getattr(manager, name, None)
+        if method is None:
+            missing.append(f"CheckpointManager.{name}")
+        elif tuple(inspect.signature(method).parameters) != parameters:
+            missing.append(f"CheckpointManager.{name}({', '.join(parameters[1:])}) (it is now "
+                           f"{name}{inspect.signature(method)})")
+    missing += missing_attributes(manager, ("Config",), "CheckpointManager")
+    missing += missing_attributes(manager_module.AsyncMode, ("DISABLED", "ASYNC", "ASYNC_WITH_PINNED_MEM"),
+                                  "AsyncMode")
+    missing += missing_attributes(manager_module.ModelWrapper, ("load_state_dict",), "ModelWrapper")
+    missing += missing_attributes(manager_module.filesystem, ("isdir", "isfile", "listdir", "join"),
+                                  "torchtitan.tools.filesystem")
+    missing += missing_attributes(manager_module.GarbageCollection, ("collect",), "GarbageCollection")
+    return missing
+
+
+def _import_manager_module() -> ModuleType:
+    import_framework("torchtitan", "torchtitan", WRITTEN_FOR, _ADAPTER)  # not installed: FrameworkNotInstalledError
+    try:
+        module = importlib.import_module(_MANAGER_MODULE)
+    except ImportError as exc:  # installed, but the manager is elsewhere now
+        require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, [f"module {_MANAGER_MODULE} ({exc})"])
+        raise  # unreachable: require_internals raised
+    require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, _changed_internals(module))
+    return module
+
+
+_titan = _import_manager_module()
+# Any: torchtitan is optional, so its classes are not types to mypy (torchtitan ships no type information either).
+_CheckpointManager: Any = _titan.CheckpointManager
+_AsyncMode = _titan.AsyncMode
+_filesystem = _titan.filesystem
+
+
+class ZarrCheckpointManager(_CheckpointManager):
+    """torchtitan's ``CheckpointManager``, its checkpoints zarr stores (module docstring; docs/torchtitan.md)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(_CheckpointManager.Config):
+        # Declared, though it adds nothing: torchtitan's Config.build() constructs the class that declares it.
+        pass
+
+    def __init__(self, config: Config, **components: Any) -> None:
+        super().__init__(config, **components)
+        if self.enable:  # a disabled manager sets nothing
+            require_internals("torchtitan", WRITTEN_FOR, _ADAPTER,
+                              missing_attributes(self, _INSTANCE_ATTRIBUTES, "CheckpointManager instance"))
+
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        if to_hf:  # the HF export: safetensors through torchtitan's adapter and writer
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        writer = ZarrWriter(checkpoint_id)
+        if async_mode == _AsyncMode.DISABLED:
+            result = dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
+        else:
+            # self.pg: the gloo group torchtitan gives async saves. The planner must plan on DCP's group; pickled into
+            # the pinned-memory mode's background process it plans on that process's default group, DCP's there.
+            pinned = async_mode == _AsyncMode.ASYNC_WITH_PINNED_MEM  # torchtitan's stager, DCP's process executor
+            result = dcp.async_save(
+                state_dict, storage_writer=writer, planner=ZarrSavePlanner(process_group=self.pg),
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
+                # None in the threaded mode, as torchtitan passes it: DCP then stages with the writer (an AsyncStager)
+                async_stager=self.stager if pinned else None)
+        if enable_garbage_collection:
+            _titan.GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return result
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf or _filesystem.isfile(_filesystem.join(checkpoint_id, ".metadata")):
+            # HF safetensors, or a DCP directory (saved by torchtitan's own manager): torchtitan's own load
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=ZarrReader(checkpoint_id), planner=ZarrLoadPlanner())
+        # As torchtitan's dcp_load: the model's entries are flattened into state_dict, so its wrapper takes them
+        # back (tensors its state_dict hooks made afresh were loaded into copies).
+        if _titan.MODEL in self.states:
+            self.states[_titan.MODEL].load_state_dict(state_dict)
+
+    def _find_load_step(self, folder: str = "") -> int:
+        folder = folder or self.folder
+        newest = super()._find_load_step(folder)  # DCP and HF checkpoints, torchtitan's way
+        if not _filesystem.isdir(folder):
+            return newest
+        root = CheckpointRoot(folder)
+        committed = [int(match.group(1)) for name in _filesystem.listdir(folder)
+                     if (match := _STEP_FOLDER.match(name)) and root.is_complete(name)]
+        return max([newest, *committed])

@@ -1,0 +1,481 @@
+"""dcp_zarr.integrations.lightning: Lightning's own Trainer and Fabric, on CPU gloo ranks, save distributed
+checkpoints as dcp_zarr stores (beside Lightning's meta.pt), load them at another world size bit-exact, and resume
+from the latest step; the adapter fails loudly when Lightning is missing or its internals moved.
+
+Ranks are started by tests/support/ranks.py with torchrun's environment (LOCAL_RANK set), so Lightning takes them as
+launched externally and starts no processes of its own; the gloo group is already up, which Lightning accepts.
+
+What CPU does not allow: Lightning's FSDPStrategy (FSDP1) wraps a model with ``device_id=root_device.index``, None on
+CPU, which FSDP1 refuses without an accelerator. Its FSDP1 test wraps the model in ``configure_model`` with
+``device_id=torch.device("cpu")`` instead, which Lightning supports (it leaves a wrapped model as it is); everything
+else, saving and loading included, is Lightning's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import zarr
+from lightning.fabric.strategies import model_parallel as fabric_model_parallel
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import model_parallel as trainer_model_parallel
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+import dcp_zarr.integrations
+from dcp_zarr import open_checkpoint
+from dcp_zarr.errors import FrameworkNotInstalledError, FrameworkVersionError
+from dcp_zarr.integrations import framework
+from dcp_zarr.integrations.lightning import (
+    WRITTEN_FOR,
+    ZarrFabricFSDPStrategy,
+    ZarrFabricModelParallelStrategy,
+    ZarrFSDPStrategy,
+    ZarrModelParallelStrategy,
+)
+from tests.support.compare import assert_state_equal
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.distributed, pytest.mark.slow]
+
+ADAPTER = "dcp_zarr.integrations.lightning"
+# The whole state on every rank (cpu_offload=True, rank 0 only, fails for FSDP1 on CPU: "setStorage: ... out of
+# bounds for storage of size 0").
+FULL = StateDictOptions(full_state_dict=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The user's side: a model, its data, a LightningModule, a Trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def make_net() -> nn.Sequential:
+    # Odd dims: fully_shard splits 17 rows unevenly over 2 and 3 ranks.
+    return nn.Sequential(nn.Linear(13, 17), nn.ReLU(), nn.Linear(17, 5))
+
+
+def shard_linears(net: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(96, 13, generator=g), torch.randn(96, 5, generator=g))
+
+
+def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The state Lightning's Trainer strategies save (``state_dict``, ``optimizer_0``), unsharded, on every rank."""
+    return {"state_dict": get_model_state_dict(module, options=FULL),
+            "optimizer_0": get_optimizer_state_dict(module, optimizer, options=FULL)}
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self, fsdp1: bool = False):
+        super().__init__()
+        self.fsdp1 = fsdp1
+        self.net = make_net()
+        self.at_start: dict = {}
+
+    def configure_model(self) -> None:
+        if self.fsdp1:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self.net = FullyShardedDataParallel(self.net, device_id=torch.device("cpu"))
+        else:
+            shard_linears(self.net, self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def on_train_start(self) -> None:
+        # After Lightning restored the checkpoint (ckpt_path=...), before the first step of this run. Only then: a
+        # fresh optimizer has no state yet, which get_optimizer_state_dict would make with a step of its own. A copy:
+        # the optimizer's "step" tensors come back as themselves, and training counts them up in place.
+        if self.trainer.global_step:
+            state = full_state(self, self.trainer.optimizers[0])
+            self.at_start = {"step": self.trainer.global_step, "state": copy.deepcopy(state)}
+
+
+def fit(rank: int, world_size: int, kind: str, ckpt_dir: str, max_steps: int, ckpt_path: str | None = None):
+    """Rank program: ``Trainer.fit`` with the adapter's strategy, a ModelCheckpoint every 2 steps (all kept, and
+    last.ckpt); rank 0 returns the step and state at the start of training and at its end."""
+    torch.manual_seed(rank + 10 * world_size)  # a different init everywhere: only a load makes states agree
+    if kind == "fsdp1":
+        strategy = ZarrFSDPStrategy()
+    else:
+        strategy = ZarrModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
+        default_root_dir=os.path.dirname(ckpt_dir), logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=True)])
+    module = TinyModule(fsdp1=kind == "fsdp1")
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
+    end = full_state(module, trainer.optimizers[0])
+    if rank == 0:
+        return {"start_step": module.at_start.get("step", 0), "start": module.at_start.get("state"),
+                "end_step": trainer.global_step, "end": end}
+    return None
+
+
+def stored(path: Path) -> dict:
+    return open_checkpoint(path).load_full_state_dict()
+
+
+def meta(path: Path) -> dict:
+    return torch.load(path / "meta.pt", weights_only=False)  # Lightning's own file, written by this test's run
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer + ZarrModelParallelStrategy (FSDP2)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trained:
+    ckpt_dir: Path
+    end: dict  # the state after the last step, as the 2 ranks held it
+    files: dict[str, set[str]]  # checkpoint name -> its files, as saved (the resume test adds to the directory)
+    global_step: dict[str, int]  # checkpoint name -> meta.pt's global_step
+    stored: dict[str, dict]  # checkpoint name -> its full state, read offline
+    attributes: dict[str, dict]  # checkpoint name -> the root group's attributes, read by zarr-python
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Trained:
+    """2 ranks, 4 steps: checkpoints at steps 2 and 4, and last.ckpt saved at both (the second replacing the first)."""
+    ckpt_dir = tmp_path_factory.mktemp("trainer") / "checkpoints"
+    result = run_ranks(fit, 2, "fsdp2", str(ckpt_dir), 4)[0]
+    assert result["end_step"] == 4
+    names = sorted(os.listdir(ckpt_dir))
+    return Trained(ckpt_dir, result["end"], {n: set(os.listdir(ckpt_dir / n)) for n in names},
+                   {n: meta(ckpt_dir / n)["global_step"] for n in names}, {n: stored(ckpt_dir / n) for n in names},
+                   {n: dict(zarr.open_group(ckpt_dir / n, mode="r").attrs) for n in names})
+
+
+def test_trainer_checkpoints_are_dcp_zarr_stores_beside_lightnings_meta_pt(trained):
+    # Nothing else in the directory: no staging area (.dcp-zarr-staging) left behind
+    assert sorted(trained.files) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    for name, files in trained.files.items():
+        # Written by ZarrWriter, not DCP's FileSystemWriter (.metadata and one __<rank>_0.distcp per rank)
+        assert {"zarr.json", "meta.pt", "state_dict", "optimizer_0"} <= files, files
+        assert not [f for f in files if f == ".metadata" or f.endswith(".distcp")], files
+        assert "dcp_zarr" in trained.attributes[name]
+        assert trained.stored[name]["state_dict"]["net.0.weight"].shape == (17, 13)  # global, however sharded
+    assert trained.global_step == {"epoch=0-step=2.ckpt": 2, "epoch=0-step=4.ckpt": 4, "last.ckpt": 4}
+
+
+def test_trainer_checkpoint_holds_the_trained_state_bit_exact(trained):
+    assert_state_equal(trained.stored["epoch=0-step=4.ckpt"], trained.end)
+
+
+def test_saving_to_the_same_path_again_replaces_the_checkpoint(trained):
+    # last.ckpt was saved at step 2, then again at step 4 (global_step above)
+    assert_state_equal(trained.stored["last.ckpt"], trained.end)
+
+
+def test_trainer_resumes_last_at_three_ranks_bit_exact(trained):
+    # In the first run's directory, as a job resubmitted with ckpt_path="last" would: ModelCheckpoint then knows its
+    # last.ckpt (from the checkpoint's callback state) and saves it again, rather than last-v1.ckpt beside it.
+    ckpt_dir = trained.ckpt_dir
+    result = run_ranks(fit, 3, "fsdp2", str(ckpt_dir), 6, "last")[0]
+    assert result["start_step"] == 4
+    assert_state_equal(result["start"], trained.stored["epoch=0-step=4.ckpt"])
+    assert result["end_step"] == 6
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt",
+                                            "last.ckpt"]
+    assert meta(ckpt_dir / "last.ckpt")["global_step"] == 6
+    assert_state_equal(stored(ckpt_dir / "last.ckpt"), result["end"])
+    assert_state_equal(stored(ckpt_dir / "epoch=0-step=6.ckpt"), result["end"])
+
+
+def test_trainer_resumes_a_named_checkpoint_at_one_rank_bit_exact(trained, tmp_path):
+    step_2 = trained.ckpt_dir / "epoch=0-step=2.ckpt"
+    result = run_ranks(fit, 1, "fsdp2", str(tmp_path / "checkpoints"), 3, str(step_2))[0]
+    assert result["start_step"] == 2
+    assert_state_equal(result["start"], trained.stored["epoch=0-step=2.ckpt"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer + ZarrFSDPStrategy (FSDP1, state_dict_type="sharded")
+# --------------------------------------------------------------------------------------------------
+
+
+def test_fsdp1_trainer_saves_dcp_zarr_stores_and_resumes_at_three_ranks_bit_exact(tmp_path):
+    first = run_ranks(fit, 2, "fsdp1", str(tmp_path / "first"), 2)[0]
+    step_2 = tmp_path / "first" / "epoch=0-step=2.ckpt"
+    assert {"zarr.json", "meta.pt"} <= set(os.listdir(step_2))
+    saved = stored(step_2)
+    # FSDPStrategy saves the model under "model" where ModelParallelStrategy says "state_dict"
+    assert_state_equal({"state_dict": saved["model"], "optimizer_0": saved["optimizer_0"]}, first["end"])
+    result = run_ranks(fit, 3, "fsdp1", str(tmp_path / "second"), 3, str(step_2))[0]
+    assert result["start_step"] == 2
+    # The optimizer state too, which FSDP1 reads with load_sharded_optimizer_state_dict and a FileSystemReader
+    assert_state_equal(result["start"], first["end"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Fabric + ZarrFabricModelParallelStrategy (FSDP2) and ZarrFabricFSDPStrategy (FSDP1)
+# --------------------------------------------------------------------------------------------------
+
+
+def fabric_for(kind: str, world_size: int) -> L.Fabric:
+    if kind == "fsdp1":
+        strategy = ZarrFabricFSDPStrategy()
+    else:
+        strategy = ZarrFabricModelParallelStrategy(shard_linears, data_parallel_size=world_size, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def fabric_model(fabric: L.Fabric, kind: str):
+    net = make_net()
+    if kind == "fsdp1":  # wrapped here, on CPU, as the Trainer's FSDP1 test does in configure_model
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        net = FullyShardedDataParallel(net, device_id=torch.device("cpu"))
+    model = fabric.setup_module(net)
+    return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def fabric_train_and_save(rank: int, world_size: int, kind: str, zarr_path: str, lightning_path: str | None):
+    """Rank program: train, ``fabric.save`` at step 3 and again at step 4 to the same path; with ``lightning_path``,
+    also save the same state through Lightning's own strategy (DCP's FileSystemWriter), and at ``switched.ckpt``
+    beside it first through Lightning's strategy, then through the adapter's. Rank 0 returns the state at step 4."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    fabric = fabric_for(kind, world_size)
+    torch.manual_seed(0)
+    model, optimizer = fabric_model(fabric, kind)
+    x, y = dataset()[rank::world_size]
+    for step in range(1, 5):
+        fabric.backward(F.mse_loss(model(x[step * 4:(step + 1) * 4]), y[step * 4:(step + 1) * 4]))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= 3:
+            fabric.save(zarr_path, {"model": model, "optimizer": optimizer, "step": step})
+    if lightning_path:
+        state = _unwrap_objects({"model": model, "optimizer": optimizer, "step": 4})
+        fabric_model_parallel.ModelParallelStrategy.save_checkpoint(fabric.strategy, lightning_path, state)
+        switched = os.path.join(os.path.dirname(lightning_path), "switched.ckpt")
+        fabric_model_parallel.ModelParallelStrategy.save_checkpoint(fabric.strategy, switched, state)
+        fabric.save(switched, state)
+    end = full_state(model.module, optimizer.optimizer)
+    return {"state_dict": end["state_dict"], "optimizer": end["optimizer_0"]} if rank == 0 else None
+
+
+def fabric_load(rank: int, world_size: int, kind: str, paths: list[str]):
+    """Rank program: ``fabric.load`` each checkpoint into a freshly initialised model and optimizer."""
+    fabric = fabric_for(kind, world_size)
+    torch.manual_seed(7)
+    model, optimizer = fabric_model(fabric, kind)
+    loaded = []
+    for path in paths:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)
+        end = full_state(model.module, optimizer.optimizer)
+        loaded.append((state["step"], {"state_dict": end["state_dict"], "optimizer": end["optimizer_0"]}))
+    return loaded if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def fabric_saved(tmp_path_factory) -> tuple[Path, Path, dict]:
+    root = tmp_path_factory.mktemp("fabric")
+    zarr_path, lightning_path = root / "step.ckpt", root / "lightning.ckpt"
+    end = run_ranks(fabric_train_and_save, 2, "fsdp2", str(zarr_path), str(lightning_path))[0]
+    return zarr_path, lightning_path, end
+
+
+def test_fabric_saves_a_dcp_zarr_store_and_loads_it_at_one_rank_bit_exact(fabric_saved):
+    zarr_path, _, end = fabric_saved
+    assert {"zarr.json", "meta.pt"} <= set(os.listdir(zarr_path))
+    assert not (zarr_path / ".metadata").exists()
+    saved = stored(zarr_path)
+    assert_state_equal({"state_dict": saved["model"], "optimizer": saved["optimizer"]}, end)
+    [(step, state)] = run_ranks(fabric_load, 1, "fsdp2", [str(zarr_path)])[0]
+    assert step == 4  # from meta.pt of the second save, which replaced the first
+    assert_state_equal(state, end)
+
+
+def test_a_save_replaces_a_checkpoint_lightnings_own_strategy_wrote_at_its_path(fabric_saved):
+    zarr_path, _, end = fabric_saved
+    switched = zarr_path.parent / "switched.ckpt"  # saved by Lightning's strategy, then by the adapter's
+    assert sorted(os.listdir(switched)) == ["meta.pt", "model", "optimizer", "zarr.json"]
+    assert not [name for name in os.listdir(switched.parent) if name.startswith(".")]
+    saved = stored(switched)
+    assert_state_equal({"state_dict": saved["model"], "optimizer": saved["optimizer"]}, end)
+
+
+def test_checkpoints_lightnings_own_strategy_wrote_still_load(fabric_saved):
+    zarr_path, lightning_path, end = fabric_saved
+    assert (lightning_path / ".metadata").is_file()  # DCP's FileSystemWriter
+    loaded = run_ranks(fabric_load, 3, "fsdp2", [str(lightning_path), str(zarr_path)])[0]
+    for step, state in loaded:
+        assert step == 4
+        assert_state_equal(state, end)
+
+
+def test_fsdp1_fabric_saves_a_dcp_zarr_store_and_loads_it_at_three_ranks_bit_exact(tmp_path):
+    path = tmp_path / "step.ckpt"
+    end = run_ranks(fabric_train_and_save, 2, "fsdp1", str(path), None)[0]
+    assert {"zarr.json", "meta.pt"} <= set(os.listdir(path))
+    saved = stored(path)
+    assert_state_equal({"state_dict": saved["model"], "optimizer": saved["optimizer"]}, end)
+    [(step, state)] = run_ranks(fabric_load, 3, "fsdp1", [str(path)])[0]
+    assert step == 4
+    assert_state_equal(state, end)
+
+
+# --------------------------------------------------------------------------------------------------
+# When Lightning is missing or changed (simulated in this process)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_import(monkeypatch):
+    """Import the adapter anew (as a process would first import it), leaving the loaded one in place afterwards."""
+    monkeypatch.setattr(dcp_zarr.integrations, "lightning", sys.modules[ADAPTER], raising=False)
+    monkeypatch.delitem(sys.modules, ADAPTER)
+    return lambda: importlib.import_module(ADAPTER)
+
+
+def test_without_lightning_importing_the_adapter_says_what_to_install(monkeypatch, fresh_import):
+    for name in [n for n in sys.modules if n == "lightning" or n.startswith("lightning.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: "import lightning" raises ImportError
+    with pytest.raises(FrameworkNotInstalledError, match=f"pip install 'lightning=={WRITTEN_FOR}'"):
+        fresh_import()
+
+
+def test_a_lightning_without_the_helpers_raises_framework_version_error(monkeypatch, fresh_import):
+    monkeypatch.delattr(fabric_model_parallel, "_distributed_checkpoint_load")
+    monkeypatch.setattr(framework, "installed_version", lambda distribution: "2.7.0")
+    with pytest.raises(FrameworkVersionError) as raised:
+        fresh_import()
+    message = str(raised.value)
+    assert "written against lightning 2.6.6" in message and "lightning 2.7.0 does not have" in message
+    assert "lightning.fabric.strategies.model_parallel._distributed_checkpoint_load" in message
+
+
+def test_a_helper_with_another_signature_raises_framework_version_error(monkeypatch, fresh_import):
+    monkeypatch.setattr(trainer_model_parallel, "_distributed_checkpoint_save", lambda state, path, writer: None)
+    with pytest.raises(FrameworkVersionError, match=r"model_parallel\._distributed_checkpoint_save\(state, path\)"):
+        fresh_import()
+
+
+def test_a_strategy_that_no_longer_calls_the_helper_raises_framework_version_error(monkeypatch, fresh_import):
+    def inlined_save(strategy, checkpoint, filepath, storage_options=None):  # a Lightning calling dcp.save itself
+        dcp.save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=filepath)
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", inlined_save)
+    with pytest.raises(FrameworkVersionError, match=r"model_parallel\.ModelParallelStrategy\.save_checkpoint"):
+        fresh_import()
+
+
+def lightning_style_save(strategy, checkpoint, filepath, storage_options=None):
+    """Lightning 2.6.6's save, reduced to what matters here: the helper looked up in its module when called."""
+    path = Path(filepath)
+    path.mkdir(parents=True, exist_ok=True)
+    trainer_model_parallel._distributed_checkpoint_save({"state_dict": checkpoint.pop("state_dict")}, path)
+    torch.save(checkpoint, path / "meta.pt")
+
+
+def test_the_helper_points_at_dcp_zarr_only_while_the_strategy_saves(monkeypatch, tmp_path):
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", lightning_style_save)
+    lightnings_helper = trainer_model_parallel._distributed_checkpoint_save
+    weights = {"w": torch.arange(6.0).reshape(2, 3)}
+    ZarrModelParallelStrategy().save_checkpoint({"state_dict": weights, "global_step": 1}, tmp_path / "a.ckpt")
+    assert trainer_model_parallel._distributed_checkpoint_save is lightnings_helper
+    assert_state_equal(stored(tmp_path / "a.ckpt"), {"state_dict": weights})
+
+    def failing_save(strategy, checkpoint, filepath, storage_options=None):
+        assert trainer_model_parallel._distributed_checkpoint_save is not lightnings_helper
+        raise OSError("disk full")
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ZarrModelParallelStrategy().save_checkpoint({"state_dict": weights}, tmp_path / "b.ckpt")
+    assert trainer_model_parallel._distributed_checkpoint_save is lightnings_helper
+
+
+def test_a_lightning_strategy_saving_on_another_thread_meanwhile_gets_lightnings_helper(monkeypatch, tmp_path):
+    def save_and_another_thread_saves(strategy, checkpoint, filepath, storage_options=None):
+        other = threading.Thread(target=lightning_style_save, args=(None, {"state_dict": {"w": torch.ones(2)}},
+                                                                        tmp_path / "plain.ckpt"))
+        other.start()
+        other.join()
+        lightning_style_save(strategy, checkpoint, filepath)
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", save_and_another_thread_saves)
+    ZarrModelParallelStrategy().save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, tmp_path / "zarr.ckpt")
+    assert (tmp_path / "zarr.ckpt" / "zarr.json").is_file()
+    assert (tmp_path / "plain.ckpt" / ".metadata").is_file()  # DCP's FileSystemWriter, as Lightning's strategy saves
+
+
+def test_a_failed_save_over_a_checkpoint_lightnings_own_strategy_wrote_puts_it_back(monkeypatch, tmp_path):
+    path = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": {"w": torch.ones(2)}}, checkpoint_id=path)  # DCP's FileSystemWriter, as Lightning saves
+    before = sorted(os.listdir(path))
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", lightning_style_save)
+    unsupported = {"w": torch.zeros(2, dtype=torch.float8_e4m3fnuz)}
+    with pytest.raises(BaseException, match="not supported by dcp_zarr"):  # DCP's CheckpointException is one
+        ZarrModelParallelStrategy().save_checkpoint({"state_dict": unsupported}, path)
+    assert sorted(os.listdir(path)) == before
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_a_save_that_no_longer_goes_through_the_helper_is_refused(monkeypatch, tmp_path):
+    def inlined_save(strategy, checkpoint, filepath, storage_options=None):  # a Lightning calling dcp.save itself
+        dcp.save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=filepath)
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", inlined_save)
+    with pytest.raises(FrameworkVersionError, match="ZarrModelParallelStrategy.save_checkpoint going through"):
+        ZarrModelParallelStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+
+
+def test_a_load_that_no_longer_goes_through_the_helper_is_refused(monkeypatch, tmp_path):
+    def inlined_load(strategy, checkpoint_path, weights_only=None):  # a Lightning calling dcp.load itself
+        dcp.load({"state_dict": {"w": torch.zeros(2)}}, checkpoint_id=checkpoint_path)
+        return {}
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", lightning_style_save)
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "load_checkpoint", inlined_load)
+    ZarrModelParallelStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    with pytest.raises(FrameworkVersionError, match="ZarrModelParallelStrategy.load_checkpoint going through"):
+        ZarrModelParallelStrategy().load_checkpoint(tmp_path / "a.ckpt")
+
+
+def test_a_store_without_lightnings_meta_pt_gets_lightnings_own_error(monkeypatch, tmp_path):
+    # A save killed between the store's commit and rank 0's meta.pt: Lightning's load refuses such a directory
+    # before any helper is called, and that error, not FrameworkVersionError, is what the user should see.
+    def lightning_style_load(strategy, checkpoint_path, weights_only=None):
+        if not (Path(checkpoint_path) / "meta.pt").is_file():
+            raise ValueError(f"The path {str(checkpoint_path)!r} does not point to a valid checkpoint.")
+        return {}
+
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint", lightning_style_save)
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "load_checkpoint", lightning_style_load)
+    ZarrModelParallelStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    (tmp_path / "a.ckpt" / "meta.pt").unlink()
+    with pytest.raises(ValueError, match="does not point to a valid checkpoint"):
+        ZarrModelParallelStrategy().load_checkpoint(tmp_path / "a.ckpt")

@@ -1,0 +1,348 @@
+"""``ZarrCheckpointManager`` (dcp_zarr.integrations.torchtitan) under torchtitan's own Trainer: its debug llama3,
+smaller, on CPU gloo ranks (the patches that needs: dcp_zarr/testing/torchtitan_cpu.py), trained through its own
+``train()`` with the manager chosen by its config; then resumed at 1, 2 and 3 ranks.
+
+Saved at 2 ranks (``trained``, one launch), a checkpoint after every step, the last (step 4) saved synchronously
+as torchtitan always does: ``sync/`` (``keep_latest_k=2``), ``async/`` (steps 1-3 threaded), ``pinned/`` (steps
+1-3 through DCP's process executor and torchtitan's stager), ``resumed/`` (a copy of ``sync/`` resumed at step 2
+and trained to step 4 again, saving steps 3 and 4 again) and ``hf/`` (the model exported through torchtitan's own
+HF path). Every run sees the same data and learning-rate schedule, so a step's state is the same whatever the mode:
+what one store holds can be checked against another's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import zarr
+
+from dcp_zarr import open_checkpoint
+from dcp_zarr.errors import FrameworkNotInstalledError, FrameworkVersionError
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from tests.support.compare import assert_state_equal
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.distributed, pytest.mark.slow]
+pytest.importorskip("torchtitan")
+
+STEPS = 4
+ADAPTER = "dcp_zarr.integrations.torchtitan"
+# (dump folder, async_mode, checkpoint interval, keep_latest_k): the saving runs of ``trained``.
+RUNS = [("sync", "disabled", 1, 2), ("async", "async", 1, 0), ("pinned", "async_with_pinned_mem", 1, 0)]
+# What the resumes load from each run: the latest step (-1: found by _find_load_step, step 4) or an asynchronously
+# saved one; and the step each must then be at.
+RESUMES = [("sync", -1), ("async", 3), ("pinned", 3)]
+RESUMED_STEP = {"sync": STEPS, "async": 3, "pinned": 3}
+
+
+# -- in the ranks ----------------------------------------------------------------------------------------------------
+
+
+def _trainer(dump: str, steps: int = STEPS, **checkpoint):
+    """torchtitan's Trainer over the tiny llama3, its checkpoint manager chosen by one config line."""
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+    from dcp_zarr.testing.torchtitan_cpu import tiny_llama3_config
+
+    config = tiny_llama3_config(dump, ZarrCheckpointManager.Config(enable=True, last_save_model_only=False,
+                                                                   **checkpoint), steps=steps)
+    trainer = config.build()
+    losses = {}
+    log = trainer.metrics_processor.log
+
+    def record_loss(step, loss, *args, **kwargs):
+        losses[step] = loss
+        return log(step, loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record_loss
+    return trainer, losses
+
+
+def _train_every_mode(rank: int, world_size: int, root: str) -> dict:
+    from dcp_zarr.testing.torchtitan_cpu import use_cpu
+
+    use_cpu()
+    from torch.distributed.checkpoint import _async_process_executor
+    from torchtitan.components.checkpointer import AsyncMode
+
+    losses = {}
+    for name, async_mode, interval, keep in RUNS:
+        trainer, losses[name] = _trainer(f"{root}/{name}", async_mode=async_mode, interval=interval,
+                                         keep_latest_k=keep)
+        trainer.train()
+        if name == "sync":  # the HF export, through torchtitan's own writer
+            trainer.checkpointer.dcp_save(trainer.checkpointer.states["model"].state_dict(), f"{root}/hf",
+                                          AsyncMode.DISABLED, to_hf=True)
+        trainer.close()
+    process_executor_used = _async_process_executor._CHECKPOINT_PROCESS is not None
+
+    # A restart from step 2 of a run that went on to step 4: trains steps 3 and 4 again and saves them again.
+    if rank == 0:
+        shutil.copytree(f"{root}/sync", f"{root}/resumed")
+    dist.barrier()
+    before = {step: _root_document_inode(root, step) for step in (2, 3, 4)}
+    trainer, losses["resumed"] = _trainer(f"{root}/resumed", interval=1, keep_latest_k=0, load_step=2)
+    trainer.train()
+    trainer.close()
+    resaved = [step for step in (2, 3, 4) if _root_document_inode(root, step) != before[step]]
+    return {"losses": losses, "process_executor_used": process_executor_used, "resaved": resaved}
+
+
+def _root_document_inode(root: str, step: int) -> int:
+    return os.stat(f"{root}/resumed/checkpoint/step-{step}/zarr.json").st_ino
+
+
+def _full(value):
+    """DTensors gathered whole (a collective: every rank walks the same dicts in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {key: _full(item) for key, item in value.items()}
+    return value
+
+
+def _resume(rank: int, world_size: int, root: str) -> dict:
+    from dcp_zarr.testing.torchtitan_cpu import use_cpu
+
+    use_cpu()
+    outcomes = {}
+    for name, load_step in RESUMES:
+        trainer, _ = _trainer(f"{root}/{name}", load_step=load_step)
+        trainer.checkpointer.load(step=load_step)  # what train() does first
+        states = trainer.checkpointer.states
+        # The model as its parameters are now (the wrapper's state_dict is computed from them), not the dict DCP
+        # loaded into: the fused wqkv is split by a state_dict hook, so only the wrapper's load reaches it.
+        loaded = {key: value.state_dict() for key, value in states.items() if key != "model"}
+        loaded.update(states["model"].state_dict())
+        loaded = _full(loaded)
+        store = open_checkpoint(f"{root}/{name}/checkpoint/step-{trainer.step}").load_full_state_dict()
+        try:
+            assert_state_equal(loaded, store)
+            difference = None
+        except AssertionError as exc:
+            difference = str(exc)
+        outcomes[name] = (trainer.step, difference)
+        trainer.close()
+    return outcomes
+
+
+# -- fixtures --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple:
+    root = tmp_path_factory.mktemp("torchtitan")
+    results = run_ranks(_train_every_mode, 2, str(root), timeout=420)
+    assert results[0]["losses"] == results[1]["losses"]  # each a global average
+    return root, results[0]
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["1-rank", "3-ranks"])
+def resumed(request, trained) -> dict:
+    root, _ = trained
+    return run_ranks(_resume, request.param, str(root), timeout=420)
+
+
+def store_state(root, run: str, step: int) -> dict:
+    return open_checkpoint(root / run / "checkpoint" / f"step-{step}").load_full_state_dict()
+
+
+def step_folders(root, run: str) -> list[str]:
+    return sorted(os.listdir(root / run / "checkpoint"))
+
+
+# -- saving ----------------------------------------------------------------------------------------------------------
+
+
+def test_every_step_folder_is_a_committed_zarr_store_not_a_dcp_directory(trained):
+    root, _ = trained
+    for run, steps in [("sync", [2, 3, 4]), ("async", [1, 2, 3, 4]), ("pinned", [1, 2, 3, 4])]:
+        assert step_folders(root, run) == [f"step-{s}" for s in steps]
+        checkpoints = CheckpointRoot(root / run / "checkpoint")
+        for step in steps:
+            store = root / run / "checkpoint" / f"step-{step}"
+            assert checkpoints.is_complete(f"step-{step}")
+            assert not (store / ".metadata").exists()
+            assert open_checkpoint(store).saved_world_size == 2
+        lm_head = zarr.open_group(store, mode="r")["lm_head.weight"][:]  # any zarr reader, without dcp_zarr
+        assert torch.equal(torch.from_numpy(lm_head), store_state(root, run, steps[-1])["lm_head.weight"])
+
+
+def test_the_steps_differ_so_loading_the_wrong_one_would_show(trained):
+    root, _ = trained
+    with pytest.raises(AssertionError):
+        assert_state_equal(store_state(root, "sync", 2), store_state(root, "sync", 4))
+
+
+def test_async_and_pinned_memory_saves_hold_what_the_synchronous_run_saved(trained):
+    root, result = trained
+    assert result["process_executor_used"]  # the pinned mode's saves ran in DCP's background process
+    for run in ("async", "pinned"):
+        for step in (2, 3):
+            assert_state_equal(store_state(root, run, step), store_state(root, "sync", step))
+        assert [result["losses"][run][s] for s in range(1, STEPS + 1)] == \
+            [result["losses"]["sync"][s] for s in range(1, STEPS + 1)]
+
+
+def test_keep_latest_k_still_purges(trained):
+    root, _ = trained
+    # torchtitan purges after each save but the last step's: step 1 went when step 3 was saved
+    assert step_folders(root, "sync") == ["step-2", "step-3", "step-4"]
+
+
+def test_hf_export_is_torchtitans_safetensors(trained):
+    from safetensors.torch import load_file
+
+    root, _ = trained
+    assert (root / "hf" / "model.safetensors.index.json").is_file()
+    assert not (root / "hf" / "zarr.json").exists()
+    exported = load_file(root / "hf" / "model-00001-of-00001.safetensors")
+    saved = store_state(root, "sync", STEPS)  # the model the export was made of, after the last step
+    assert torch.equal(exported["lm_head.weight"], saved["lm_head.weight"])
+    assert torch.equal(exported["model.norm.weight"], saved["norm.weight"])
+
+
+# -- resuming --------------------------------------------------------------------------------------------------------
+
+
+def test_resume_at_two_ranks_continues_as_the_uninterrupted_run(trained):
+    root, result = trained
+    losses = result["losses"]
+    assert sorted(losses["resumed"]) == [3, 4]  # started at step 3: it loaded step 2
+    assert [losses["resumed"][s] for s in (3, 4)] == [losses["sync"][s] for s in (3, 4)]
+    assert_state_equal(store_state(root, "resumed", 4), store_state(root, "sync", 4))
+
+
+def test_a_restart_saves_an_existing_step_again(trained):
+    root, result = trained
+    assert result["resaved"] == [3, 4]
+    assert step_folders(root, "resumed") == ["step-2", "step-3", "step-4"]
+    assert not (root / "resumed" / "checkpoint" / ".dcp-zarr-staging").exists()
+
+
+@pytest.mark.parametrize("run", [name for name, _ in RESUMES])
+def test_resume_at_another_world_size_loads_every_tensor_exactly(resumed, run):
+    for rank_outcomes in resumed:
+        step, difference = rank_outcomes[run]
+        assert step == RESUMED_STEP[run]
+        assert difference is None, difference
+
+
+# -- what the adapter adds to torchtitan, in this process ------------------------------------------------------------
+
+
+def _manager(cls, folder):
+    manager = cls.__new__(cls)  # the overridden methods need only these of what __init__ sets
+    manager.folder, manager.states = str(folder), {}
+    return manager
+
+
+def test_without_the_adapter_a_resume_would_start_afresh(trained):
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    root, _ = trained
+    folder = root / "sync" / "checkpoint"
+    assert _manager(CheckpointManager, folder)._find_load_step() == -1
+    assert _manager(ZarrCheckpointManager, folder)._find_load_step() == 4
+
+
+def test_find_load_step_counts_committed_stores_named_exactly_and_torchtitans_own(trained, tmp_path):
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    root, _ = trained
+    complete = root / "sync" / "checkpoint" / "step-2"
+    shutil.copytree(complete, tmp_path / "step-3")
+    shutil.copytree(complete, tmp_path / "step-9.old")  # a copy put aside: not a step folder
+    (tmp_path / "step-8").mkdir()  # a folder without a committed store
+    shutil.copytree(complete, tmp_path / "step-7")
+    (tmp_path / "step-7" / "zarr.json").unlink()
+    manager = _manager(ZarrCheckpointManager, tmp_path)
+    assert manager._find_load_step() == 3
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / ".metadata").write_bytes(b"")  # DCP's own, as torchtitan finds it
+    assert manager._find_load_step() == 5
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_directory_still_loads_through_torchtitans_reader(tmp_path):
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    saved = {"w": torch.arange(6.0).reshape(2, 3)}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+    target = {"w": torch.zeros(2, 3)}
+    _manager(ZarrCheckpointManager, tmp_path).dcp_load(target, str(tmp_path / "step-1"), False, False)
+    assert torch.equal(target["w"], saved["w"])
+
+
+def test_hf_saves_and_loads_go_to_torchtitans_own_code(monkeypatch):
+    from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
+
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    calls = []
+    monkeypatch.setattr(CheckpointManager, "dcp_save", lambda self, *args, **kwargs: calls.append(("save", args)))
+    monkeypatch.setattr(CheckpointManager, "dcp_load", lambda self, *args, **kwargs: calls.append(("load", args)))
+    manager = _manager(ZarrCheckpointManager, "unused")
+    manager.dcp_save({}, "hf-out", AsyncMode.DISABLED, False, True)
+    manager.dcp_load({}, "hf-in", True, False)
+    assert calls == [("save", ({}, "hf-out", AsyncMode.DISABLED, False, True)), ("load", ({}, "hf-in", True, False))]
+
+
+# -- when torchtitan is missing or changed ---------------------------------------------------------------------------
+
+
+def _import_adapter(monkeypatch):
+    monkeypatch.delitem(sys.modules, ADAPTER, raising=False)
+    return importlib.import_module(ADAPTER)
+
+
+def test_without_torchtitan_importing_the_adapter_says_what_to_install(monkeypatch):
+    for name in [m for m in sys.modules if m == "torchtitan" or m.startswith("torchtitan.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed: every import of it fails
+    monkeypatch.setitem(sys.modules, "torchtitan", None)
+    with pytest.raises(FrameworkNotInstalledError, match=r"pip install 'torchtitan==0\.3\.0'"):
+        _import_adapter(monkeypatch)
+
+
+@pytest.mark.parametrize("change", ["method removed", "signature changed", "module moved"])
+def test_changed_torchtitan_internals_name_both_versions(monkeypatch, change):
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    if change == "method removed":
+        monkeypatch.delattr(CheckpointManager, "_find_load_step")
+        missing = r"CheckpointManager\._find_load_step"
+    elif change == "signature changed":
+        monkeypatch.setattr(CheckpointManager, "dcp_load", lambda self, state_dict, checkpoint_id, options: None)
+        missing = r"CheckpointManager\.dcp_load\(state_dict, checkpoint_id, from_hf, from_quantized\)"
+    else:
+        monkeypatch.setitem(sys.modules, "torchtitan.components.checkpointer.dcp", None)
+        missing = r"module torchtitan\.components\.checkpointer\.dcp"
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.4.0" if name == "torchtitan" else "?")
+    with pytest.raises(FrameworkVersionError, match=r"written against torchtitan 0\.3\.0") as raised:
+        _import_adapter(monkeypatch)
+    assert "torchtitan 0.4.0 does not have" in str(raised.value)
+    assert raised.match(missing)
+
+
+def test_a_manager_missing_what_init_sets_is_refused_naming_the_versions(monkeypatch):
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    def init_without_a_group_for_async_saves(self, config, **components):
+        self.enable, self.folder, self.states, self.stager = True, "unused", {}, None
+
+    monkeypatch.setattr(CheckpointManager, "__init__", init_without_a_group_for_async_saves)
+    with pytest.raises(FrameworkVersionError, match=r"torchtitan 0\.3\.0.*CheckpointManager instance\.pg"):
+        ZarrCheckpointManager(ZarrCheckpointManager.Config(enable=True))
