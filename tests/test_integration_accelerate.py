@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -190,6 +191,23 @@ def test_load_state_resumes_the_latest_checkpoint_at_another_world_size(saved_at
     with pytest.raises(AssertionError):  # the saves differ, so which one was loaded shows
         assert_state_equal(saved[ZARR_ITERATIONS[0]], saved[ZARR_ITERATIONS[1]])
     loaded = run_ranks(resume, world_size, str(project_dir), timeout=240)[0]
+    assert_state_equal(loaded, saved[ZARR_ITERATIONS[-1]])
+
+
+def test_load_state_passes_over_a_checkpoint_whose_save_was_killed(saved_at_two_ranks, tmp_path):
+    """What a save killed before its stores' commit leaves: checkpoint_11 with the model's staging area only, and
+    checkpoint_12 with the model committed but not the optimizer. accelerate's own choice would be checkpoint_12."""
+    project_dir, saved = saved_at_two_ranks
+    copy = tmp_path / "run"
+    shutil.copytree(project_dir, copy)
+    latest = checkpoint_dir(copy, ZARR_ITERATIONS[-1])
+    killed_early = checkpoint_dir(copy, 11)
+    staging = killed_early / ".dcp-zarr-staging" / "pytorch_model_fsdp_0.partial-0a"
+    shutil.copytree(latest / "pytorch_model_fsdp_0", staging)
+    os.remove(staging / "zarr.json")
+    killed_later = checkpoint_dir(copy, 12)
+    shutil.copytree(latest / "pytorch_model_fsdp_0", killed_later / "pytorch_model_fsdp_0")
+    loaded = run_ranks(resume, 2, str(copy), timeout=240)[0]
     assert_state_equal(loaded, saved[ZARR_ITERATIONS[-1]])
 
 

@@ -26,6 +26,7 @@ import dis
 import importlib
 import inspect
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import StateDictType
 
 from dcp_zarr.checkpoint import is_dcp_directory
 from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
+from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.local_plan.planner import ZarrSavePlanner
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.reader import ZarrReader
@@ -225,8 +227,9 @@ class ZarrAccelerator(_Accelerator):
     """``accelerate.Accelerator`` whose ``save_state`` / ``load_state`` keep an FSDP2 model's and optimizer's sharded
     state in Zarr v3 stores, at accelerate's own paths, loadable at any world size. Same arguments.
 
-    Everything else is accelerate's: ``automatic_checkpoint_naming`` and ``total_limit``, ``load_state()`` picking
-    the highest ``checkpoint_N``, the RNG, scheduler, sampler and custom-object files beside the stores. Only FSDP2
+    Everything else is accelerate's: ``automatic_checkpoint_naming`` and ``total_limit``, the RNG, scheduler,
+    sampler and custom-object files beside the stores; ``load_state()`` picks the highest ``checkpoint_N`` whose
+    stores are all committed (accelerate's own picks the highest, even one a killed save left without them). Only FSDP2
     with ``state_dict_type="SHARDED_STATE_DICT"`` goes through DCP, so anything else is refused (``ValueError``)
     before anything is written or read.
     """
@@ -238,8 +241,25 @@ class ZarrAccelerator(_Accelerator):
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         self._refuse_unless_fsdp2_sharded("load_state")
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            input_dir = self._latest_complete_checkpoint()
         with _fsdp_checkpoints_through_zarr():
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+
+    def _latest_complete_checkpoint(self) -> str | None:
+        """The highest ``checkpoint_N`` whose model and optimizer stores are all committed (or accelerate's own DCP
+        directories). accelerate's own choice is the highest N, whatever it holds: a save killed before its stores
+        were committed leaves ``checkpoint_N`` holding none, and resuming from it would fail. None: no complete
+        ``checkpoint_N`` at all, for accelerate to say so."""
+        folder = Path(self.project_dir) / "checkpoints"
+        numbered = sorted((int(match.group(1)), path) for path in folder.iterdir() if path.is_dir()
+                          and (match := _CHECKPOINT_FOLDER.match(path.name))) if folder.is_dir() else []
+        names = [f"{_constants.FSDP_MODEL_NAME}_{i}" for i in range(len(self._models))]
+        names += [f"{_constants.OPTIMIZER_NAME}_{i}" for i in range(len(self._optimizers))]
+        for _, path in reversed(numbered):
+            if all(_committed(path / name) for name in names):
+                return str(path)
+        return None
 
     def _refuse_unless_fsdp2_sharded(self, method: str) -> None:
         plugin = getattr(self.state, "fsdp_plugin", None)
@@ -253,6 +273,15 @@ class ZarrAccelerator(_Accelerator):
             f"this accelerator has {found}, which accelerate checkpoints in files of its own, not through DCP. Pass "
             "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type='SHARDED_STATE_DICT') "
             "(and launch with FSDP), or use accelerate.Accelerator for this run")
+
+
+# accelerate's automatic_checkpoint_naming: checkpoints/checkpoint_{iteration}
+_CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
+
+
+def _committed(store: Path) -> bool:
+    """A committed dcp_zarr store, or a DCP directory accelerate wrote itself."""
+    return is_dcp_directory(store) or (store.is_dir() and CheckpointRoot(str(store.parent)).is_complete(store.name))
 
 
 def _name(member: Any) -> str:
