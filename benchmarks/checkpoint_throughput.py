@@ -1,21 +1,16 @@
-"""Checkpoint throughput of dcp_zarr against DCP's FileSystemWriter and a raw-write limit.
+"""Checkpoint throughput of dcp_zarr against DCP's FileSystemWriter/Reader and raw I/O, on an FSDP2 transformer with
+AdamW state (2.0 GB in fp32 by default; the kinds: benchmarks/README.md).
 
-    torchrun --nproc-per-node 2 benchmarks/checkpoint_throughput.py --quick
-    python benchmarks/checkpoint_throughput.py --kinds fs,raw          # world size 1, no torchrun
-    torchrun --nproc-per-node 4 benchmarks/checkpoint_throughput.py --save-only /dev/shm/ck
-    torchrun --nproc-per-node 2 benchmarks/checkpoint_throughput.py --reshard-from /dev/shm/ck
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint_throughput --quick
+    python -m benchmarks.checkpoint_throughput --quick --kinds fs,raw          # world size 1, without torchrun
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.checkpoint_throughput --save-only /dev/shm/ck4
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint_throughput --reshard-from /dev/shm/ck4
 
-Every repeat saves the same FSDP2 state dict (model + AdamW state) into a fresh directory with each writer kind and
-loads it back into a zeroed state dict of the same sharding (checked equal), then times an async save and a save of
-many small tensors. Peak host memory is sampled in one extra, untimed save per kind. Results go to a JSON file (rank 0)
-and a PNG. ``validate_result`` (from ckpt_report) checks a result file's schema.
-
-What the numbers mean and miss:
-- Times are the slowest rank's, between barriers, medians over repeats. On CUDA the device-to-host copy is included.
-- Loads follow their save directly, so on a disk target they read from the page cache unless --evict-cache is given;
-  on tmpfs (/dev/shm, the default) everything is memory.
-- Read bytes for resharded loads come from /proc/self/io ``rchar``: everything a process read() (page cache included,
-  plus a little gloo socket traffic), not what the device delivered; mmap-ed reads are not counted.
+Each repeat (after ``--warmup`` untimed ones) saves the state dict with every kind, in rotating order, into a fresh
+directory, counts its files and loads it back into a zeroed state dict of the same sharding (checked equal); then
+``dcp.async_save`` with one ZarrWriter keeping its staging buffers (``--no-staging-cache``: a new one each time).
+``--reshard-from`` also loads a ``--save-only`` checkpoint of another world size, counting the bytes each rank read()
+(``rchar``: page-cache hits included, mmap-ed reads not) against the bytes it needs.
 """
 
 from __future__ import annotations
@@ -25,194 +20,265 @@ import faulthandler
 import gc
 import json
 import os
-import platform
 import shutil
-import sys
-import time
+import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
-# Run as a script (torchrun/python), this file's directory is on sys.path, the repository root is not: put it there
-# so the working tree's dcp_zarr is the one measured.
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(1, str(REPO_ROOT))
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from ckpt_dist import Runtime, exit_without_interpreter_teardown, init_distributed, shutdown  # noqa: E402
-from ckpt_model import DTYPES, ModelConfig, build_sharded_state_dict, global_bytes, local_bytes  # noqa: E402
-from ckpt_report import SCHEMA_VERSION, plot_result, summary_lines, validate_result  # noqa: E402
-from ckpt_runs import SAVED_CONFIG, Benchmark, Workspace, log  # noqa: E402
-from ckpt_storage import DCP_KINDS, make_writer, parse_kinds, require_dcp_zarr  # noqa: E402
+from benchmarks import harness as h
 
-__all__ = ["validate_result", "main"]
-
-QUICK = {"layers": 4, "hidden": 128, "vocab": 2048, "repeats": 2, "small_tensors": 300}  # ~16 MB fp32 state dict
-DEFAULTS = {"layers": 8, "hidden": 1024, "vocab": 32000, "repeats": 3, "small_tensors": 5000}  # ~2 GB fp32
+QUICK = {"layers": 4, "hidden": 128, "vocab": 2048, "repeats": 2}  # a 16 MB fp32 state dict
+DEFAULTS = {"layers": 8, "hidden": 1024, "vocab": 32000, "repeats": 3}  # 2.0 GB
+SAVED_CONFIG = "bench_config.json"  # beside a --save-only run's checkpoints
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, help=f"transformer blocks (default {DEFAULTS['layers']})")
-    p.add_argument("--hidden", type=int, help=f"hidden size (default {DEFAULTS['hidden']})")
-    p.add_argument("--vocab", type=int, help=f"vocabulary size (default {DEFAULTS['vocab']})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU tensors; nccl: CUDA tensors")
-    p.add_argument("--target", help="directory to write checkpoints under (default: a temp dir in /dev/shm or /tmp)")
-    p.add_argument("--repeats", type=int, help=f"timed repeats, median reported (default {DEFAULTS['repeats']})")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repeats before the timed ones (default 1)")
-    p.add_argument("--threads", type=int, default=4, help="thread count given to every writer and reader")
-    p.add_argument("--kinds", default="zarr,fs,raw", help="writer kinds to measure (default: all)")
-    p.add_argument("--small-tensors", type=int,
-                   help=f"N for the small-tensor save, 0 to skip (default {DEFAULTS['small_tensors']})")
-    p.add_argument("--evict-cache", action="store_true",
-                   help="drop the checkpoint's pages from the page cache before each load")
-    p.add_argument("--save-only", metavar="DIR",
-                   help="save one checkpoint per DCP kind under DIR for --reshard-from, then exit")
-    p.add_argument("--reshard-from", metavar="DIR", help="also time loading the checkpoints of a --save-only run")
-    p.add_argument("--no-staging-cache", action="store_true",
-                   help="async: a new ZarrWriter (new staging buffers) for every repeat, "
-                        "instead of one that keeps them")
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 repeats, 300 small tensors")
-    p.add_argument("--out", help="result JSON (default benchmarks/results/checkpoint_throughput-<time>.json)")
-    p.add_argument("--plot", help="result PNG (default: --out with .png)")
+    for key, default in DEFAULTS.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {default}; --quick {QUICK[key]}")
+    p.add_argument("--dtype", choices=sorted(h.DTYPES), default="float32")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU tensors; nccl: CUDA")
+    p.add_argument("--target", default=h.SCRATCH, help="directory for the checkpoints (default: tmpfs)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
+    p.add_argument("--threads", type=int, default=4, help="thread count of every writer and zarr reader")
+    p.add_argument("--kinds", default="zarr,fs,raw", help="comma-separated (default zarr,fs,raw)")
+    p.add_argument("--evict-cache", action="store_true", help="drop the checkpoint's pages before each load")
+    p.add_argument("--save-only", metavar="DIR", help="save one checkpoint per kind under DIR, then exit")
+    p.add_argument("--reshard-from", metavar="DIR", help="also time loads of a --save-only run's checkpoints")
+    p.add_argument("--no-staging-cache", action="store_true", help="async: a new ZarrWriter for every repeat")
+    p.add_argument("--quick", action="store_true", help="a 16 MB model, 2 repeats")
+    p.add_argument("--out", help="result JSON (default benchmarks/results/checkpoint_throughput.json)")
     args = p.parse_args(argv)
     for key, default in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK[key] if args.quick else default)
-    args.kinds = parse_kinds(args.kinds)
+    args.kinds = [k for k in args.kinds.split(",") if k]
     if args.repeats < 1 or args.threads < 1 or args.warmup < 0:
         p.error("--repeats and --threads must be >= 1, --warmup >= 0")
     return args
 
 
-def host_info() -> dict[str, Any]:
-    import psutil
-    import zarr
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "torch_version": torch.__version__,
-        "zarr_version": zarr.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
-
-
-def filesystem_type(path: str) -> str:
-    """The mount type holding ``path`` (tmpfs, ext4, ...), from /proc/mounts."""
-    best, fstype = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                _, mount_point, kind = line.split()[:3]
-                under = path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
-                if under and len(mount_point) > len(best):
-                    best, fstype = mount_point, kind
-    except OSError:
-        pass
-    return fstype
-
-
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(layers=args.layers, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype)
-
-
-def save_only(args: argparse.Namespace, rt: Runtime, state_dict: dict[str, Any]) -> None:
-    kinds = [k for k in args.kinds if k in DCP_KINDS]
-    if rt.rank == 0 and os.path.isdir(args.save_only) and os.listdir(args.save_only):
-        raise SystemExit(f"--save-only {args.save_only} exists and is not empty")
-    dist.barrier()
-    for kind in kinds:
-        dcp.save(state_dict, storage_writer=make_writer(kind, os.path.join(args.save_only, kind), args.threads))
-    if rt.rank == 0:
-        saved = {"model": model_config(args).to_json(), "world_size": rt.world_size, "kinds": kinds}
-        Path(args.save_only, SAVED_CONFIG).write_text(json.dumps(saved, indent=2) + "\n")
-    dist.barrier()
-    log(rt, f"saved {', '.join(kinds)} checkpoints at world size {rt.world_size} under {args.save_only}")
-
-
-def default_out() -> str:
-    name = f"checkpoint_throughput-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    return str(Path(__file__).resolve().parent / "results" / name)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.enable()  # a crash in a native thread (gloo, zarr's IO loop) still shows every Python stack
-    dcp_zarr_path = require_dcp_zarr() if "zarr" in args.kinds else None  # fail before any rank waits on another
-    rt = init_distributed(args.backend)
+    h.on_ranks("checkpoint_throughput", args.out, lambda ranks: run(args, ranks), args.backend)
+
+
+def run(args: argparse.Namespace, ranks: h.Ranks) -> tuple[dict, str] | None:
+    cfg = h.ModelConfig(args.layers, args.hidden, args.vocab, args.dtype)
+    state = h.fsdp_model_state(cfg, ranks.mesh, ranks.device)
+    # What is alive now lives for the whole run: frozen, the gc.collect() before each timed region costs ms, not 0.25 s
+    gc.collect()
+    gc.freeze()
+    total, rank_bytes = h.global_bytes(state), h.gather(h.local_bytes(state))
+    if ranks.rank == 0:
+        print(f"{cfg}: {total / 1e9:.3f} GB, {ranks.world_size} ranks", flush=True)
+    if args.save_only:
+        return save_only(args, ranks, cfg, state)
+    if ranks.rank == 0 and shutil.disk_usage(args.target).free < 1.5 * total:
+        raise SystemExit(f"{args.target} has {shutil.disk_usage(args.target).free} bytes free, needs {1.5 * total:.0f}")
+    root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.target) if ranks.rank == 0 else None
+    root = h.gather(root)[0]
     try:
-        cfg = model_config(args)
-        state_dict = build_sharded_state_dict(cfg, rt.mesh, rt.device)
-        # Everything alive now (torch's modules, the model) lives for the whole run: freezing it makes the
-        # gc.collect() before each timed region cheap (0.25 s -> ms), so it costs nothing to keep.
-        gc.collect()
-        gc.freeze()
-        total = global_bytes(state_dict)
-        log(rt, f"model {cfg}: state dict {total / 1e9:.3f} GB ({total / 2**20:.1f} MiB), "
-                f"{local_bytes(state_dict) / 2**20:.1f} MiB on rank 0, world size {rt.world_size}")  # fmt: skip
-        if args.save_only:
-            save_only(args, rt, state_dict)
-            return 0
-
-        workspace = Workspace(args.target, rt.rank)
-        if rt.rank == 0 and shutil.disk_usage(workspace.path).free < 1.5 * total:
-            free = shutil.disk_usage(workspace.path).free
-            raise SystemExit(f"{workspace.path} has {free} bytes free, need ~{1.5 * total:.0f}")
-        try:
-            result = Benchmark(args, rt, workspace, cfg, state_dict).run()
-        finally:
-            workspace.close()
-
-        exit_code = 0 if all(result["checks"].values()) else 3  # the checks are already agreed across ranks
-        if rt.rank == 0:
-            write_outputs(args, rt, cfg, workspace.path, dcp_zarr_path, result)
-        dist.barrier()  # nobody tears the group down while rank 0 is still writing
-        return exit_code
+        bench = Bench(args, ranks, root, state)
+        result = bench.run(cfg, total, rank_bytes)
     finally:
-        shutdown()
+        dist.barrier()
+        if ranks.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return result, summary(result)
 
 
-def write_outputs(
-    args: argparse.Namespace, rt: Runtime, cfg: ModelConfig, target: str, dcp_zarr_path: str | None, result: dict
-) -> None:
-    result = {
-        "schema_version": SCHEMA_VERSION,
-        "config": {
-            **cfg.to_json(),
-            "world_size": rt.world_size,
-            "backend": rt.backend,
-            "threads": args.threads,
-            "repeats": args.repeats,
-            "target": target,
-            "target_filesystem": filesystem_type(target),
-            "kinds": list(args.kinds),
-            "small_tensors": args.small_tensors,
-            "reshard_from": args.reshard_from,
-            "evict_cache": args.evict_cache,
-            "async_staging_cache": not args.no_staging_cache,
-            "quick": args.quick,
-            "launched_by_torchrun": rt.launched_by_torchrun,
-            "dcp_zarr_path": dcp_zarr_path,
-            "host": host_info(),
-        },
-        **result,
-    }
-    out = Path(args.out or default_out())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot = Path(args.plot or out.with_suffix(".png"))
-    plot_result(result, str(plot))
-    print("\n".join(summary_lines(result)), flush=True)
-    print(f"wrote {out} and {plot}", flush=True)
-    validate_result(result)
+def save_only(args, ranks: h.Ranks, cfg: h.ModelConfig, state) -> None:
+    if ranks.rank == 0 and os.path.isdir(args.save_only) and os.listdir(args.save_only):
+        raise SystemExit(f"--save-only {args.save_only} exists and is not empty")
+    dist.barrier()
+    kinds = [k for k in args.kinds if k != "raw"]
+    for kind in kinds:
+        h.save(kind, state, os.path.join(args.save_only, kind), args.threads)
+    saved = {"model": cfg.to_json(), "world_size": ranks.world_size, "kinds": kinds}
+    if ranks.rank == 0:
+        Path(args.save_only, SAVED_CONFIG).write_text(json.dumps(saved, indent=2) + "\n")
+        print(f"saved {', '.join(kinds)} at world size {ranks.world_size} under {args.save_only}", flush=True)
+
+
+def read_chars() -> int:
+    """``rchar`` of /proc/self/io: the bytes this process read() (page-cache hits and a little gloo traffic too)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+class Bench:
+    def __init__(self, args, ranks: h.Ranks, root: str, state):
+        self.args, self.ranks, self.root, self.state = args, ranks, root, state
+        self.times: dict[str, list[list[float]]] = {}  # name -> every repeat's per-rank seconds
+        self.checks: dict[str, bool] = {}
+        self.footprint: dict[str, dict] = {}
+
+    def check(self, name: str, passed: bool) -> None:
+        self.checks[name] = self.checks.get(name, True) and all(h.gather(bool(passed)))
+
+    def save(self, kind: str, state, path: str) -> None:
+        if kind == "raw":
+            os.makedirs(path, exist_ok=True)
+            h.write_raw(state, os.path.join(path, f"rank{self.ranks.rank}.bin"), self.args.threads)
+        else:
+            h.save(kind, state, path, self.args.threads)
+
+    def load(self, kind: str, target, path: str) -> None:
+        h.fill_zeros(target)
+        if self.args.evict_cache:
+            if self.ranks.rank == 0:
+                h.evict_page_cache(path)
+            dist.barrier()
+        if kind == "raw":
+            h.read_raw(target, os.path.join(path, f"rank{self.ranks.rank}.bin"), self.args.threads)
+        else:
+            h.load(kind, target, path, self.args.threads)
+
+    def timed(self, name: str, fn, record: bool) -> Any:
+        _, per_rank, result = h.timed(fn, self.ranks.device)
+        if record:
+            self.times.setdefault(name, []).append(per_rank)
+        return result
+
+    def run(self, cfg: h.ModelConfig, total: int, rank_bytes: list[int]) -> dict:
+        args = self.args
+        target, writer = h.zeroed(self.state), None
+        for repeat in range(-args.warmup, args.repeats):  # the warm-up's first uses of everything are not timed
+            timed = repeat >= 0
+            for kind in h.rotated(args.kinds, repeat):
+                path = os.path.join(self.root, f"{kind}-{repeat}")
+                self.timed(f"save/{kind}", lambda: self.save(kind, self.state, path), timed)
+                self.timed(f"load/{kind}", lambda: self.load(kind, target, path), timed)
+                self.check(f"load/{kind} equals saved", h.equal(target, self.state))
+                if self.ranks.rank == 0:
+                    self.footprint.setdefault(f"save/{kind}", h.footprint(path))
+                    shutil.rmtree(path)
+            if "zarr" in args.kinds:
+                writer = self.async_save(repeat, writer, target, timed)
+            if self.ranks.rank == 0:
+                print(f"repeat {repeat + 1}/{args.repeats} done" if timed else "warm-up done", flush=True)
+        if writer is not None:
+            writer.close()  # its staging copy of the state dict
+        target = None  # freed before the resharded loads allocate theirs
+        measurements = {name: entry(rank_bytes, runs) for name, runs in self.times.items()
+                        if name != "async/zarr blocking"}
+        if "async/zarr" in measurements:
+            blocking = [max(r) for r in self.times["async/zarr blocking"]]
+            measurements["async/zarr"].update(blocking_times_s=blocking, median_blocking_s=statistics.median(
+                blocking), blocking_gbps=total / statistics.median(blocking) / h.GB)
+        if args.reshard_from:
+            measurements.update(self.reshard(args.reshard_from, cfg))
+        config = {**cfg.to_json(), **{k: v for k, v in vars(args).items() if k not in cfg.to_json()},
+                  "world_size": self.ranks.world_size}
+        return {"config": config, "state_dict": {"total_bytes": total, "rank_bytes": rank_bytes, "tensors": sum(
+                    1 for _ in h.leaves(self.state))}, "measurements": measurements, "ratios": ratios(measurements),
+                "footprint": self.footprint, "checks": self.checks}
+
+    def async_save(self, repeat: int, writer, target, timed: bool):
+        """One writer for every repeat, as a training loop keeps it: with ``cache_staged_state_dict`` it stages
+        into the buffers it staged into last time (pinned ones for CUDA tensors) instead of allocating new ones."""
+        from dcp_zarr import ZarrSavePlanner, ZarrWriter
+
+        path = os.path.join(self.root, f"async-{repeat}")
+        if writer is None or self.args.no_staging_cache:
+            writer = ZarrWriter(path, thread_count=self.args.threads, cache_staged_state_dict=not
+                                self.args.no_staging_cache)
+        blocking, total = h.timed_async(lambda: dcp.async_save(self.state, storage_writer=writer, checkpoint_id=path,
+                                                               planner=ZarrSavePlanner()), self.ranks.device)
+        if timed:
+            self.times.setdefault("async/zarr blocking", []).append([blocking])
+            self.times.setdefault("async/zarr", []).append([total])
+        if repeat == -self.args.warmup:  # untimed: an async checkpoint loads back equal too
+            self.load("zarr", target, path)
+            self.check("async/zarr loads equal", h.equal(target, self.state))
+        dist.barrier()
+        if self.ranks.rank == 0:
+            shutil.rmtree(path)
+        return writer
+
+    def reshard(self, source: str, cfg: h.ModelConfig) -> dict:
+        """Loads of a --save-only checkpoint of any world size with each reader: time and bytes read per rank."""
+        saved = json.loads(Path(source, SAVED_CONFIG).read_text())
+        saved_cfg = h.ModelConfig(**saved["model"])
+        state = self.state if saved_cfg == cfg else h.fsdp_model_state(saved_cfg, self.ranks.mesh, self.ranks.device)
+        kinds = [k for k in self.args.kinds if k != "raw"]
+        if set(kinds) - set(saved["kinds"]):
+            raise SystemExit(f"--reshard-from {source} has no checkpoint of {sorted(set(kinds) - set(saved['kinds']))}")
+        targets = {kind: h.zeroed(state) for kind in kinds}
+        needed = h.gather(h.local_bytes(state))
+        runs: dict[str, list] = {kind: [] for kind in kinds}
+        read: dict[str, list] = {kind: [] for kind in kinds}
+        for repeat in range(-self.args.warmup, self.args.repeats):
+            for kind in h.rotated(kinds, repeat):
+                def counted(kind=kind) -> int:
+                    before = read_chars()
+                    self.load(kind, targets[kind], os.path.join(source, kind))
+                    return read_chars() - before
+
+                _, per_rank, nbytes = h.timed(counted, self.ranks.device)
+                if repeat >= 0:
+                    runs[kind].append(per_rank)
+                    read[kind].append(h.gather(nbytes))
+        if {"zarr", "fs"} <= set(kinds):
+            self.check("reshard/zarr equals reshard/fs", h.equal(targets["zarr"], targets["fs"]))
+        self.check("reshard loads are not all zeros", all(any(bool(h.local(t).any()) for t in h.leaves(target))
+                                                          for target in targets.values()))
+        found = {}
+        for kind in kinds:
+            rank_read = [statistics.median_low(r[rank] for r in read[kind]) for rank in range(self.ranks.world_size)]
+            found[f"reshard/{kind}"] = {**entry(needed, runs[kind]), "saved_world_size": saved["world_size"],
+                                        "rank_read_bytes": rank_read, "rank_needed_bytes": needed,
+                                        "rank_read_amplification": [r / max(1, n) for r, n in zip(rank_read, needed)]}
+        return found
+
+
+def entry(rank_bytes: list[int], runs: list[list[float]]) -> dict[str, Any]:
+    """A measurement from its repeats' per-rank times: the slowest rank's each time, their median and GB/s."""
+    times = [max(run) for run in runs]
+    median = statistics.median(times)
+    return {"times_s": times, "rank_times_s": runs, "median_s": median, "min_s": min(times),
+            "gbps": sum(rank_bytes) / median / h.GB}
+
+
+def ratios(measurements: dict[str, dict]) -> dict[str, float]:
+    """time(other) / time(zarr): above 1, dcp_zarr is faster; ``*_fraction_of_raw``: how close a kind gets to raw."""
+    found = {}
+    for op in ("save", "load", "reshard"):
+        name = {"reshard": "reshard_load"}.get(op, op)
+        pairs = {f"{name}_speedup_zarr_vs_fs": ("fs", "zarr")}
+        if op in ("save", "load"):
+            pairs.update({f"{name}_{k}_fraction_of_raw": ("raw", k) for k in ("zarr", "fs")})
+        for ratio, (top, bottom) in pairs.items():
+            if f"{op}/{top}" in measurements and f"{op}/{bottom}" in measurements:
+                found[ratio] = measurements[f"{op}/{top}"]["median_s"] / measurements[f"{op}/{bottom}"]["median_s"]
+    if "async/zarr" in measurements:
+        found["async_blocking_fraction"] = (measurements["async/zarr"]["median_blocking_s"]
+                                            / measurements["async/zarr"]["median_s"])
+    return found
+
+
+def summary(d: dict) -> str:
+    c, rows = d["config"], []
+    for name, m in d["measurements"].items():
+        rows.append([name, f"{m['median_s']:.4f}", f"{m['min_s']:.4f}", f"{m['gbps']:.3f}",
+                     d["footprint"].get(name, {}).get("files", "")])
+        if name == "async/zarr":
+            rows.append(["async/zarr blocked", f"{m['median_blocking_s']:.4f}", "", f"{m['blocking_gbps']:.3f}"])
+    lines = [f"{c['world_size']} ranks, {c['backend']}, {c['threads']} threads, medians of {c['repeats']}, state dict "
+             f"{d['state_dict']['total_bytes'] / h.GB:.3f} GB, target {c['target']}", "",
+             h.table(["measurement", "median s", "min s", "GB/s", "files"], rows), ""]
+    lines += [f"- {name}: {value:.3f}" for name, value in d["ratios"].items()]
+    lines += [f"- {name} read / needed bytes per rank: {', '.join(f'{a:.2f}' for a in m['rank_read_amplification'])}"
+              for name, m in d["measurements"].items() if name.startswith("reshard/")]
+    failed = [name for name, ok in d["checks"].items() if not ok]
+    return "\n".join(lines + [f"- checks: {'all passed' if not failed else 'FAILED: ' + ', '.join(failed)}"])
 
 
 if __name__ == "__main__":
-    exit_without_interpreter_teardown(main())
+    main()

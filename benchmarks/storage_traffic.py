@@ -1,144 +1,114 @@
-"""Requests and bytes through storage per save and per load, and their times: dcp_zarr's collective I/O (aggregated
-writes, reads done once) beside DCP's FsspecWriter/Reader and FileSystemWriter/Reader, in real gloo runs.
+"""Requests, bytes and times through storage per save and per load: dcp_zarr (with its collective I/O: aggregated
+writes, reads done once) beside DCP's FsspecWriter/Reader and FileSystemWriter/Reader, in real gloo runs against a
+loopback S3 server with added latency per request and a local directory; or, with ``--simulate``, the requests
+counted at up to 1,024 ranks from the plans dcp_zarr makes.
 
-    python benchmarks/storage_traffic.py                                  # 2, 4 and 8 ranks, 0 and 20 ms
-    python benchmarks/storage_traffic.py --world-sizes 4 --latency-ms 0 --repeats 1
-    python benchmarks/storage_traffic.py --simulate 8,64,256,1024         # the counting simulation instead
+    python -m benchmarks.storage_traffic                              # 240 small arrays, 2, 4 and 8 ranks, 0 and 20 ms
+    python -m benchmarks.storage_traffic --simulate 8,64,256,1024
+    python -m benchmarks.storage_traffic --model --layers 2 --hidden 512 --vocab 8000   # the 174 MB FSDP2 model
+    python -m benchmarks.storage_traffic --model --backends s3fs,obstore --quick     # dcp_zarr through obstore too
 
-The state: ``--arrays`` fp32 tensors of ``--shape`` (default 240 of 96 x 40: pieces of about 4 KB a rank at 4
-ranks, as an 8B model's are at 1,024) in three layouts, each rank holding what its layout gives it: ``fsdp``
-(DTensor ``Shard(0)`` over all ranks), ``hsdp`` (``(Replicate, Shard(0))`` on a (2, n/2) mesh) and ``ddp`` (plain
-tensors, every rank all of them).
+The state: ``--arrays`` fp32 tensors of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an
+8B model's are at 1,024) in the FSDP, HSDP and DDP layouts (dcp_zarr.testing.shardings); or, with ``--model``, the
+FSDP2 transformer with AdamW state (harness.ModelConfig). This process runs the S3 server (dcp_zarr.testing's: moto)
+and spawns the ranks. The server sleeps the latency before each request (concurrent sleeps overlap: a distant server,
+not a slow one) and counts requests, bytes and its own CPU per operation: moto serves in Python under one GIL, so a
+CPU time near an operation's time means the server set its pace. Kinds on S3: ``zarr`` (a URL: zarr's FsspecStore
+over s3fs), ``zarr-obstore`` (``--backends obstore``: ``store=`` zarr's ObjectStore over obstore) and ``fsspec``; on
+the local directory (``--local-dir``: the files each kind opens and the bytes through them) ``zarr`` and ``fs``; with
+``--off`` also ``zarr-off``, dcp_zarr without collective I/O. dcp_zarr's saves are planned by ZarrSavePlanner. Each
+round runs every kind in rotating order, one untimed round first; times are medians of the slowest rank's, counts
+those of the first timed round.
 
-Against a loopback S3 server (moto, started here behind s3_latency.py's middleware, which sleeps ``--latency-ms``
-before every request and counts requests by method and the bytes of PUT and GET bodies) each layout is saved and
-loaded by dcp_zarr (``ZarrWriter`` with ``ZarrSavePlanner``, ``ZarrReader``, their defaults for object stores) and
-by DCP's FsspecWriter/FsspecReader (4 threads), and with ``--off`` by dcp_zarr without collective I/O (``zarr-off``:
-``aggregate_below=0``, ``read_once=False``, as before it), in rotating order, one untimed round first; times are
-medians of the slowest rank's over ``--repeats``, counts those of the first timed round. Against a local directory
-(``--local-dir``, default /dev/shm) dcp_zarr and FileSystemWriter/Reader (and ``zarr-off``), with requests counted
-where each calls its files: dcp_zarr's ``LocalStorage`` calls, and the streams FileSystemWriter/Reader open (the
-files opened, and the bytes written or read through them).
-
-Output: ``--out`` (JSON, default benchmarks/results/storage_traffic.json) and a Markdown table beside it, stamped with
-the commit and torch version. The simulation (``--simulate``, traffic_simulation.py) counts the same requests at up
-to 1,024 ranks from the plans the library makes, without a process group.
+The simulation plans every rank of a job in turn in this process, on torch's fake process group, with meta tensors,
+by the functions a real save and load call: ``ZarrSavePlanner.create_local_plan``, ``LocalSave.rank_writes`` and its
+aggregation (a rank PUTs one object per stored chunk of each box it writes, one per block it aggregates, one
+``zarr.json`` per array it describes; the coordinator each group's and the root's), then DCP's ``DefaultLoadPlanner``
+on the manifest, ``rank_needs`` and ``SharedReads`` (a rank GETs one object per plain chunk, two per shard: index and
+inner chunks; the coordinator the root). No bytes move.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import math
 import os
 import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
+import time
 from collections import Counter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, ".."))
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-BUCKET = "traffic"
-CREDENTIALS = {"key": "testing", "secret": "testing"}
-LAYOUTS = ("fsdp", "hsdp", "ddp")
+from benchmarks import harness as h
+from dcp_zarr.testing import s3_server
+from dcp_zarr.testing.shardings import LAYOUTS, in_layout
 
-
-# --------------------------------------------------------------------------------------------------
-# The state
-# --------------------------------------------------------------------------------------------------
+BUCKET = "bench"
+BACKENDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
+OFF = "zarr:aggregate_below=0:read_once=False"  # zarr-off: without collective I/O, as before it
 
 
 def full_tensors(arrays: int, shape: tuple[int, ...]) -> dict:
-    import torch
-
     g = torch.Generator().manual_seed(11)
     return {f"layers.{i}.weight": torch.randn(shape, generator=g) for i in range(arrays)}
 
 
-def layout_state(layout: str, world_size: int, full: dict) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    if layout == "ddp":
-        return {k: v.clone() for k, v in full.items()}
-    if layout == "fsdp":
-        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
-    else:
-        mesh, placements = init_device_mesh("cpu", (2, max(world_size // 2, 1))), [Replicate(), Shard(0)]
-    return {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
-
-
-# --------------------------------------------------------------------------------------------------
-# Counting a local directory's calls (the object store's are counted by the server)
-# --------------------------------------------------------------------------------------------------
-
-
 class LocalCalls:
-    """Counts, in this process, the files each kind opens to write or read a checkpoint (a local file system's
-    requests: each open is a metadata operation, the cost a parallel file system feels most) and the bytes it
-    writes or reads through them, while installed."""
+    """Counts, in this process, the files each writer and reader opens (a local file system's requests: each open is
+    a metadata operation, what a parallel file system feels most) and the bytes through them."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.counts: Counter = Counter()
-
-    def add(self, what: str, nbytes: int, opened: int = 1) -> None:
-        with self.lock:
-            self.counts[what] += opened
-            self.counts[f"{what}_bytes"] += nbytes
-
-    def install(self) -> None:
         from torch.distributed.checkpoint.filesystem import FileSystem
 
         from dcp_zarr.storage.local import LocalStorage, OpenFile
 
+        self.lock, self.counts = threading.Lock(), Counter()
+        written = lambda args, _: sum(memoryview(b).nbytes for b in args[-1])  # noqa: E731
+        for cls, name, what, size, opens in (
+                (LocalStorage, "write", "writes", written, 1), (LocalStorage, "write_at", "writes", written, 1),
+                (LocalStorage, "read", "reads", lambda a, r: len(r), 1),
+                (LocalStorage, "read_range", "reads", lambda a, r: len(r), 1),
+                (LocalStorage, "open_value", "reads", lambda a, r: 0, 1),  # then reads through the handle:
+                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0),
+                (OpenFile, "read_tail", "reads", lambda a, r: len(r), 0),
+                (FileSystem, "create_stream", None, None, 1)):
+            setattr(cls, name, self._counted(getattr(cls, name), what, size, opens))
+
+    def _counted(self, original, what, size, opens):
         calls = self
 
-        def wrap(cls, name, what, size, opened):
-            original = getattr(cls, name)
-
-            def counted(*args, **kwargs):
-                result = original(*args, **kwargs)
-                calls.add(what, size(args, result), opened)
+        def counted(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if what is not None:
+                calls.add(what, size(args, result), opens)
                 return result
+            return _Stream(result, calls, "writes" if "w" in args[-1] else "reads")  # FileSystemWriter/Reader
 
-            setattr(cls, name, counted)
+        return counted
 
-        written = lambda args, _: sum(memoryview(b).nbytes for b in args[-1])  # noqa: E731
-        wrap(LocalStorage, "write", "writes", written, 1)  # one open (and rename) per file
-        wrap(LocalStorage, "write_at", "writes", written, 1)  # one open per run of a shared shard file
-        wrap(LocalStorage, "read", "reads", lambda args, result: len(result), 1)
-        wrap(LocalStorage, "read_range", "reads", lambda args, result: len(result), 1)
-        wrap(LocalStorage, "open_value", "reads", lambda args, result: 0, 1)  # then reads through the handle:
-        wrap(OpenFile, "read_range_into", "reads", lambda args, result: result, 0)
-        wrap(OpenFile, "read_tail", "reads", lambda args, result: len(result), 0)
-        original_stream = FileSystem.create_stream
-
-        def counted_stream(self, path, mode):
-            return _CountedStream(original_stream(self, path, mode), calls, "writes" if "w" in mode else "reads")
-
-        FileSystem.create_stream = counted_stream
-
-    def take(self) -> dict:
+    def add(self, what: str, nbytes: int, opens: int) -> None:
         with self.lock:
-            counts, self.counts = dict(self.counts), Counter()
+            self.counts[what] += opens
+            self.counts[f"{what}_bytes"] += nbytes
+
+    def take(self) -> Counter:
+        with self.lock:
+            counts, self.counts = self.counts, Counter()
         return counts
 
 
-class _CountedStream:
-    """FileSystemWriter/Reader's stream context: one open, and the bytes written or read through it."""
+class _Stream:
+    """FileSystemWriter/Reader's stream context: one open, then the bytes written or read through it."""
 
     def __init__(self, context, calls: LocalCalls, what: str):
         self.context, self.calls, self.what = context, calls, what
 
     def __enter__(self):
-        stream = self.context.__enter__()
-        calls, what = self.calls, self.what
+        stream, calls, what = self.context.__enter__(), self.calls, self.what
         calls.add(what, 0, 1)
 
         class Counted:
@@ -165,240 +135,342 @@ class _CountedStream:
         return self.context.__exit__(*exc)
 
 
-# --------------------------------------------------------------------------------------------------
-# One rank's program, under torchrun
-# --------------------------------------------------------------------------------------------------
+def _obstore(url: str, options: dict):
+    """zarr's ObjectStore over obstore's S3 client, for ``url``'s prefix (each rank builds its own)."""
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=options["endpoint_url"],
+                               region="us-east-1", access_key_id=options["key"],
+                               secret_access_key=options["secret"], client_options={"allow_http": True}))
 
 
-def measure(args, rt) -> dict:
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from ckpt_measure import timed_region
-    from s3_latency import control
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+def save(kind: str, state, where: str, args, options: dict | None) -> None:
+    if kind == "zarr-obstore":
+        from dcp_zarr import ZarrSavePlanner, ZarrWriter
 
-    from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
+        writer = ZarrWriter(store=_obstore(where, options or {}), thread_count=args.zarr_threads)
+        dcp.save(state, storage_writer=writer, planner=ZarrSavePlanner())
+    else:
+        h.save(OFF if kind == "zarr-off" else kind, state, where, args.zarr_threads if kind.startswith("zarr") else
+               args.fsspec_threads, options)
 
-    options = {"endpoint_url": args.endpoint, **CREDENTIALS}
-    shape = tuple(int(n) for n in args.shape.split("x"))
-    full = full_tensors(args.arrays, shape)
-    calls = LocalCalls()
-    calls.install()
-    rows: list[dict] = []
 
-    def save(kind: str, where: str, state) -> None:
-        if kind in ("zarr", "zarr-off"):
-            writer = ZarrWriter(where, storage_options=None if where.startswith("/") else options,
-                                **({"aggregate_below": 0} if kind == "zarr-off" else {}))
-            dcp.save(state, storage_writer=writer, planner=ZarrSavePlanner())
-        elif kind == "fsspec":
-            dcp.save(state, storage_writer=FsspecWriter(where, thread_count=4, sync_files=False, **options))
-        else:
-            dcp.save(state, storage_writer=FileSystemWriter(where, thread_count=4, sync_files=False))
+def load(kind: str, target, where: str, args, options: dict | None) -> None:
+    if kind == "zarr-obstore":
+        from dcp_zarr import ZarrReader
 
-    def load(kind: str, where: str, target) -> None:
-        if kind in ("zarr", "zarr-off"):
-            reader = ZarrReader(where, storage_options=None if where.startswith("/") else options,
-                                read_once=None if kind == "zarr" else False)  # zarr: the storage's default
-        elif kind == "fsspec":
-            reader = FsspecReader(where, **options)
-        else:
-            reader = FileSystemReader(where)
+        reader = ZarrReader(store=_obstore(where, options or {}), thread_count=args.zarr_threads)
         dcp.load(target, storage_reader=reader)
+    else:
+        h.load(OFF if kind == "zarr-off" else kind, target, where, args.zarr_threads if kind.startswith("zarr")
+               else None, options)
 
-    def counted(fn, object_store: bool) -> tuple[float, dict]:
-        if object_store and rt.rank == 0:
-            control(args.endpoint, "reset")
-        calls.take()
-        dist.barrier()
-        elapsed, _ = timed_region(fn, rt.device)
-        local = calls.take()
-        every: list = [None] * rt.world_size
-        dist.all_gather_object(every, local)
-        if object_store:
-            report = control(args.endpoint, "counts") if rt.rank == 0 else {}
-            return elapsed.max_s, {"requests": report.get("methods", {}), "bytes_in": report.get("bytes_in"),
-                                   "bytes_out": report.get("bytes_out")}
-        total: Counter = Counter()
-        for c in every:
-            total.update(c)
-        return elapsed.max_s, {"requests": {"writes": total["writes"], "reads": total["reads"]},
-                               "bytes_in": total["writes_bytes"], "bytes_out": total["reads_bytes"]}
 
-    targets = [("s3", float(lat)) for lat in args.latency_ms.split(",")] + ([("local", 0.0)] if args.local else [])
-    for layout in LAYOUTS:
-        if layout == "hsdp" and rt.world_size % 2:
-            continue
-        state = layout_state(layout, rt.world_size, full)
+def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
+    """One rank's rounds; complete on rank 0, which reads the server's counts."""
+    options = {"endpoint_url": endpoint, **s3_server.CREDENTIALS}
+    shape = tuple(int(n) for n in args.shape.split("x"))
+    calls, rows = LocalCalls() if args.local_dir else None, []
+    if args.model:
+        cfg = h.ModelConfig(4, 128, 2048) if args.quick else h.ModelConfig(args.layers, args.hidden, args.vocab)
+        states = {"model": h.fsdp_model_state(cfg, ranks.mesh, ranks.device)}
+    else:
+        full = full_tensors(args.arrays, shape)
+        states = {layout: in_layout(layout, ranks.world_size, full) for layout in LAYOUTS
+                  if layout != "hsdp" or ranks.world_size % 2 == 0}
+    tensor_bytes = h.global_bytes(next(iter(states.values())))
+
+    def counted(fn, s3: bool) -> tuple[float, dict]:
+        if s3 and ranks.rank == 0:
+            s3_server.control(endpoint, "reset")
+        if calls:
+            calls.take()
+        seconds = h.timed(fn)[0]
+        if not s3:
+            local = sum(h.gather(calls.take() if calls else {}), Counter())
+            return seconds, {"requests": {"writes": local["writes"], "reads": local["reads"]},
+                             "bytes_in": local["writes_bytes"], "bytes_out": local["reads_bytes"]}
+        counts = s3_server.control(endpoint, "counts") if ranks.rank == 0 else {}
+        return seconds, {"requests": counts.get("methods", {}), "bytes_in": counts.get("bytes_in"),
+                         "bytes_out": counts.get("bytes_out"), "server_cpu_s": counts.get("server_cpu_s")}
+
+    targets = [("s3", float(ms)) for ms in args.latency_ms.split(",")] + ([("local", 0.0)] if args.local_dir else [])
+    for name, state in states.items():
         for storage, latency in targets:
-            kinds = (("zarr", "fsspec") if storage == "s3" else ("zarr", "fs")) + (("zarr-off",) if args.off else ())
-            if storage == "s3" and rt.rank == 0:
-                control(args.endpoint, f"latency?ms={latency}")
+            s3 = storage == "s3"
+            kinds = ([BACKENDS[b] for b in args.backends.split(",")] + ["fsspec"] if s3 else ["zarr", "fs"])
+            kinds += ["zarr-off"] * args.off
+            if s3 and ranks.rank == 0:
+                s3_server.control(endpoint, f"latency?ms={latency}")
             times: dict[tuple[str, str], list[float]] = {}
             counts: dict[tuple[str, str], dict] = {}
-            for repeat in range(args.repeats + 1):
-                turn = repeat % len(kinds)
-                for kind in kinds[turn:] + kinds[:turn]:
-                    name = f"{layout}-{kind}-{latency:g}-{repeat}"
-                    where = (f"s3://{BUCKET}/{name}" if storage == "s3" else os.path.join(args.local, name))
-                    save_s, save_counts = counted(lambda: save(kind, where, state), storage == "s3")
-                    target = {k: torch.zeros_like(v) for k, v in state.items()}
-                    load_s, load_counts = counted(lambda: load(kind, where, target), storage == "s3")
-                    if not all(torch.equal(_plain(target[k]), _plain(v)) for k, v in state.items()):
-                        raise SystemExit(f"{kind} {layout}: the loaded state differs from the saved one")
-                    if storage == "local" and rt.rank == 0:
-                        save_counts["files"] = sum(len(f) for _, _, f in os.walk(where))
-                    if repeat:
-                        times.setdefault((kind, "save"), []).append(save_s)
-                        times.setdefault((kind, "load"), []).append(load_s)
-                        counts.setdefault((kind, "save"), save_counts)
-                        counts.setdefault((kind, "load"), load_counts)
+            for repeat in range(args.repeats + 1):  # round 0 warms up
+                for kind in h.rotated(kinds, repeat):
+                    label = f"{name}-{kind}-{latency:g}-{repeat}"
+                    where = f"s3://{BUCKET}/{label}" if s3 else os.path.join(args.local_dir, label)
+                    opts = options if s3 else None
+                    save_s, save_counts = counted(lambda: save(kind, state, where, args, opts), s3)
+                    target = h.zeroed(state)
+                    load_s, load_counts = counted(lambda: load(kind, target, where, args, opts), s3)
+                    if not all(h.gather(h.equal(target, state))):
+                        raise SystemExit(f"{kind} {name}: the loaded state differs from the saved one")
+                    if not s3 and ranks.rank == 0:
+                        save_counts["files"] = h.footprint(where)["files"]
+                    for op, seconds, found in (("save", save_s, save_counts), ("load", load_s, load_counts)):
+                        if repeat:
+                            times.setdefault((kind, op), []).append(seconds)
+                            counts.setdefault((kind, op), {**found, "server_cpu_s": []})["server_cpu_s"].append(
+                                found.get("server_cpu_s"))
                     dist.barrier()
-                    if rt.rank == 0:
-                        _remove(where, options)
+                    if ranks.rank == 0 and s3:
+                        h.remove_s3(where, options)
+                    elif ranks.rank == 0:
+                        shutil.rmtree(where, ignore_errors=True)
                     dist.barrier()
             for (kind, op), samples in times.items():
-                rows.append({"world_size": rt.world_size, "layout": layout, "storage": storage, "latency_ms": latency,
+                cpu = [c for c in counts[(kind, op)].pop("server_cpu_s") if c is not None]
+                rows.append({"world_size": ranks.world_size, "state": name, "storage": storage, "latency_ms": latency,
                              "kind": kind, "op": op, "median_s": statistics.median(samples), "samples_s": samples,
-                             **counts[(kind, op)]})
-    nbytes = args.arrays * _prod(shape) * 4
-    return {"world_size": rt.world_size, "tensor_bytes": nbytes, "arrays": args.arrays, "shape": list(shape),
-            "rows": rows}
-
-
-def _plain(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _remove(where: str, options: dict) -> None:
-    if where.startswith("s3://"):
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=options["key"],
-                               secret=options["secret"], endpoint_url=options["endpoint_url"])
-        fs.rm(where, recursive=True)
-    else:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# The launcher and the report
-# --------------------------------------------------------------------------------------------------
-
-
-def serve_and_launch(args) -> list[dict]:
-    from s3_latency import LatencyAndCounts
-
-    from tests.support.s3 import S3Server
-
-    server = S3Server()
-    server._server._server.app = LatencyAndCounts(server._server._server.app)
-    server.make_bucket(BUCKET)
-    results = []
-    try:
-        for ws in [int(w) for w in args.world_sizes.split(",")]:
-            out = tempfile.mktemp(suffix=f"-ws{ws}.json")
-            command = ["torchrun", "--standalone", f"--nproc-per-node={ws}", os.path.abspath(__file__),
-                       "--rank-program", "--endpoint", server.endpoint, "--latency-ms", args.latency_ms,
-                       "--repeats", str(args.repeats), "--arrays", str(args.arrays), "--shape", args.shape,
-                       "--local-dir", args.local or "", "--out", out] + (["--off"] if args.off else [])
-            if subprocess.call(command) != 0:
-                raise SystemExit(f"the ranks of world size {ws} failed")
-            with open(out) as f:
-                results.append(json.load(f))
-            os.remove(out)
-    finally:
-        server.stop()
-    return results
-
-
-def stamp() -> dict:
-    import torch
-
-    def git(*a):
-        return subprocess.run(["git", *a], cwd=os.path.join(HERE, ".."), capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+                             "server_cpu_s": statistics.median(cpu) if cpu else None, **counts[(kind, op)]})
+    return {"world_size": ranks.world_size, "tensor_bytes": tensor_bytes, "rows": rows}
 
 
 def markdown(report: dict) -> str:
-    s = report["stamp"]
-    lines = [f"At {s['commit']}{' (dirty tree)' if s['dirty'] else ''}, torch {s['torch']}, {s['date']}: "
-             f"{report['arrays']} fp32 arrays of {report['shape']}, gloo ranks on this machine's 2 cores. Requests "
-             "per save are PUTs (object store) or files opened to write (local), per load GETs or files opened to "
-             "read; `read x`: bytes read per load over the tensors' bytes; times: medians of the slowest rank's.", "",
-             "| ranks | layout | storage | kind | requests per save | requests per load | read x | save s | load s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = []
     for run in report["runs"]:
-        by = {(r["layout"], r["storage"], r["latency_ms"], r["kind"], r["op"]): r for r in run["rows"]}
-        for (layout, storage, latency, kind, op), row in by.items():
-            if op != "save":
-                continue
-            loaded = by[(layout, storage, latency, kind, "load")]
-            put = row["requests"].get("PUT", row["requests"].get("writes", 0))
-            get = loaded["requests"].get("GET", loaded["requests"].get("reads", 0))
-            where = f"S3, {latency:g} ms" if storage == "s3" else "local"
-            read_x = (loaded["bytes_out"] or 0) / run["tensor_bytes"]
-            lines.append(f"| {run['world_size']} | {layout} | {where} | {kind} | {put:,} | {get:,} | {read_x:.2f} | "
-                         f"{row['median_s']:.3f} | {loaded['median_s']:.3f} |")
-    return "\n".join(lines) + "\n"
+        by = {(r["state"], r["storage"], r["latency_ms"], r["kind"], r["op"]): r for r in run["rows"]}
+        states = list(dict.fromkeys(r["state"] for r in run["rows"]))
+        for (state, storage, latency, kind, op), row in sorted(by.items(), key=lambda item: (
+                states.index(item[0][0]), item[0][1] != "s3", *item[0][2:4])):
+            if op == "save":
+                loaded = by[(state, storage, latency, kind, "load")]
+                peers = [by.get((state, storage, latency, "fsspec" if storage == "s3" else "fs", o)) for o in (
+                    "save", "load")]
+                put = row["requests"].get("PUT", row["requests"].get("writes", 0))
+                get = loaded["requests"].get("GET", loaded["requests"].get("reads", 0))
+                cpu = "" if row["server_cpu_s"] is None else f"{row['server_cpu_s']:.2f} / {loaded['server_cpu_s']:.2f}"
+                rows.append([run["world_size"], state, f"S3, {latency:g} ms" if storage == "s3" else "local", kind,
+                             f"{put:,}", f"{get:,}", f"{(loaded['bytes_out'] or 0) / run['tensor_bytes']:.2f}",
+                             f"{row['median_s']:.3f}", f"{loaded['median_s']:.3f}", " / ".join(
+                                 f"{p['median_s'] / r['median_s']:.2f}x" for p, r in zip(peers, (row, loaded))
+                                 if p) if kind.startswith("zarr") else "", cpu])
+    what = (f"the FSDP2 model ({report['runs'][0]['tensor_bytes'] / 1e6:.0f} MB)" if report["model"] else
+            f"{report['arrays']} fp32 arrays of {report['shape']}")
+    return (f"{what}, gloo ranks, moto. Requests per save are PUTs (object store) or files opened to "
+            "write (local), per load GETs or files opened to read; `read x`: bytes read per load over the tensors' "
+            "bytes; times: medians of the slowest rank's; `vs peer`: time of FsspecWriter/Reader (S3) or "
+            "FileSystemWriter/Reader (local) over dcp_zarr's, save / load; the S3 server's CPU per operation.\n\n"
+            + h.table(["ranks", "state", "storage", "kind", "requests per save", "requests per load", "read x",
+                       "save s", "load s", "vs peer", "server CPU s"], rows))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", default="2,4,8")
-    parser.add_argument("--latency-ms", default="0,20")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--arrays", type=int, default=240)
-    parser.add_argument("--shape", default="96x40")
-    parser.add_argument("--local-dir", dest="local",
-                        default=os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
-                                             "dcp-zarr-traffic"),
-                        help="a local directory to measure too ('' for none)")
-    parser.add_argument("--off", action="store_true",
-                        help="also dcp_zarr without collective I/O (aggregate_below=0, read_once=False: as before it)")
-    parser.add_argument("--simulate", default=None, help="world sizes to simulate instead (traffic_simulation.py)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "storage_traffic.json"))
-    parser.add_argument("--rank-program", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.rank_program:
-        from ckpt_dist import run_rank_program
+# --------------------------------------------------------------------------------------------------------------------
+# The simulation
+# --------------------------------------------------------------------------------------------------------------------
 
-        run_rank_program(lambda rt: measure(args, rt), args.out)
-        return 0
+
+def rank_state(layout: str, world: int, arrays: int, shape: tuple[int, ...]) -> dict:
+    """A rank's state dict of meta tensors (DTensors on its mesh: no data, no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from dcp_zarr.local_plan.boxes import dtensor_local_box
+
+    if layout == "ddp":
+        return {f"layers.{i}.weight": torch.empty(shape, device="meta") for i in range(arrays)}
+    mesh, placements = ((init_device_mesh("cpu", (world,)), (Shard(0),)) if layout == "fsdp" else
+                        (init_device_mesh("cpu", (2, world // 2)), (Replicate(), Shard(0))))
+    box = dtensor_local_box(shape, tuple(mesh.shape), placements, tuple(mesh.get_coordinate()))
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return {f"layers.{i}.weight": DTensor.from_local(torch.empty(box[1], device="meta"), mesh, placements,
+                                                     run_check=False, shape=torch.Size(shape), stride=stride)
+            for i in range(arrays)}
+
+
+def _gets(layout, offsets, sizes) -> tuple[int, int]:
+    """(GETs, bytes) a RegionReader makes to read the box ``offsets`` + ``sizes`` of an array of ``layout``."""
+    from dcp_zarr.format.encoding import shard_index_bytes
+
+    requests = nbytes = 0
+    for coords in layout.chunks_in_box(offsets, sizes):
+        chunk_offsets, extent = layout.chunk_box(coords)
+        if layout.sharded:
+            lo = max(offsets[0], chunk_offsets[0]) - chunk_offsets[0]
+            hi = min(offsets[0] + sizes[0], chunk_offsets[0] + extent[0]) - chunk_offsets[0]
+            inner = -(-hi // layout.inner_rows) - lo // layout.inner_rows
+            requests += 2
+            nbytes += shard_index_bytes(layout) + inner * (math.prod(layout.inner_chunk_shape) * 4 + 4)
+        else:
+            requests += 1
+            nbytes += math.prod(layout.chunk_shape) * 4 + 4
+    return requests, nbytes
+
+
+def _fake_ranks(world: int):
+    """Each rank of a ``world``-rank job in turn, on torch's fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            yield rank
+        finally:
+            dist.destroy_process_group()
+
+
+def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], collective: bool = True) -> dict:
+    """PUTs per save, GETs per load and the bytes a load reads, summed over every rank of one simulated job;
+    ``collective=False``: without aggregation or shared reads (``aggregate_below=0``, ``read_once=False``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from dcp_zarr import ZarrSavePlanner
+    from dcp_zarr.collective.needs import needs_digest, rank_needs
+    from dcp_zarr.collective.shared_reads import SharedReads
+    from dcp_zarr.format.consolidated import encoded_copy, encoded_root
+    from dcp_zarr.format.encoding import array_metadata, group_metadata
+    from dcp_zarr.format.layout import parent_groups
+    from dcp_zarr.format.manifest import Manifest, TensorEntry
+    from dcp_zarr.local_plan.entries import group_rank_of
+    from dcp_zarr.local_plan.protocol import Ticket
+    from dcp_zarr.local_plan.save import LocalSave
+    from dcp_zarr.reader import dcp_metadata
+    from dcp_zarr.storage.base import Storage
+    from dcp_zarr.writer import DEFAULT_EXCHANGE_BYTES
+    from dcp_zarr.writer import INNER_CHUNK_TARGET_BYTES as INNER
+
+    below = Storage.aggregate_below if collective else 0  # an object store's default
+    puts, put_bytes, saved = Counter(), Counter(), {}
+    started = time.perf_counter()
+    for rank in _fake_ranks(world):
+        planner = ZarrSavePlanner()
+        planner.set_up_planner(rank_state(layout, world, arrays, shape), None, rank == 0)
+        local = LocalSave(planner.create_local_plan().planner_data, rank, rank == 0, "none", 0, below,
+                          DEFAULT_EXCHANGE_BYTES)
+        items, assignment = local.rank_writes(Ticket("sim", "s3://sim/x", False, frozenset()), INNER, False)
+        for item in items:
+            spec, chunk = assignment.arrays[item.index.fqn], item.tensor_data.chunk
+            for coords in spec.layout.chunks_in_box(chunk.offsets, chunk.sizes):
+                puts[rank] += 1
+                put_bytes[rank] += math.prod(spec.layout.chunk_box(coords)[1]) * spec.itemsize
+        for unit in (u for units in local.aggregation(INNER).rounds for u in units if u.owner == rank):
+            puts[rank] += 1
+            put_bytes[rank] += unit.nbytes
+        puts[rank] += len(assignment.describes)
+        if rank == 0:
+            specs, shards = local.saved_arrays(INNER, False)
+            nodes = local.global_nodes()
+            entries = {fqn: TensorEntry(fqn, e.path, nodes[fqn], specs[fqn].dtype_name, e.size,
+                                        specs[fqn].layout.chunk_shape, specs[fqn].layout.inner_rows, False, shards[fqn])
+                       for fqn, e in local.global_entries().items()}
+            groups = {g for e in entries.values() for g in parent_groups(e.node)}
+            puts[rank] += len(groups) + 1  # each group's zarr.json, the root's
+            manifest = Manifest(entries=entries, saved_world_size=world)
+            copies = {group: encoded_copy(group_metadata()) for group in groups}
+            copies.update((s.node, encoded_copy(array_metadata(s.layout, s.data_type, s.itemsize,
+                                                               {"dcp_zarr": {"fqn": fqn}}, node=s.node)))
+                          for fqn, s in specs.items())
+            saved = {"manifest": manifest, "layouts": specs,
+                     "root_bytes": len(encoded_root(group_metadata({"dcp_zarr": manifest.to_json()}), copies))}
+    save_s = time.perf_counter() - started
+    manifest, specs, metadata = saved["manifest"], saved["layouts"], dcp_metadata(saved["manifest"])
+    readers = [0] if collective else range(world)  # the coordinator reads the root and broadcasts it
+    gets, get_bytes = Counter({r: 1 for r in readers}), Counter({r: saved["root_bytes"] for r in readers})
+    shared = digest = None
+    started = time.perf_counter()
+    for rank in _fake_ranks(world):
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(rank_state(layout, world, arrays, shape), metadata, rank == 0)
+        items = planner.create_local_plan().items
+        needs, _ = rank_needs(items, planner.state_dict, lambda key: key, group_rank_of(None))
+        mine = needs_digest(needs, world, (below, DEFAULT_EXCHANGE_BYTES))
+        if shared is None:
+            digest = mine
+            shared = SharedReads(needs if collective else {}, manifest.entries, world, below, DEFAULT_EXCHANGE_BYTES)
+        if mine != digest:
+            raise AssertionError(f"rank {rank}'s needs differ from rank 0's: a real load would read alone")
+        regions = [(specs[u.key[0]].layout, *shared.info[u.key].box) for units in shared.rounds for u in units
+                   if u.owner == rank]
+        regions += [(specs[i.storage_index.fqn].layout, [a + b for a, b in zip(i.storage_index.offset,
+                     i.storage_offsets)], i.lengths) for i in items if not shared.shared(i.dest_index.fqn)]
+        for region in regions:
+            n, b = _gets(*region)
+            gets[rank] += n
+            get_bytes[rank] += b
+    tensor_bytes = arrays * math.prod(shape) * 4
+    return {"layout": layout, "world_size": world, "arrays": arrays, "shape": list(shape), "collective": collective,
+            "puts_per_save": sum(puts.values()), "put_bytes": sum(put_bytes.values()),
+            "gets_per_load": sum(gets.values()), "get_bytes": sum(get_bytes.values()),
+            "read_x": sum(get_bytes.values()) / tensor_bytes, "most_requests": 2 * arrays + 8 + 4 * world,
+            "most_puts_on_a_rank": max(puts.values()), "most_gets_on_a_rank": max(gets.values()),
+            "simulated_save_s": round(save_s, 2), "simulated_load_s": round(time.perf_counter() - started, 2)}
+
+
+def simulate_report(worlds: list[int], arrays: int, shape: tuple[int, ...]) -> tuple[dict, str]:
+    rows, lines = [], []
+    for layout in LAYOUTS:
+        for world in worlds:
+            if layout != "hsdp" or world % 2 == 0:
+                on, off = simulate(layout, world, arrays, shape), simulate(layout, world, arrays, shape, False)
+                rows += [on, off]
+                print(on, off, sep="\n", flush=True)
+                lines.append([layout, f"{world:,}", f"{on['puts_per_save']:,}", f"{off['puts_per_save']:,}",
+                              f"{on['gets_per_load']:,}", f"{off['gets_per_load']:,}", f"{on['most_requests']:,}",
+                              f"{on['read_x']:.3f}", f"{off['read_x']:.2f}"])
+    text = (f"Simulated: {arrays} fp32 arrays of {'x'.join(map(str, shape))} on an object store (dcp_zarr's defaults "
+            "there), requests summed over every rank; `without`: the same job without collective I/O "
+            "(aggregate_below=0, read_once=False). `limit`: 2 x arrays + 8 + 4 x ranks (issue 25); `read x`: bytes "
+            "read per load over the tensors' bytes, the root zarr.json included.\n\n")
+    return {"rows": rows}, text + h.table(["layout", "ranks", "PUTs per save", "without", "GETs per load", "without",
+                                           "limit", "read x", "without"], lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world-sizes", help="comma-separated (default 2,4,8; 2 with --model)")
+    p.add_argument("--latency-ms", default="0,20", help="comma-separated added latencies (default 0,20)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--arrays", type=int, default=240)
+    p.add_argument("--shape", default="96x40")
+    p.add_argument("--model", action="store_true", help="the FSDP2 model's state instead of the arrays")
+    p.add_argument("--layers", type=int, default=8, help="--model's blocks (default 8: the 2 GB model)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--quick", action="store_true", help="--model: a 16 MB model, 1 repeat")
+    p.add_argument("--local-dir", help="a local directory to measure too ('' for none; default: one on tmpfs, "
+                   "none with --model)")
+    p.add_argument("--off", action="store_true", help="also dcp_zarr without collective I/O (zarr-off)")
+    p.add_argument("--backends", default="s3fs", help="dcp_zarr's S3 clients: s3fs (a URL), obstore (store=)")
+    p.add_argument("--zarr-threads", type=int, default=4)
+    p.add_argument("--fsspec-threads", type=int, default=4)
+    p.add_argument("--simulate", help="world sizes to simulate instead, as 8,64,256,1024")
+    p.add_argument("--out", help="result JSON (default benchmarks/results/storage_traffic.json)")
+    args = p.parse_args(argv)
+    if set(args.backends.split(",")) - set(BACKENDS):
+        p.error(f"--backends takes {', '.join(BACKENDS)}")
+    args.world_sizes = args.world_sizes or ("2" if args.model else "2,4,8")
+    args.repeats = 1 if args.quick else args.repeats
+    if args.local_dir is None:
+        args.local_dir = "" if args.model else os.path.join(h.SCRATCH, "dcp-zarr-traffic")
     if args.simulate:
-        from traffic_simulation import simulate_report
-
-        report = simulate_report([int(w) for w in args.simulate.split(",")], args.arrays,
-                                 tuple(int(n) for n in args.shape.split("x")))
-        text = report.pop("markdown")
-    else:
-        if args.local:
-            os.makedirs(args.local, exist_ok=True)
-        runs = serve_and_launch(args)
-        report = {"stamp": stamp(), "arrays": args.arrays, "shape": args.shape, "runs": runs}
-        text = markdown(report)
-        if args.local:
-            shutil.rmtree(args.local, ignore_errors=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-        f.write(text)
-    print(text)
-    return 0
+        shape = tuple(int(n) for n in args.shape.split("x"))
+        result, text = simulate_report([int(w) for w in args.simulate.split(",")], args.arrays, shape)
+        h.write_result("storage_traffic", args.out, result, text)
+        return
+    server = s3_server.S3Server()
+    server.make_bucket(BUCKET)
+    if args.local_dir:
+        os.makedirs(args.local_dir, exist_ok=True)
+    try:
+        runs = [h.spawn(measure, int(ws), args, server.endpoint)[0] for ws in args.world_sizes.split(",")]
+    finally:
+        server.stop()
+        if args.local_dir:
+            shutil.rmtree(args.local_dir, ignore_errors=True)
+    result = {**{k: getattr(args, k) for k in ("model", "arrays", "shape", "repeats", "backends")},
+              "runs": runs}
+    h.write_result("storage_traffic", args.out, result, markdown(result))
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.collective.load_call import dcp_load_wrapper
 from dcp_zarr.storage import LocalStorage
+from dcp_zarr.testing.shardings import in_layout
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 from tests.support.ranks import run_ranks
-from tests.support.shardings import in_layout
 
 pytestmark = [pytest.mark.distributed]
 

@@ -106,14 +106,19 @@ def test_the_error_is_exported():
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_the_cost_benchmark_runs(tmp_path):
+    """What the check costs a save: benchmarks.checkpoint_throughput with ZarrWriter's three modes as kinds."""
+    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "replica_check.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    kinds = [f"zarr-dcp:check_replicas={mode}" for mode in ("none", "small", "all")]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), "--quick", "--target", str(tmp_path / "r")],
-                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+                           "-m", "benchmarks.checkpoint_throughput", "--quick", "--repeats", "1", "--kinds",
+                           ",".join(kinds), "--target", str(tmp_path), "--out", str(tmp_path / "r.json")],
+                          cwd=Path(__file__).resolve().parents[1], env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(f"check_replicas='{mode}'" in proc.stdout for mode in ("none", "small", "all")), proc.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert all(f"save/{kind}" in result["measurements"] for kind in kinds) and all(result["checks"].values())

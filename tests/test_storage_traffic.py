@@ -4,20 +4,25 @@ most 1.1x the tensors' bytes, for FSDP, HSDP and DDP layouts of small tensors (p
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
+from dcp_zarr.testing.shardings import in_layout
 from tests.support.compare import assert_state_equal
 from tests.support.ranks import run_ranks
-from tests.support.shardings import in_layout
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.s3,
               pytest.mark.usefixtures("aws_environment")]
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 4
 ARRAYS = 48
 SHAPE = (96, 40)  # fp32: 15 KB an array, about 4 KB a rank
@@ -56,38 +61,35 @@ def test_an_object_store_serves_two_requests_an_array_and_each_byte_once(s3, lay
     assert loaded.bytes_out <= 1.1 * tensor_bytes, (loaded.bytes_out, tensor_bytes)
 
 
-def test_the_simulation_counts_the_same_requests_from_the_plans_at_more_ranks():
-    """traffic_simulation.py (what the report's 1,024-rank figures come from) on a small job: collective I/O's
-    requests within the limit for every layout, and without it one per rank's piece."""
-    import sys
-    from pathlib import Path
+def run_benchmark(tmp_path, *args: str) -> dict:
+    out = tmp_path / "traffic.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.storage_traffic", *args, "--out", str(out)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from traffic_simulation import simulate
 
+def test_the_simulation_counts_the_same_requests_from_the_plans_at_more_ranks(tmp_path):
+    """--simulate (what the report's 1,024-rank figures come from) on a small job: collective I/O's requests within
+    the limit for every layout, and without it one per rank's piece."""
+    rows = run_benchmark(tmp_path, "--simulate", "16", "--arrays", "12", "--shape", "256x64")["rows"]
+    by = {(r["layout"], r["collective"]): r for r in rows}
     for layout in ("fsdp", "hsdp", "ddp"):
-        row = simulate(layout, 16, 12, (256, 64))
+        row = by[(layout, True)]
         assert row["puts_per_save"] == 2 * 12 + 1 and row["gets_per_load"] == 12 + 1, row
         assert row["read_x"] <= 1.1, row
-    without = simulate("fsdp", 16, 12, (256, 64), collective=False)
+    without = by[("fsdp", False)]
     assert without["puts_per_save"] == 12 * 16 + 12 + 1 and without["gets_per_load"] == 16 * 12 + 16, without
 
 
 def test_the_benchmark_runs_end_to_end_and_counts_at_the_server(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "traffic.json"
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "storage_traffic.py"), "--world-sizes", "2",
-                           "--latency-ms", "0", "--repeats", "1", "--arrays", "6", "--off", "--local-dir",
-                           str(tmp_path / "local"), "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["runs"][0]["rows"]
-    by = {(r["layout"], r["storage"], r["kind"], r["op"]): r for r in rows}
+    report = run_benchmark(tmp_path, "--world-sizes", "2", "--latency-ms", "0", "--repeats", "1", "--arrays", "6",
+                           "--off", "--local-dir", str(tmp_path / "local"))
+    rows = report["runs"][0]["rows"]
+    by = {(r["state"], r["storage"], r["kind"], r["op"]): r for r in rows}
     assert by[("fsdp", "s3", "zarr", "save")]["requests"]["PUT"] == 2 * 6 + 1
     assert by[("ddp", "s3", "zarr", "load")]["requests"]["GET"] == 6 + 1
     assert by[("ddp", "s3", "zarr-off", "load")]["requests"]["GET"] == 2 * (6 + 1)  # every rank reads everything
+    assert by[("fsdp", "local", "fs", "save")]["requests"]["writes"] > 0
     assert (tmp_path / "traffic.md").read_text().count("| 2 |") == len(rows) // 2
+    assert report["stamp"]["commit"] in (tmp_path / "traffic.md").read_text()

@@ -1,6 +1,6 @@
-"""Shardings of test states: the FSDP, HSDP and DDP layouts of a state dict (the collective I/O tests), and random
-shardings (tests/test_property_roundtrip.py): a rank program that saves DTensors placed one way and loads them
-placed another. Here, not in the test modules, so that rank processes need not import hypothesis."""
+"""Random shardings (tests/test_property_roundtrip.py): a rank program that saves DTensors placed one way and loads
+them placed another. Here, not in the test module, so that rank processes need not import hypothesis. (The FSDP, HSDP
+and DDP layouts of a state dict are dcp_zarr.testing.shardings'.)"""
 
 from __future__ import annotations
 
@@ -11,23 +11,7 @@ from dcp_zarr import ZarrSavePlanner
 from tests.support.compare import assert_state_equal
 from tests.support.states import random_bits
 
-__all__ = ["full_tensor", "in_layout", "save_and_reload_sharded"]
-
-
-def in_layout(layout: str, world_size: int, full: dict[str, torch.Tensor]) -> dict:
-    """The state dict a rank of ``layout`` holds: "fsdp" (Shard(0) over every rank), "hsdp" ((Replicate, Shard(0)) on
-    a (2, world_size / 2) mesh) or "ddp" (plain tensors, each rank a copy); scalars are replicated."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    if layout == "ddp":
-        return {k: v.clone() for k, v in full.items()}
-    if layout == "fsdp":
-        mesh, placements = init_device_mesh("cpu", (world_size,)), [Shard(0)]
-    else:
-        mesh, placements = init_device_mesh("cpu", (2, world_size // 2)), [Replicate(), Shard(0)]
-    return {k: distribute_tensor(v, mesh, placements if v.dim() else [Replicate()] * mesh.ndim)
-            for k, v in full.items()}
+__all__ = ["full_tensor", "save_and_reload_sharded"]
 
 
 def full_tensor(spec: dict) -> torch.Tensor:

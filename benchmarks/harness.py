@@ -1,0 +1,633 @@
+"""What every benchmark shares: the stamp each result carries, how ranks start, how an operation is timed across
+ranks, and the states and writer kinds measured. (The loopback S3 server and the FSDP, HSDP and DDP layouts are
+dcp_zarr.testing's, shared with the tests.) Nothing here imports dcp_zarr at import time: DCP's own writer can be
+measured where dcp_zarr does not import.
+
+Every result is written by ``write_result``: JSON and a Markdown table beside it, both stamped (``stamp``) with the
+commit and whether the tree differed from it, a digest of dcp_zarr's sources, torch, zarr and Python versions, the
+machine (CPUs, kernel), the date and the command. Where the tree has no .git (a copy on a lent machine), the commit
+comes from ``BENCH_COMMIT``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import hashlib
+import importlib
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # tmpfs: the default target
+GB = 1e9
+CPU = torch.device("cpu")
+
+# --------------------------------------------------------------------------------------------------------------------
+# The stamp and the results
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
+def stamp() -> dict[str, Any]:
+    """What a result was measured with (see the module's docstring)."""
+    commit, dirty = os.environ.get("BENCH_COMMIT"), None
+    if not commit:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if Path(_git("rev-parse", "--show-toplevel")).resolve() == REPO:  # not some other repository's tree
+                commit, dirty = _git("rev-parse", "--short", "HEAD"), bool(_git("status", "--porcelain"))
+    sources = hashlib.blake2b(digest_size=8)  # which library code ran, when it is not a commit's
+    for path in sorted((REPO / "dcp_zarr").rglob("*.py")):
+        sources.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    import zarr
+
+    return {"commit": commit or "unknown (no git here: set BENCH_COMMIT)", "dirty": dirty,
+            "dcp_zarr_sources": sources.hexdigest(), "torch": torch.__version__, "zarr": zarr.__version__,
+            "python": platform.python_version(), "nproc": os.cpu_count(), "kernel": platform.release(),
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join(["python", *sys.orig_argv[1:]])}
+
+
+def stamp_line(s: dict[str, Any]) -> str:
+    dirty = {True: " (tree differs from it)", False: "", None: ""}[s["dirty"]]
+    return (f"commit {s['commit']}{dirty}, dcp_zarr sources {s['dcp_zarr_sources']}, torch {s['torch']}, zarr "
+            f"{s['zarr']}, Python {s['python']}, {s['nproc']} CPUs, kernel {s['kernel']}, {s['date']}: "
+            f"`{s['command']}`")
+
+
+def table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def write_result(name: str, out: str | None, result: dict[str, Any], text: str = "") -> dict[str, Any]:
+    """``result`` stamped, as JSON at ``out`` (default benchmarks/results/NAME.json) and ``text`` (Markdown) beside
+    it under the stamp's line; the text is printed. Returns the stamped result."""
+    result = {"stamp": stamp(), **result}
+    path = Path(out or RESULTS / f"{name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    text = f"{name}, {stamp_line(result['stamp'])}\n\n{text}".rstrip() + "\n"
+    path.with_suffix(".md").write_text(text)
+    print(text + f"\nwrote {path} and {path.with_suffix('.md')}", flush=True)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Ranks: a torchrun job (or one process), or rank processes spawned from this one
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int
+    world_size: int
+    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors, with gloo beside it for async saves)
+    device: torch.device
+    mesh: Any  # a 1-d DeviceMesh over every rank
+
+
+def init_ranks(backend: str = "gloo") -> Ranks:
+    """Join the torchrun job's process group, or make a 1-process group when no torchrun variables are set."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(
+            _free_port()))
+    timeout = datetime.timedelta(minutes=30)  # a checkpoint of several GB on a slow disk keeps ranks apart long
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise SystemExit("--backend nccl needs CUDA, and torch.cuda.is_available() is False")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    world = dist.get_world_size()
+    return Ranks(dist.get_rank(), world, backend, device, init_device_mesh(device.type, (world,)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def end(code: int = 0) -> None:
+    """End the process without Python's finalization: gloo's threads can still hold the tensors of the last
+    collective, and releasing them in a finalizing interpreter aborts it (pytorch #190489; docs/usage.md)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def on_ranks(name: str, out: str | None, program: Callable[[Ranks], tuple[dict, str] | None],
+             backend: str = "gloo") -> None:
+    """Run ``program`` on every rank (the torchrun job, or this process alone); rank 0 writes the (result, text) it
+    returns, if any, with ``write_result``. Ends the process: 0; 3 if one of the result's ``checks`` failed; 1 after
+    printing any rank's exception."""
+    code = 0
+    try:
+        ranks = init_ranks(backend)
+        returned = program(ranks)
+        if returned is not None and ranks.rank == 0:
+            write_result(name, out, *returned)
+        code = 0 if returned is None or all(returned[0].get("checks", {}).values()) else 3
+        dist.barrier()  # nobody tears the group down while rank 0 is still writing
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    end(code)
+
+
+def gather(value: Any) -> list[Any]:
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+# The forkserver imports these once; every rank is then a fork of it. torch._dynamo: fully_shard and DTensor import
+# it lazily, about 1.4 s per rank otherwise.
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "dcp_zarr",
+            "benchmarks.harness"]
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800) -> list[Any]:
+    """``fn(ranks, *args)`` on ``world_size`` fresh processes joined in a gloo group on 127.0.0.1, forked from one
+    forkserver that imported torch and dcp_zarr; returns each rank's result, or raises RuntimeError carrying the
+    failed ranks' tracebacks. ``fn`` is a module-level function of a benchmarks module."""
+    module = fn.__module__ if fn.__module__ != "__main__" else sys.modules["__main__"].__spec__.name
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    processes, conns, outcomes = [], {}, {}
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_rank_entry, name=f"rank{rank}",
+                                  args=((module, fn.__qualname__), rank, world_size, store.port, writer, args))
+            process.start()
+            writer.close()
+            processes.append(process)
+            conns[reader] = rank
+        deadline = time.monotonic() + timeout
+        while conns and time.monotonic() < deadline:
+            for conn in multiprocessing.connection.wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
+                rank = conns.pop(conn)
+                try:
+                    outcomes[rank] = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    outcomes[rank] = ("died", "exited without reporting")
+                if outcomes[rank][0] != "ok":  # the others are likely blocked in a collective that never ends
+                    deadline = min(deadline, time.monotonic() + 3)
+        for rank in conns.values():
+            outcomes[rank] = ("hung", f"still running after {timeout} s, or after another rank failed")
+    finally:
+        for process in processes:
+            process.join(10)
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)  # the rank and anything it started
+                process.join()
+        del store
+    failed = {r: o for r, o in sorted(outcomes.items()) if o[0] != "ok"}
+    if failed:
+        raise RuntimeError(f"{fn.__qualname__} on {world_size} ranks: ranks {sorted(failed)} failed\n" + "\n".join(
+            f"----- rank {r}: {kind} -----\n{detail}" for r, (kind, detail) in failed.items()))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def _rank_entry(target: tuple[str, str], rank: int, world_size: int, port: int, conn, args: tuple) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.setpgrp()
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    try:
+        fn = getattr(importlib.import_module(target[0]), target[1])
+        timeout = datetime.timedelta(minutes=30)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        ranks = Ranks(rank, world_size, "gloo", torch.device("cpu"), init_device_mesh("cpu", (world_size,)))
+        outcome: tuple[str, Any] = ("ok", fn(ranks, *args))
+    except BaseException:
+        outcome = ("raised", traceback.format_exc())
+    conn.send_bytes(pickle.dumps(outcome))
+    conn.close()
+    end(0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Timing: regions between barriers, the slowest rank's time; kinds in rotating order; medians
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def quiesce(device: torch.device) -> None:
+    """Start a timed region from rest: garbage collected, device idle, nothing dirty in the page cache (else the
+    write-back of what ran before, another kind's files or their deletion, lands in this measurement)."""
+    gc.collect()
+    _synchronize(device)
+    dist.barrier()
+    os.sync()
+    dist.barrier()
+
+
+def timed(fn: Callable[[], Any], device: torch.device = CPU) -> tuple[float, list[float], Any]:
+    """Run ``fn`` on every rank between barriers (device work waited for inside): (the slowest rank's seconds,
+    every rank's, ``fn``'s result on this rank)."""
+    quiesce(device)
+    start = time.perf_counter()
+    result = fn()
+    _synchronize(device)
+    elapsed = time.perf_counter() - start
+    dist.barrier()
+    per_rank = gather(elapsed)
+    return max(per_rank), per_rank, result
+
+
+def timed_async(start_save: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    """Time ``dcp.async_save``: (the slowest rank's seconds until the call returned, until its future resolved). No
+    collective runs between the two: the background save uses the default group."""
+    quiesce(device)
+    start = time.perf_counter()
+    response = start_save()
+    blocking = time.perf_counter() - start
+    getattr(response, "upload_completion", response).result()
+    total = time.perf_counter() - start
+    dist.barrier()
+    return max(gather(blocking)), max(gather(total))
+
+
+def rotated(kinds: list[Any] | tuple[Any, ...], turn: int) -> list[Any]:
+    """``kinds`` starting at ``turn``: no kind always runs first (a cold allocator, caches, the CPU's clock)."""
+    shift = turn % len(kinds)
+    return list(kinds[shift:]) + list(kinds[:shift])
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+class PeakRss:
+    """This process's peak RSS beyond its RSS at the start (``extra_bytes``), sampled every ``interval_s`` in a
+    thread. A sampler competes for the GIL with what it watches: use it in untimed runs, or coarsely."""
+
+    def __init__(self, interval_s: float = 0.001):
+        import psutil
+
+        self.process, self.interval_s, self.stop = psutil.Process(), interval_s, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.baseline = self.peak = 0
+
+    def _sample(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __enter__(self) -> PeakRss:
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # glibc's free heap back to the OS: a clean baseline
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.baseline = self.peak = self.process.memory_info().rss
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def extra_bytes(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
+def footprint(path: str) -> dict[str, int]:
+    """Files, directories (``path`` included) and bytes under ``path``: the metadata work a disk charges for."""
+    files = directories = size = 0
+    for directory, _, names in os.walk(path):
+        directories += 1
+        files += len(names)
+        size += sum(os.path.getsize(os.path.join(directory, name)) for name in names)
+    return {"files": files, "directories": directories, "bytes": size}
+
+
+def evict_page_cache(path: str) -> None:
+    """Drop the files' clean pages from the page cache (no root needed; a no-op on tmpfs)."""
+    for directory, _, names in os.walk(path):
+        for name in names:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# States: an FSDP2 transformer with AdamW state, and walks over state dicts
+# --------------------------------------------------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: int = 8
+    hidden: int = 1024
+    vocab: int = 32000  # these defaults: a 2.0 GB fp32 state dict with AdamW state
+    dtype: str = "float32"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Block(nn.Module):
+    """Pre-norm attention + MLP: about 12 x hidden**2 parameters."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.heads = hidden // 64 if hidden % 64 == 0 else 1
+        self.attn_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class _TransformerLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList(_Block(cfg.hidden) for _ in range(cfg.layers))
+        self.norm, self.head = nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` of the model FSDP2-sharded on ``mesh`` after one AdamW step; built on the
+    meta device and materialised shard by shard, so no rank ever holds the whole model."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = _TransformerLM(cfg).to(DTYPES[cfg.dtype])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    generator = torch.Generator().manual_seed(seed + dist.get_rank())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                local(param).fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                local(param).copy_(torch.randn(local(param).shape, generator=generator) * 0.02)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(cfg.vocab, (2, 17), device=device)
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def leaves(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (dict, list, tuple)):
+        for value in tree.values() if isinstance(tree, dict) else tree:
+            yield from leaves(value)
+
+
+def local_bytes(tree: Any) -> int:
+    """Bytes this rank holds: local shards and plain tensors."""
+    return sum(local(t).numel() * t.element_size() for t in leaves(tree))
+
+
+def global_bytes(tree: Any) -> int:
+    """Bytes of the state dict unsharded: DTensors at their global size, plain tensors once."""
+    return sum(t.numel() * t.element_size() for t in leaves(tree))
+
+
+def zeroed(tree: Any) -> Any:
+    """A state dict of the same sharding to load into, zero-filled, so that a load that skips data shows."""
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {key: zeroed(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(zeroed(value) for value in tree)
+    return tree
+
+
+def fill_zeros(tree: Any) -> None:
+    with torch.no_grad():
+        for tensor in leaves(tree):
+            local(tensor).zero_()
+
+
+def equal(a: Any, b: Any) -> bool:
+    """The same structure, local tensor bytes and other leaves, on this rank."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and local(a).dtype == local(b).dtype
+                and local(a).shape == local(b).shape and torch.equal(local(a), local(b)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writer kinds: dcp.save and dcp.load with each, and raw I/O of the same bytes
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
+    """``zarr-dcp:check_replicas=none:aggregate_below=0`` -> ("zarr-dcp", {"check_replicas": "none", ...}): a kind and
+    the options its ZarrWriter and ZarrReader take (each passes on those it knows)."""
+    kind, *options = spec.split(":")
+    parsed = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        parsed[key] = int(value) if value.lstrip("-").isdigit() else {"True": True, "False": False}.get(value, value)
+    return kind, parsed
+
+
+_READER_ONLY = ("read_once", "read_once_below")
+_READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
+
+
+def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None) -> None:
+    """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner, the README's way), ``zarr-dcp``
+    (ZarrWriter planned by DCP's default planner), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec``
+    (DCP's FsspecWriter); ``threads`` is each writer's thread count (None: its default)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    kind, options = parse_kind(spec)
+    counts = {} if threads is None else {"thread_count": threads}
+    planner = None
+    if kind in ("zarr", "zarr-dcp"):
+        from dcp_zarr import ZarrSavePlanner, ZarrWriter
+
+        options = {k: v for k, v in options.items() if k not in _READER_ONLY}
+        writer: Any = ZarrWriter(path, storage_options=storage_options, **counts, **options)
+        planner = ZarrSavePlanner() if kind == "zarr" else None
+    elif kind == "fs":
+        writer = FileSystemWriter(path, sync_files=True, **counts)
+    elif kind == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        writer = FsspecWriter(path, sync_files=False, **counts, **(storage_options or {}))
+    else:
+        raise ValueError(f"unknown writer kind {spec!r}")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=writer, planner=planner)
+
+
+def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None) -> None:
+    """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader and FsspecReader have no thread count)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    kind, options = parse_kind(spec)
+    if kind in ("zarr", "zarr-dcp"):
+        from dcp_zarr import ZarrReader
+
+        options = {k: v for k, v in options.items() if k in _READER_OPTIONS}
+        reader: Any = ZarrReader(path, storage_options=storage_options,
+                                 **({} if threads is None else {"thread_count": threads}), **options)
+    elif kind == "fs":
+        reader = FileSystemReader(path)
+    elif kind == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(path, **(storage_options or {}))
+    else:
+        raise ValueError(f"unknown reader kind {spec!r}")
+    dcp.load(target, storage_reader=reader)
+
+
+def _raw_plan(state: Any, threads: int) -> list[list[tuple[torch.Tensor, int]]]:
+    """This rank's tensors at their offsets in one file, largest first, each to the thread with the fewest bytes."""
+    tensors = sorted(leaves(state), key=lambda t: -local(t).numel() * t.element_size())
+    buckets: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(max(1, threads))]
+    loads, offset = [0] * len(buckets), 0
+    for tensor in tensors:
+        size = local(tensor).numel() * tensor.element_size()
+        least = loads.index(min(loads))
+        buckets[least].append((tensor, offset))
+        loads[least] += size
+        offset += size
+    return buckets
+
+
+def _host_view(tensor: torch.Tensor) -> torch.Tensor:
+    return local(tensor).detach().reshape(-1).view(torch.uint8)  # uint8: numpy has no bfloat16
+
+
+def write_raw(state: Any, path: str, threads: int = 4) -> None:
+    """Raw I/O, the storage's limit: this rank's local tensor bytes (copied to host first, for CUDA tensors) written
+    back to back into one file with ``os.pwrite`` from ``threads`` threads, then fsync. No format, no planning."""
+
+    def write(bucket: list[tuple[torch.Tensor, int]]) -> None:
+        for tensor, offset in bucket:
+            data = memoryview(_host_view(tensor).cpu().numpy())
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(write, _raw_plan(state, threads)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_raw(target: Any, path: str, threads: int = 4) -> None:
+    """Raw I/O back: ``write_raw``'s file read into ``target``'s local tensors (of the same sharding)."""
+
+    def read(bucket: list[tuple[torch.Tensor, int]]) -> None:
+        for tensor, offset in bucket:
+            view = _host_view(tensor)
+            host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
+            buffer = memoryview(host.numpy())
+            while buffer:
+                got = os.preadv(fd, [buffer], offset)
+                if not got:
+                    raise EOFError(f"{path} ends at {offset}")
+                buffer, offset = buffer[got:], offset + got
+            if host is not view:
+                view.copy_(host)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(read, _raw_plan(target, threads)))
+    finally:
+        os.close(fd)
+
+
+def remove_s3(url: str, storage_options: dict) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=storage_options["key"],
+                      secret=storage_options["secret"], endpoint_url=storage_options["endpoint_url"]).rm(
+        url, recursive=True)
