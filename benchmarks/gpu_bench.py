@@ -221,7 +221,7 @@ class GpuBench:
     def run(self) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor, Shard
 
-        from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES
+        from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 
         device, cuda = self.ranks.device, self.ranks.device.type == "cuda"
         generator = torch.Generator(device=device).manual_seed(0)

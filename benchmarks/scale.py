@@ -48,9 +48,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 
 from benchmarks import harness as h
-from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, replicas
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.format.manifest import Manifest
-from dcp_zarr.local_plan.protocol import REPORT_FQN, RankReport, check_summaries
+from dcp_zarr.planning import replicas
+from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, check_summaries
 
 HIDDEN, LOAD_WORLD_SIZE = 4096, 128
 _PROPS = TensorProperties(dtype=torch.bfloat16)
@@ -285,7 +286,7 @@ def scaled_dcp_wire(exact: dict, tensors, layout: str, world: int) -> dict:
 # -- dcp_zarr's ranks planned for real, on torch's fake process group --------------------------------------------------
 
 # Module-level caches of dcp_zarr's planning, beside its functools caches: emptied for a restarted process's first save
-_PLAN_CACHES = {"dcp_zarr.local_plan.save": "_recent_plans", "dcp_zarr.local_plan.entries": "_positions_made"}
+_PLAN_CACHES = {"dcp_zarr.planning.local_save": "_recent_plans", "dcp_zarr.placement.holdings": "_positions_made"}
 
 
 def clear_caches() -> None:
@@ -298,7 +299,7 @@ def clear_caches() -> None:
                     value.cache_clear()
     for module_name, attribute in _PLAN_CACHES.items():
         cache = getattr(sys.modules.get(module_name), attribute, None)
-        cache = getattr(cache, "_plans", cache)  # save.py's _RecentPlans keeps an OrderedDict
+        cache = getattr(cache, "_plans", cache)  # planning/local_save.py's _RecentPlans keeps an OrderedDict
         if hasattr(cache, "clear"):
             cache.clear()
         else:

@@ -275,7 +275,7 @@ def rank_state(layout: str, world: int, arrays: int, shape: tuple[int, ...]) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from dcp_zarr.local_plan.boxes import dtensor_local_box
+    from dcp_zarr.placement.boxes import dtensor_local_box
 
     if layout == "ddp":
         return {f"layers.{i}.weight": torch.empty(shape, device="meta") for i in range(arrays)}
@@ -327,13 +327,13 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr import ZarrSavePlanner
     from dcp_zarr.collective.needs import needs_digest, rank_needs
     from dcp_zarr.collective.shared_reads import SharedReads
+    from dcp_zarr.format.chunk_layout import parent_groups
     from dcp_zarr.format.consolidated import encoded_copy, encoded_root
     from dcp_zarr.format.encoding import array_metadata, group_metadata
-    from dcp_zarr.format.layout import parent_groups
     from dcp_zarr.format.manifest import Manifest, TensorEntry
-    from dcp_zarr.local_plan.entries import group_rank_of
-    from dcp_zarr.local_plan.protocol import Ticket
-    from dcp_zarr.local_plan.save import LocalSave
+    from dcp_zarr.placement.holdings import group_rank_of
+    from dcp_zarr.planning.local_save import LocalSave
+    from dcp_zarr.planning.protocol import Ticket
     from dcp_zarr.reader import dcp_metadata
     from dcp_zarr.storage.base import Storage
     from dcp_zarr.writer import DEFAULT_EXCHANGE_BYTES

@@ -49,9 +49,9 @@ _LAZY = {
     "assert_step_present": "dcp_zarr.optim.checks",
     "CheckpointManager": "dcp_zarr.lifecycle.manager",
     "ZarrLoadPlanner": "dcp_zarr.optim.load_planner",
-    "ZarrSavePlanner": "dcp_zarr.local_plan.planner",
-    "Checkpoint": "dcp_zarr.checkpoint",
-    "open_checkpoint": "dcp_zarr.checkpoint",
+    "ZarrSavePlanner": "dcp_zarr.planning.save_planner",
+    "Checkpoint": "dcp_zarr.offline",
+    "open_checkpoint": "dcp_zarr.offline",
     "PrefixTolerantLoadPlanner": "dcp_zarr.optim.prefixes",
     "WrapperPrefixLoadMixin": "dcp_zarr.optim.prefixes",
     "strip_wrapper_prefixes": "dcp_zarr.optim.wrapper_names",
@@ -61,9 +61,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    from dcp_zarr.checkpoint import Checkpoint, open_checkpoint
     from dcp_zarr.lifecycle.manager import CheckpointManager
-    from dcp_zarr.local_plan.planner import ZarrSavePlanner
+    from dcp_zarr.offline import Checkpoint, open_checkpoint
     from dcp_zarr.optim.checks import assert_step_present
     from dcp_zarr.optim.load_planner import ZarrLoadPlanner
     from dcp_zarr.optim.prefixes import (
@@ -71,6 +70,7 @@ if TYPE_CHECKING:
         WrapperPrefixLoadMixin,
         strip_wrapper_prefixes,
     )
+    from dcp_zarr.planning.save_planner import ZarrSavePlanner
     from dcp_zarr.reader import ZarrReader
     from dcp_zarr.storage.retry import RetryPolicy
     from dcp_zarr.writer import ZarrWriter
@@ -78,11 +78,8 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
-    if module is None:
-        try:  # ``import dcp_zarr; dcp_zarr.checkpoint...`` worked when this package imported everything eagerly
-            return importlib.import_module(f"dcp_zarr.{name}")
-        except ModuleNotFoundError:
-            raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}") from None
+    if module is None:  # the public face is __all__; implementation modules are imported by their own names
+        raise AttributeError(f"module 'dcp_zarr' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # found once, then an ordinary attribute
     return value

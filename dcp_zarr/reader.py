@@ -3,7 +3,7 @@
 Data path: read_metadata (the root manifest, manifest.py -> DCP Metadata in which each tensor is one chunk, the
 global array) -> DCP plans which regions each rank needs: one read item per local shard and tensor, however many
 ranks saved it -> read_data (each rank reads only the chunks, or inner chunks, under its regions, concurrently,
-checking every checksum; chunk_io.py).
+checking every checksum; store_io/chunks.py).
 """
 
 from __future__ import annotations
@@ -30,20 +30,21 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.collective.load_call import dcp_load_wrapper
 from dcp_zarr.collective.needs import needs_digest, rank_needs
 from dcp_zarr.collective.read_rounds import read_shared
 from dcp_zarr.collective.shared_reads import SharedReads
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.entry_reader import stored_value, tensor_reader
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.format.dtypes import tensor_as_numpy, torch_dtype_from_name
-from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root, read_manifest, read_root
-from dcp_zarr.local_plan.entries import group_rank_of
-from dcp_zarr.scheduler import run_jobs
+from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root
+from dcp_zarr.format.torch_arrays import tensor_as_numpy, torch_dtype_from_name
+from dcp_zarr.placement.holdings import group_rank_of
 from dcp_zarr.storage import Storage, default_aggregate_below, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
+from dcp_zarr.store_io.chunks import RegionReader
+from dcp_zarr.store_io.entry_data import stored_value, tensor_reader
+from dcp_zarr.store_io.root_document import read_manifest, read_root
+from dcp_zarr.store_io.scheduler import run_jobs
 
 # A large region is read as concurrent row pieces of about this size (whole chunk rows each).
 _READ_PIECE_BYTES = 4 << 20

@@ -1,7 +1,7 @@
 """``ZarrWriter``: the ``torch.distributed.checkpoint`` StorageWriter that saves into a Zarr v3 store.
 
 Data path: prepare_local_plan (each rank: check keys and dtypes) -> prepare_global_plan (coordinator: node paths,
-chunk layouts, staging area; save_plan.py) -> write_data (each rank: its chunks, concurrently; chunk_io.py) ->
+chunk layouts, staging area; planning/dcp_plans.py) -> write_data (each rank: its chunks, concurrently; store_io/chunks.py) ->
 finish (coordinator: every zarr.json, the manifest last, then the commit; commit.py).
 """
 
@@ -22,34 +22,36 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_zarr import plan_cache, replicas
-from dcp_zarr.chunk_io import (
+from dcp_zarr.async_staging import WriterStaging
+from dcp_zarr.collective.aggregated_writes import write_aggregated
+from dcp_zarr.collective.transfer import Group
+from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UnsupportedModeError, UntrustedTypeWarning
+from dcp_zarr.format.array_spec import ArraySpec
+from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
+from dcp_zarr.format.consolidated import encoded_copy, encoded_root
+from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
+from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
+from dcp_zarr.format.optimizer_tables import tables_from_entries
+from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
+from dcp_zarr.format.torch_arrays import numpy_dtype, tensor_as_numpy, torch_dtype_name
+from dcp_zarr.format.values import NotJSONError, encode_value
+from dcp_zarr.planning import plan_cache, replicas
+from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
+from dcp_zarr.planning.local_save import LocalSave
+from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
+from dcp_zarr.planning.save_planner import RankState
+from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
+from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.chunks import (
     chunk_regions,
     chunks_of_box,
     inner_chunk_runs,
     write_chunk,
     write_inner_chunks,
 )
-from dcp_zarr.collective.aggregated_writes import write_aggregated
-from dcp_zarr.collective.transfer import Group
-from dcp_zarr.entry_reader import untrusted_types
-from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UnsupportedModeError, UntrustedTypeWarning
-from dcp_zarr.format.consolidated import encoded_copy, encoded_root
-from dcp_zarr.format.dtypes import numpy_dtype, tensor_as_numpy, torch_dtype_name
-from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
-from dcp_zarr.format.layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
-from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
-from dcp_zarr.format.values import NotJSONError, encode_value
-from dcp_zarr.local_plan.planner import RankState
-from dcp_zarr.local_plan.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
-from dcp_zarr.local_plan.save import LocalSave
-from dcp_zarr.optim.keys import tables_from_entries
-from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_specs_for_plans, assignments, node_paths
-from dcp_zarr.scheduler import run_jobs
-from dcp_zarr.staging import WriterStaging
-from dcp_zarr.storage import Storage, commit, default_aggregate_below, is_local, open_storage, store_objects
-from dcp_zarr.storage.retry import Retrying, RetryPolicy
+from dcp_zarr.store_io.entry_data import untrusted_types
+from dcp_zarr.store_io.scheduler import run_jobs
 from dcp_zarr.version import versions
 
 # A rank's rows of an array-spanning shard are written in runs of about this many bytes: one job each, so a large
@@ -68,7 +70,7 @@ _NO_COLLECTIVES = (
 class ZarrWriter(StorageWriter, WriterStaging):
     """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
 
-    With ``dcp.async_save`` the writer is also the stager (staging.py): the caller waits for a copy in host memory,
+    With ``dcp.async_save`` the writer is also the stager (async_staging.py): the caller waits for a copy in host memory,
     pinned when the state dict has CUDA tensors.
 
     Args:
@@ -140,7 +142,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._staging = ""
         self._world_size = 1
         self._local_items: dict = {}  # this rank's items before DCP's deduplication, by index (replicas.py)
-        self._local: LocalSave | None = None  # this rank's part of a ZarrSavePlanner save (local_plan/save.py)
+        self._local: LocalSave | None = None  # this rank's part of a ZarrSavePlanner save (planning/local_save.py)
         self._rank: int | None = None
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_values: dict = {}  # the coordinator's written values and object sizes (not sent to itself)

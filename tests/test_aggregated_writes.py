@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.collective import aggregated_writes
 from dcp_zarr.collective.aggregation import aggregated_layout
-from dcp_zarr.format.layout import ChunkLayout
+from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.storage.file_systems import file_system_type, is_shared
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
@@ -213,7 +213,7 @@ def test_writers_whose_options_differ_across_ranks_are_refused_before_anything_i
 
 def _aggregator_of_w(world_size: int) -> int:
     from dcp_zarr.collective.aggregation import plan_aggregation
-    from dcp_zarr.local_plan.entries import DTENSOR, Entry, Mesh, MeshSlice
+    from dcp_zarr.placement.holdings import DTENSOR, Entry, Mesh, MeshSlice
 
     mesh = MeshSlice.of_root(Mesh.of((world_size,), range(world_size)))
     entry = Entry("w", ("w",), "tensor", torch.float32, (8, 3), False, DTENSOR, mesh, (Shard(0),))

@@ -1,4 +1,4 @@
-"""chunk_io.py's pure part: which chunk keys and views a rank's box is cut into, and the runs of inner chunks a rank
+"""store_io/chunks.py's pure part: which chunk keys and views a rank's box is cut into, and the runs of inner chunks a rank
 writes into an array-spanning shard."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dcp_zarr.chunk_io import chunk_regions, chunks_of_box, inner_chunk_runs
-from dcp_zarr.format.layout import ChunkLayout
+from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.store_io.chunks import chunk_regions, chunks_of_box, inner_chunk_runs
 
 
 def test_a_row_block_is_cut_into_its_chunks_as_views_of_the_local_tensor():

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dcp_zarr.format.consolidated import KEY, encoded_copy, encoded_root
-from dcp_zarr.format.encoding import json_text
+from dcp_zarr.json_documents import json_text
 
 ROOT = {"zarr_format": 3, "node_type": "group", "attributes": {"dcp_zarr": {"entries": {"w": [1, 2]}}}}
 ARRAY = {"zarr_format": 3, "node_type": "array", "shape": [4, 2], "attributes": {"dcp_zarr": {"fqn": "a.w"}}}

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import CheckpointExistsError, IncompleteCheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
-from dcp_zarr.checkpoint import open_checkpoint
+from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.tools.convert import ConversionError, convert
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
 from dcp_zarr.tools.diff import diff_checkpoints

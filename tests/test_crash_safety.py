@@ -30,11 +30,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import CheckpointExistsError, MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrWriter
-from dcp_zarr.checkpoint import open_checkpoint
-from dcp_zarr.format.manifest import read_manifest
+from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage import LocalStorage
-from dcp_zarr.storage import commit as commit_module
-from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
+from dcp_zarr.store_io import commit as commit_module
+from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
+from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, load_program, save_program

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from dcp_zarr import UnsupportedModeError, ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.lifecycle.root import CheckpointRoot
-from dcp_zarr.storage import commit
+from dcp_zarr.store_io import commit
 from dcp_zarr.tools.cli import main as cli_main
 from tests.support.compare import assert_state_equal
 from tests.support.ranks import run_ranks

@@ -12,7 +12,7 @@ import tensorstore
 import torch
 import zarr
 
-from dcp_zarr.format.dtypes import (
+from dcp_zarr.format.torch_arrays import (
     UnsupportedDtypeError,
     numpy_as_tensor,
     numpy_dtype,
@@ -220,7 +220,7 @@ def test_big_endian_bfloat16_is_refused_not_misread(tmp_path):
 @pytest.mark.slow
 def test_importing_twice_keeps_the_data_types_registered():
     script = (
-        "import importlib, torch, zarr, dcp_zarr.format.dtypes as d; importlib.reload(d); importlib.reload(d);"
+        "import importlib, torch, zarr, dcp_zarr.format.torch_arrays as d; importlib.reload(d); importlib.reload(d);"
         "a = zarr.create_array(store={}, shape=(2,), dtype=d.numpy_dtype(torch.bfloat16));"
         "assert a.metadata.data_type.to_json(3) == 'bfloat16'"
     )

@@ -24,10 +24,10 @@ from fsspec.implementations.memory import MemoryFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
-from dcp_zarr.format.manifest import read_manifest
 from dcp_zarr.storage import LocalStorage, open_storage
 from dcp_zarr.storage import local as local_storage
-from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
+from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
+from dcp_zarr.store_io.root_document import read_manifest
 from tests.support.compare import assert_state_equal
 from tests.support.faults import CRASH_WRITER_OPTIONS, causes, crash_state, sharded_state
 from tests.support.ranks import Zygote

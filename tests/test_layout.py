@@ -1,4 +1,4 @@
-"""layout.py: node paths of state-dict keys, the chunk grid of a tensor from its saved boxes, and when one shard can
+"""format/chunk_layout.py: node paths of state-dict keys, the chunk grid of a tensor from its saved boxes, and when one shard can
 span the array."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dcp_zarr.errors import InvalidKeyError
-from dcp_zarr.format.layout import (
+from dcp_zarr.format.chunk_layout import (
     ChunkLayout,
     array_shard_layout,
     check_node_name,

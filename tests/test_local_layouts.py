@@ -1,5 +1,5 @@
 """A rank planning alone derives each array's chunk grid from its placements: exactly the grid that every rank's
-boxes give (format/layout.chunk_layout_for_boxes on DCP's deduplicated boxes), and who holds which box."""
+boxes give (format/chunk_layout.chunk_layout_for_boxes on DCP's deduplicated boxes), and who holds which box."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dcp_zarr.format.layout import array_shard_layout, chunk_layout_for_boxes
-from dcp_zarr.local_plan.boxes import dtensor_local_box
-from dcp_zarr.local_plan.entries import Mesh, MeshSlice
-from dcp_zarr.local_plan.layouts import dtensor_boxes, dtensor_layout
-from dcp_zarr.local_plan.writers import balanced, box_holders
+from dcp_zarr.format.chunk_layout import array_shard_layout, chunk_layout_for_boxes
+from dcp_zarr.placement.box_writers import balanced, box_holders
+from dcp_zarr.placement.boxes import dtensor_local_box
+from dcp_zarr.placement.chunk_grids import dtensor_boxes, dtensor_layout
+from dcp_zarr.placement.holdings import Mesh, MeshSlice
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]
 PLACEMENT_CHOICES = [Replicate(), Shard(0), Shard(1), Partial()]
@@ -139,7 +139,7 @@ def test_the_planner_s_write_items_are_dcp_s_on_every_rank():
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dcp_zarr.local_plan.planner import local_write_items
+    from dcp_zarr.planning.save_planner import local_write_items
 
     layouts = [(_StridedShard(0, split_factor=4), Shard(0)), (Replicate(), Shard(0)), (Shard(0), Shard(1)),
                (Shard(1), Shard(0)), (Shard(0), Shard(0))]

@@ -19,7 +19,7 @@ import torch
 from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrSavePlanner
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
-from dcp_zarr.storage.commit import STAGING_DIR, STAGING_MARK
+from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
 from tests.support.compare import assert_state_equal
 from tests.support.faults import crash_state, managed_save_program
 from tests.support.ranks import run_ranks

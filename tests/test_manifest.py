@@ -24,8 +24,8 @@ from dcp_zarr import (
     ZarrWriter,
     open_checkpoint,
 )
-from dcp_zarr.format import manifest as manifest_module
 from dcp_zarr.format.manifest import FORMAT_VERSION, Manifest, TensorEntry
+from dcp_zarr.store_io import root_document
 from dcp_zarr.tools.cli import main as dcp_zarr_cli
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, load_fresh, train_and_save
@@ -207,10 +207,10 @@ def test_oversized_manifest_is_refused_before_it_is_parsed(tmp_path, monkeypatch
     path = str(tmp_path / "ckpt")
     shutil.copytree(FORMAT1, path)
     size = os.path.getsize(os.path.join(path, "zarr.json"))
-    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", size - 1)
+    monkeypatch.setattr(root_document, "MAX_MANIFEST_BYTES", size - 1)
     with pytest.raises(MetadataTooLargeError, match="zarr.json is larger than"):
         ZarrReader(path).read_metadata()
-    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", size)
+    monkeypatch.setattr(root_document, "MAX_MANIFEST_BYTES", size)
     assert ZarrReader(path).read_metadata().state_dict_metadata
 
 
@@ -274,6 +274,7 @@ def test_reading_a_manifest_keeps_no_decoded_copies_and_leaves_the_collector_as_
     import gc
 
     from dcp_zarr.storage import open_storage
+    from dcp_zarr.store_io.root_document import read_manifest
 
     storage = open_storage(saved_at[4][0], read_only=True)
     for was_enabled in (True, False):
@@ -281,7 +282,7 @@ def test_reading_a_manifest_keeps_no_decoded_copies_and_leaves_the_collector_as_
         try:
             gc.collect()
             before = len(gc.get_objects())
-            manifest = manifest_module.read_manifest(storage)
+            manifest = read_manifest(storage)
             gc.collect()
             kept = len(gc.get_objects()) - before
             assert gc.isenabled() is was_enabled

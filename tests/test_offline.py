@@ -20,7 +20,7 @@ from dcp_zarr import (
     ZarrSavePlanner,
     ZarrWriter,
 )
-from dcp_zarr.checkpoint import open_checkpoint
+from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage.local import LocalStorage, OpenFile
 from tests.support.compare import assert_state_equal
 from tests.support.models import train_and_save

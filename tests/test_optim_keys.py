@@ -21,16 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from dcp_zarr import ParamTableMismatchError, ZarrLoadPlanner, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.errors import MalformedMetadataError
 from dcp_zarr.format.manifest import TensorEntry
-from dcp_zarr.optim.keys import (
-    FLATTENED,
-    FQN,
-    INT,
-    OptimizerTable,
-    find_optimizers,
-    shape_mismatches,
-    tables_from_entries,
-    translate,
-)
+from dcp_zarr.format.optimizer_tables import FLATTENED, FQN, INT, OptimizerTable, find_optimizers, tables_from_entries
+from dcp_zarr.optim.keys import shape_mismatches, translate
 from tests.support.compare import assert_state_equal
 from tests.support.models import make_model, make_optimizer, prime_optimizer, train_steps
 

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
-from dcp_zarr.checkpoint import open_checkpoint
+from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.tools.cli import main as cli_main
 from dcp_zarr.tools.verify import verify_checkpoint

@@ -30,9 +30,9 @@ from dcp_zarr import (
     ZarrSavePlanner,
     ZarrWriter,
 )
-from dcp_zarr.format.dtypes import numpy_as_tensor
-from dcp_zarr.staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
-from dcp_zarr.storage import commit
+from dcp_zarr.async_staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
+from dcp_zarr.format.torch_arrays import numpy_as_tensor
+from dcp_zarr.store_io import commit
 from tests.support.compare import assert_state_equal
 from tests.support.states import DTYPES, random_bits
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dcp_zarr.scheduler import run_jobs
+from dcp_zarr.store_io.scheduler import run_jobs
 
 
 class Tracker:

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
-from dcp_zarr.checkpoint import open_checkpoint
-from dcp_zarr.format.dtypes import tensor_as_numpy
+from dcp_zarr.format.torch_arrays import tensor_as_numpy
+from dcp_zarr.offline import open_checkpoint
 from tests.support.ranks import run_ranks
 from tests.support.states import DTYPES, random_bits
 
@@ -232,7 +232,7 @@ def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_d
     # zarr itself loaded only the torch-free data-type module (and the package it lives in), nothing of the save path
     assert set(report["modules"]) <= {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.version", "dcp_zarr.format",
                                       "dcp_zarr.format.zarr_dtypes",
-                                      "dcp_zarr.format.stored_dtypes"}  # the dtype table: numpy and ml_dtypes only
+                                      "dcp_zarr.format.dtype_table"}  # the dtype table: numpy and ml_dtypes only
     assert "dcp_zarr.format.zarr_dtypes" in report["modules"]
 
 

@@ -14,16 +14,15 @@ from functools import partial
 
 import torch
 
-from dcp_zarr.chunk_io import write_chunk
 from dcp_zarr.collective.aggregation import Aggregation, intersect, own_pieces, pieces
 from dcp_zarr.collective.transfer import Group, aligned, as_message, padded
-from dcp_zarr.format.dtypes import tensor_as_numpy
-from dcp_zarr.local_plan.boxes import Box
-from dcp_zarr.local_plan.entries import Entry
-from dcp_zarr.local_plan.exchange import Merged
-from dcp_zarr.save_plan import ArraySpec
-from dcp_zarr.scheduler import run_jobs
+from dcp_zarr.format.array_spec import ArraySpec
+from dcp_zarr.format.torch_arrays import tensor_as_numpy
+from dcp_zarr.placement.boxes import Box
+from dcp_zarr.placement.holdings import Entry, Merged
 from dcp_zarr.storage import Storage
+from dcp_zarr.store_io.chunks import write_chunk
+from dcp_zarr.store_io.scheduler import run_jobs
 
 Held = dict[str, list[tuple[Box, torch.Tensor]]]  # fqn -> this rank's non-empty boxes of it, with their data
 

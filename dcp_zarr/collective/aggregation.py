@@ -6,7 +6,7 @@ object stores throttle and parallel file systems serve worst. Its pieces travel 
 each block is one zarr chunk, written by its aggregator as one object: a shard of inner chunks when it is larger
 than an inner chunk, plain zarr v3 either way.
 
-Everything here is decided alike on every rank from the entries every rank agreed on (local_plan/), without a
+Everything here is decided alike on every rank from the entries every rank agreed on (placement/), without a
 message: the blocks and their aggregators (balanced by bytes over the world), the rank that sends each piece (one
 of the ranks holding it), and the rounds (rounds.py).
 """
@@ -22,12 +22,11 @@ from typing import NamedTuple
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.collective.rounds import Unit, pack_rounds
-from dcp_zarr.format.layout import ChunkLayout
-from dcp_zarr.local_plan.boxes import Box, dtensor_local_box
-from dcp_zarr.local_plan.entries import BOX, DTENSOR, SHARDS, TENSOR, Entry
-from dcp_zarr.local_plan.exchange import Merged
-from dcp_zarr.local_plan.layouts import box_at, dtensor_layout, shards_along
-from dcp_zarr.local_plan.writers import balanced, box_holders
+from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.placement.box_writers import balanced, box_holders
+from dcp_zarr.placement.boxes import Box, dtensor_local_box
+from dcp_zarr.placement.chunk_grids import box_at, dtensor_layout, shards_along
+from dcp_zarr.placement.holdings import BOX, DTENSOR, SHARDS, TENSOR, Entry, Merged
 
 
 class AggregatedArray(NamedTuple):
@@ -74,7 +73,7 @@ def aggregated_layout(shape: tuple[int, ...], itemsize: int, inner_chunk_bytes: 
 def plan_aggregation(entries: dict[str, Entry], world_size: int, below: int, inner_chunk_bytes: int,
                      block_bytes: int, merged: Merged | None = None) -> Aggregation:
     """The arrays of ``entries`` to aggregate and the rounds of their blocks; ``merged``: the plan of an exchange
-    (local_plan/exchange.py), when the ranks differed."""
+    (planning/exchange.py), when the ranks differed."""
     arrays: dict[str, AggregatedArray] = {}
     if below <= 0 or world_size < 2:
         return Aggregation(arrays, [])

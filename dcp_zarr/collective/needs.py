@@ -3,7 +3,7 @@
 A load's read items say what this rank needs; a region several ranks need, or a small piece of an object others
 read too, is read by one of them (shared_reads.py), which must know who needs what without being told. It can,
 where the need follows from what every rank holds alike: a DTensor's mesh and placements give every rank's box (as
-on a save, local_plan/), and a plain tensor is loaded whole by every rank. Each rank describes its needs so
+on a save, placement/), and a plain tensor is loaded whole by every rank. Each rank describes its needs so
 (``Need``) and the ranks compare one digest of them; where the digests differ, or a need is none of these (a
 planner that cuts its own regions, a ShardedTensor), the rank reads for itself, as it would without any of this.
 """
@@ -19,9 +19,9 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
-from dcp_zarr.local_plan.boxes import Box
-from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, MeshSlice, mesh_slice
-from dcp_zarr.local_plan.layouts import box_at, shards_along
+from dcp_zarr.placement.boxes import Box
+from dcp_zarr.placement.chunk_grids import box_at, shards_along
+from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, MeshSlice, mesh_slice
 
 
 class Need(NamedTuple):

@@ -11,13 +11,13 @@ from functools import partial
 
 import torch
 
-from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.collective.shared_reads import SharedReads
 from dcp_zarr.collective.transfer import Group, aligned, as_message, padded
-from dcp_zarr.format.dtypes import tensor_as_numpy
-from dcp_zarr.local_plan.boxes import Box
-from dcp_zarr.scheduler import run_jobs
+from dcp_zarr.format.torch_arrays import tensor_as_numpy
+from dcp_zarr.placement.boxes import Box
 from dcp_zarr.storage import Storage
+from dcp_zarr.store_io.chunks import RegionReader
+from dcp_zarr.store_io.scheduler import run_jobs
 
 # Parts smaller than this share one message per pair of ranks in a round (a message of its own costs gloo about
 # 50-100 us; a copy of 64 KiB in and out of the shared message, a few).

@@ -26,12 +26,12 @@ from typing import NamedTuple
 
 from dcp_zarr.collective.needs import Need
 from dcp_zarr.collective.rounds import Unit, pack_rounds
+from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.manifest import TensorEntry
-from dcp_zarr.format.stored_dtypes import STORED_DTYPES
-from dcp_zarr.local_plan.boxes import Box
-from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, MeshSlice
-from dcp_zarr.local_plan.layouts import box_at, shards_along
-from dcp_zarr.local_plan.writers import balanced, box_holders
+from dcp_zarr.placement.box_writers import balanced, box_holders
+from dcp_zarr.placement.boxes import Box
+from dcp_zarr.placement.chunk_grids import box_at, shards_along
+from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, MeshSlice
 
 REGION, CHUNKS, DIRECT = "region", "chunks", "direct"
 

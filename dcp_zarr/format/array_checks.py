@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 
 from dcp_zarr.errors import MalformedMetadataError
+from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.encoding import array_metadata, layout_from_array_metadata
-from dcp_zarr.format.layout import ChunkLayout
-from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 
 
 def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...] | None,

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator, Mapping
 
 from dcp_zarr.errors import MalformedMetadataError
-from dcp_zarr.format.encoding import decode_json, json_text
+from dcp_zarr.json_documents import decode_json, json_text
 
 KEY = "consolidated_metadata"
 _EMPTY = {"kind": "inline", "must_understand": False, "metadata": {}}

@@ -13,17 +13,14 @@ zarr and TensorStore read.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
-import json
 import math
 
 import crc32c
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
-from dcp_zarr.format.layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
+from dcp_zarr.format.chunk_layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -190,38 +187,6 @@ def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attribute
         "dimension_names": dimension_names(node, len(layout.shape)),
         "storage_transformers": [],
     }
-
-
-# One encoder for every document, as json.dumps keeps for its defaults: making one per document (a zarr.json per
-# array in a save) was a fifth of the time.
-_JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def json_text(document) -> str:
-    """``document`` as the compact JSON every ``zarr.json`` is written in; NaN and infinities refused."""
-    return _JSON_ENCODER.encode(document)
-
-
-def decode_json(data: bytes | str):
-    """``json.loads(data)`` with the cyclic garbage collector paused: decoding makes no reference cycles, and a root
-    ``zarr.json`` is thousands of dicts and lists (20 a tensor), most freed right after it is read (consolidated.py
-    keeps text). Collected while the decoder still held them, they would be promoted to the oldest generation and
-    set off a full collection of the whole process: 0.1-0.12 s with torch loaded, in 9 of 10 loads of 800 tensors
-    (benchmarks/reports/planning.md)."""
-    with collector_paused():
-        return json.loads(data)
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """No automatic garbage collection inside (restored as it was after, if it was on)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def group_metadata(attributes: dict | None = None) -> dict:

@@ -27,23 +27,21 @@ from dcp_zarr.errors import (
     IncompleteCheckpointError,
     InvalidKeyError,
     MalformedMetadataError,
-    MetadataTooLargeError,
     NotACheckpointError,
 )
 from dcp_zarr.format.array_checks import checked_layout
-from dcp_zarr.format.consolidated import NodeDocuments, copies_of
-from dcp_zarr.format.encoding import collector_paused, decode_json
-from dcp_zarr.format.layout import (
+from dcp_zarr.format.chunk_layout import (
     CHUNK_KEY_SEPARATOR,
     LEGACY_CHUNK_KEY_SEPARATOR,
     ChunkLayout,
     check_node_name,
     chunk_key,
 )
-from dcp_zarr.format.stored_dtypes import STORED_DTYPES
+from dcp_zarr.format.consolidated import NodeDocuments, copies_of
+from dcp_zarr.format.dtype_table import STORED_DTYPES
+from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
-from dcp_zarr.optim.keys import OptimizerTable
-from dcp_zarr.storage import Storage
+from dcp_zarr.json_documents import collector_paused, decode_json
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
@@ -342,34 +340,10 @@ def _index_list(value, what: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The manifest of a complete checkpoint, or an error that says what the store is instead."""
-    return manifest_of_root(read_root(storage), storage.url)
-
-
-def read_root(storage: Storage) -> bytes:
-    """The root ``zarr.json``'s bytes (refused unread beyond MAX_MANIFEST_BYTES), or an error that says what the
-    store is instead of a checkpoint."""
-    try:
-        data = storage.read_range(ROOT_KEY, 0, MAX_MANIFEST_BYTES + 1)
-    except FileNotFoundError:
-        if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
-            raise IncompleteCheckpointError(
-                f"{storage.url} is an incomplete dcp_zarr checkpoint: it has no root zarr.json, which is written "
-                "last; the save was interrupted or is still running"
-            ) from None
-        raise NotACheckpointError(
-            f"{storage.url} is not a dcp_zarr checkpoint: there is no zarr.json at its root") from None
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise MetadataTooLargeError(f"{storage.url}/{ROOT_KEY} is larger than {MAX_MANIFEST_BYTES} bytes; refused "
-                                    "unread")
-    return data
-
-
 def manifest_of_root(data: bytes, url: str) -> Manifest:
     """The manifest in the bytes of a root ``zarr.json`` read from ``url``, or an error saying what they are."""
     # The root document's thousands of containers are freed once the manifest is made from them: collected while
-    # alive, they would be promoted to the oldest generation and set off a full collection (encoding.decode_json).
+    # alive, they would be promoted to the oldest generation and set off a full collection (json_documents.decode_json).
     with collector_paused():
         return _manifest_of_root(data, url)
 

@@ -3,7 +3,7 @@
 Named as TensorStore names them, which TensorStore reads and writes. zarr-python finds them through the
 ``zarr.data_type`` entry points this package declares, so any program that has dcp-zarr installed opens these
 arrays without importing dcp_zarr. That is why this module imports neither torch nor the rest of dcp_zarr: zarr
-loads it while it resolves an array's data type. (The one exception, ``stored_dtypes``, imports only numpy and
+loads it while it resolves an array's data type. (The one exception, ``dtype_table``, imports only numpy and
 ml_dtypes. It holds the table of stored dtypes, re-exported here, apart from zarr: importing zarr costs a quarter
 of a second, and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
 """
@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from zarr.dtype import ZDType, data_type_registry
 
-from dcp_zarr.format.stored_dtypes import STORED_DTYPES  # noqa: F401 (re-exported)
+from dcp_zarr.format.dtype_table import STORED_DTYPES  # noqa: F401 (re-exported)
 
 # mypy checks both branches of these imports against the one zarr installed, where one of them is missing; the
 # unused-ignore code keeps the ignore valid on a zarr where that import exists.

@@ -37,11 +37,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import StateDictType
 
-from dcp_zarr.checkpoint import is_dcp_directory
 from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
 from dcp_zarr.lifecycle.root import CheckpointRoot
-from dcp_zarr.local_plan.planner import ZarrSavePlanner
+from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
 

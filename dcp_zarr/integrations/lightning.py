@@ -42,11 +42,11 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr.checkpoint import is_dcp_directory
 from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
-from dcp_zarr.local_plan.planner import ZarrSavePlanner
+from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
 

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
 from dcp_zarr.lifecycle.root import CheckpointRoot
-from dcp_zarr.local_plan.planner import ZarrSavePlanner
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
 

@@ -30,8 +30,8 @@ import torch.distributed.checkpoint as dcp
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
 from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
 from dcp_zarr.lifecycle.root import CheckpointRoot, StepStore, step_name, steps_to_delete
-from dcp_zarr.local_plan.planner import ZarrSavePlanner
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
+from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
 

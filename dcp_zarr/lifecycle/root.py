@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
 from dcp_zarr.storage import is_local, local_path, open_storage
-from dcp_zarr.storage.commit import LEGACY_STAGING_MARK, STAGING_DIR, STAGING_MARK, remove_staging_dir
+from dcp_zarr.store_io.commit import LEGACY_STAGING_MARK, STAGING_DIR, STAGING_MARK, remove_staging_dir
 
 if TYPE_CHECKING:
     from zarr.abc.store import Store

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dcp_zarr.errors import OptimizerStepError, ParamTableMismatchError
-from dcp_zarr.optim.keys import OptimizerTable, ParamEntry, tables_of_manifest
+from dcp_zarr.format.optimizer_tables import OptimizerTable, ParamEntry, tables_of_manifest
 from dcp_zarr.reader import ZarrReader
 
 _LISTED = 10

@@ -25,14 +25,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_zarr.errors import MissingKeysError, ParamTableMismatchError
 from dcp_zarr.format.manifest import Manifest
-from dcp_zarr.optim.keys import (
-    OptimizerTable,
-    Translation,
-    find_optimizers,
-    shape_mismatches,
-    tables_of_manifest,
-    translate,
-)
+from dcp_zarr.format.optimizer_tables import OptimizerTable, find_optimizers, tables_of_manifest
+from dcp_zarr.optim.keys import Translation, shape_mismatches, translate
 from dcp_zarr.reader import MANIFEST_IN_STORAGE_DATA
 
 logger = logging.getLogger(__name__)

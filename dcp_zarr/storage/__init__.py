@@ -1,4 +1,5 @@
-"""Backends: a local directory (fast path) or any zarr store reached through a URL."""
+"""Backends: a local directory (fast path) or any zarr store reached through a URL. Implementation: users pass paths,
+URLs or zarr store objects to the public names in ``dcp_zarr``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import abc
 from collections.abc import Sequence
 
 from dcp_zarr.errors import InvalidKeyError, MetadataTooLargeError
-from dcp_zarr.format.encoding import decode_json, json_text
+from dcp_zarr.json_documents import decode_json, json_text
 
 
 class StoredValue:

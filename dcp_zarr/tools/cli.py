@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _inspect(args) -> int:
-    from dcp_zarr.checkpoint import open_checkpoint
+    from dcp_zarr.offline import open_checkpoint
     from dcp_zarr.tools.inspection import format_summary, summarize
 
     summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
@@ -75,7 +75,7 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from dcp_zarr.checkpoint import open_checkpoint
+    from dcp_zarr.offline import open_checkpoint
     from dcp_zarr.tools.verify import verify_checkpoint
 
     try:
@@ -175,7 +175,7 @@ def _checkpoint_root(args):
 
 def _open_any(path: str, storage_options: dict | None):
     """A zarr store (torch-free) or a DCP directory (which only torch reads)."""
-    from dcp_zarr.checkpoint import is_dcp_directory, open_checkpoint
+    from dcp_zarr.offline import is_dcp_directory, open_checkpoint
 
     if not is_dcp_directory(path):
         return open_checkpoint(path, storage_options)

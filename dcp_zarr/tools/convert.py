@@ -16,11 +16,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr.checkpoint import Checkpoint, Entry, refuse_a_file
 from dcp_zarr.errors import CheckpointExistsError, ConversionError
 from dcp_zarr.format.manifest import TENSOR
+from dcp_zarr.offline import Checkpoint, Entry, refuse_a_file
 from dcp_zarr.progress import progress_bar
-from dcp_zarr.storage import commit, is_local, local_path
+from dcp_zarr.storage import is_local, local_path
+from dcp_zarr.store_io import commit
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint, is_dcp_directory, open_any_checkpoint
 from dcp_zarr.writer import ZarrWriter
 

@@ -21,8 +21,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_zarr.checkpoint import DCP_METADATA_FILE as METADATA_FILE
-from dcp_zarr.checkpoint import (
+from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.format.manifest import TENSOR, VALUE
+from dcp_zarr.format.torch_arrays import tensor_as_numpy
+from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
+from dcp_zarr.offline import (
     Checkpoint,
     Entry,
     is_dcp_directory,
@@ -31,9 +34,6 @@ from dcp_zarr.checkpoint import (
     region_box,
     set_by_path,
 )
-from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
-from dcp_zarr.format.dtypes import tensor_as_numpy
-from dcp_zarr.format.manifest import TENSOR, VALUE
 from dcp_zarr.storage import local_path
 
 

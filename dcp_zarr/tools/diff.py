@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dcp_zarr.checkpoint import Entry
 from dcp_zarr.errors import CorruptChunkError, TorchNotImportableError
 from dcp_zarr.format.manifest import OBJECT, TENSOR, VALUE
+from dcp_zarr.offline import Entry
 from dcp_zarr.progress import progress_bar
 
 EQUAL, CLOSE, DIFFERENT, ONLY_A, ONLY_B, MISMATCH = "equal", "close", "different", "only in A", "only in B", "mismatch"

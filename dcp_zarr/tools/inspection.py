@@ -7,11 +7,11 @@ from __future__ import annotations
 import io
 from concurrent.futures import ThreadPoolExecutor
 
-from dcp_zarr.checkpoint import Checkpoint, Entry
 from dcp_zarr.errors import TorchNotImportableError
-from dcp_zarr.format.layout import ChunkLayout
+from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.manifest import TENSOR, ValueEntry
 from dcp_zarr.format.values import decode_value
+from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.tools.listing import depth_groups, matches, natural_key, node_key
 
 

@@ -12,9 +12,8 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dcp_zarr.checkpoint import Checkpoint, Entry
-from dcp_zarr.entry_reader import array_document, tensor_reader
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
+from dcp_zarr.format.chunk_layout import ChunkLayout, parent_groups
 from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
@@ -22,9 +21,10 @@ from dcp_zarr.format.encoding import (
     shard_index_bytes,
     verify_plain,
 )
-from dcp_zarr.format.layout import ChunkLayout, parent_groups
 from dcp_zarr.format.manifest import OBJECT, TENSOR, ObjectEntry
+from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.progress import progress_bar
+from dcp_zarr.store_io.entry_data import array_document, tensor_reader
 
 
 @dataclass(frozen=True)

@@ -155,8 +155,8 @@ def install_kill_hooks(kill: dict | None) -> _Counter:
     writing only the first half of the bytes.
     """
     from dcp_zarr.collective import transfer
-    from dcp_zarr.storage import commit
     from dcp_zarr.storage.local import LocalStorage
+    from dcp_zarr.store_io import commit
 
     counter = _Counter(kill)
     original_write, original_flush = LocalStorage.write, LocalStorage.flush

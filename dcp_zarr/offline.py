@@ -5,7 +5,7 @@
     ckpt.read_tensor("model.embed.weight", region=(slice(0, 8),))   # reads only the chunks under rows 0..7
     state = ckpt.load_full_state_dict()               # {"model": {...}, "optim": {...}}, unsharded
 
-Everything goes through the same checked paths as ``ZarrReader`` (``chunk_io.RegionReader``): every chunk read is
+Everything goes through the same checked paths as ``ZarrReader`` (``store_io/chunks.RegionReader``): every chunk read is
 verified against its crc32c, and non-tensor values are only ever ``torch.load``-ed with ``weights_only=True``.
 
 Opening, listing and ``read_array`` (numpy) never import torch, so ``dcp-zarr inspect``, ``verify`` and ``diff`` run
@@ -27,24 +27,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dcp_zarr.chunk_io import RegionReader
-from dcp_zarr.entry_reader import stored_object_bytes, stored_value, tensor_reader
 from dcp_zarr.errors import NotACheckpointError
-from dcp_zarr.format.manifest import (
-    OBJECT,
-    TENSOR,
-    VALUE,
-    Manifest,
-    ObjectEntry,
-    TensorEntry,
-    read_manifest,
-    stored_numpy_dtype,
-)
+from dcp_zarr.format.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntry, TensorEntry, stored_numpy_dtype
 from dcp_zarr.format.manifest import Entry as ManifestEntry
 from dcp_zarr.optim.wrapper_names import explain_missing_name
 from dcp_zarr.progress import progress_bar
 from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
+from dcp_zarr.store_io.chunks import RegionReader
+from dcp_zarr.store_io.entry_data import stored_object_bytes, stored_value, tensor_reader
+from dcp_zarr.store_io.root_document import read_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +78,7 @@ class Entry:
         """The torch dtype of a tensor entry (imports torch; ``dtype_name`` and ``numpy_dtype`` do not)."""
         if self.dtype_name is None:
             return None
-        from dcp_zarr.format.dtypes import torch_dtype_from_name
+        from dcp_zarr.format.torch_arrays import torch_dtype_from_name
 
         return torch_dtype_from_name(self.dtype_name)
 
@@ -173,7 +165,7 @@ class Checkpoint:
 
         Only the chunks (inner chunks, for large arrays) that intersect the region are fetched.
         """
-        from dcp_zarr.format.dtypes import numpy_as_tensor
+        from dcp_zarr.format.torch_arrays import numpy_as_tensor
 
         entry = self.entry(name)
         array = self.read_array(entry, region)  # refuses an entry that is not a tensor

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_zarr.errors import ReplicaMismatchError
-from dcp_zarr.format.dtypes import tensor_as_numpy
 from dcp_zarr.format.encoding import as_bytes, checksum
+from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.format.values import NotJSONError, encode_value
 
 SMALL, ALL, NONE = "small", "all", "none"

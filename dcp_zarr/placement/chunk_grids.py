@@ -1,6 +1,6 @@
 """Each array's chunk layout, derived from how it is held: the layout DCP's deduplicated boxes would give.
 
-``format/layout.chunk_layout_for_boxes`` takes every saved box; a rank planning alone has only its own. For a DTensor
+``format/chunk_layout.chunk_layout_for_boxes`` takes every saved box; a rank planning alone has only its own. For a DTensor
 the boxes follow from the global shape, the mesh shape and the placements, so ``dtensor_layout`` computes the same
 grid from those: in closed form, O(1) in the world size, for plain ``Shard``s (FSDP, HSDP, TP, one dim split several
 times) and FSDP2-over-TP's ``_StridedShard`` then ``Shard``; else from the boxes of every mesh coordinate
@@ -19,9 +19,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from dcp_zarr.format.layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, inner_rows_for_chunk
-from dcp_zarr.local_plan.boxes import Box, dtensor_local_box, index_at, torch_chunk_piece, torch_chunks
-from dcp_zarr.local_plan.entries import BOX, DTENSOR, EVERY_RANK, SHARDS, Entry
+from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, inner_rows_for_chunk
+from dcp_zarr.placement.boxes import Box, dtensor_local_box, index_at, torch_chunk_piece, torch_chunks
+from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, Entry
 
 
 def entry_layout(entry: Entry, itemsize: int, inner_chunk_bytes: int, array_shards: bool,

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError
+from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
@@ -22,7 +23,6 @@ from dcp_zarr.format.encoding import (
     inner_chunk_stored_bytes,
     shard_index_bytes,
 )
-from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.base import StoredValue
 

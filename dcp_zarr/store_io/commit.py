@@ -18,8 +18,9 @@ import re
 import shutil
 
 from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
-from dcp_zarr.format.manifest import ROOT_KEY, read_manifest
+from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
+from dcp_zarr.store_io.root_document import read_manifest
 
 STAGING_DIR = ".dcp-zarr-staging"
 STAGING_MARK = ".partial-"  # <name>.partial-<save id>: a save's staging directory, in STAGING_DIR

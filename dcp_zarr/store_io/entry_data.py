@@ -15,15 +15,15 @@ import pathlib
 import uuid
 from collections.abc import Sequence
 
-from dcp_zarr.chunk_io import RegionReader
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError, TorchNotImportableError, UntrustedTypeError
 from dcp_zarr.format.array_checks import checked_layout
+from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.encoding import CHECKSUM_BYTES, verify_plain
-from dcp_zarr.format.layout import ChunkLayout
 from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.format.stored_dtypes import STORED_DTYPES
 from dcp_zarr.format.values import decode_value
 from dcp_zarr.storage import Storage
+from dcp_zarr.store_io.chunks import RegionReader
 
 # An array's zarr.json is a few hundred bytes; one larger than this is refused before it is parsed.
 MAX_ARRAY_METADATA_BYTES = 1 << 20

@@ -4,7 +4,7 @@ DCP's planners hand the writer only WriteItems, and the writer sees the planner 
 meshes and placements) no sooner than ``write_data``, after DCP has gathered every rank's plan. This planner hands
 the writer, in place of a plan, the rank's items together with its state dict (``RankState``), before the gather;
 the writer then sends a digest instead (protocol.py), and DCP's gather, deduplication and scatter carry O(1) bytes
-per rank. Every decision DCP's coordinator would make is made on each rank alike (writers.py, layouts.py).
+per rank. Every decision DCP's coordinator would make is made on each rank alike (placement/box_writers.py, placement/chunk_grids.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
-from dcp_zarr.local_plan.boxes import dtensor_local_box
-from dcp_zarr.local_plan.protocol import Ticket
+from dcp_zarr.placement.boxes import dtensor_local_box
+from dcp_zarr.planning.protocol import Ticket
 
 
 class RankState(NamedTuple):

@@ -2,7 +2,7 @@
 
 Needs neither torch nor zarr (only numpy and ml_dtypes), so the readers behind ``dcp-zarr inspect``, ``verify`` and
 ``diff`` size and read any array without importing either. ``zarr_dtypes.py`` defines the zarr types for bfloat16
-and float8 named here; ``dtypes.py`` maps torch.dtype objects onto this table.
+and float8 named here; ``torch_arrays.py`` maps torch.dtype objects onto this table.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 
 # Every dtype dcp_zarr stores, by the name torch gives it (as the manifest records it): (numpy dtype, zarr v3
 # data_type). Little-endian: that is what every writer here produces. Plain strings, so tools that never import torch
-# (inspect, verify, diff) can size and read any array; dtypes.py maps torch.dtype objects onto this table.
+# (inspect, verify, diff) can size and read any array; torch_arrays.py maps torch.dtype objects onto this table.
 STORED_DTYPES: dict[str, tuple[np.dtype, str]] = {
     "torch.float64": (np.dtype("<f8"), "float64"),
     "torch.float32": (np.dtype("<f4"), "float32"),

@@ -21,8 +21,8 @@ from typing import NamedTuple, TypeVar
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_zarr.local_plan.entries import DTENSOR, EVERY_RANK, TENSOR, VALUE, Entry, MeshSlice
-from dcp_zarr.local_plan.layouts import shards_along
+from dcp_zarr.placement.chunk_grids import shards_along
+from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Entry, MeshSlice
 
 Key = TypeVar("Key", str, MetadataIndex, tuple)
 

@@ -17,26 +17,28 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcp_zarr import replicas
 from dcp_zarr.collective.aggregation import Aggregation, plan_aggregation
 from dcp_zarr.errors import PlanMismatchError
-from dcp_zarr.format.dtypes import numpy_dtype
-from dcp_zarr.format.layout import ChunkLayout
-from dcp_zarr.local_plan.entries import (
+from dcp_zarr.format.array_spec import ArraySpec
+from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.format.torch_arrays import numpy_dtype
+from dcp_zarr.placement.box_writers import Decisions, box_holders, rank_decisions, replica_group
+from dcp_zarr.placement.chunk_grids import entry_layout
+from dcp_zarr.placement.holdings import (
     DTENSOR,
     EVERY_RANK,
     TENSOR,
     Entry,
+    Merged,
     group_rank_of,
     rank_entries,
     structure_digest,
 )
-from dcp_zarr.local_plan.exchange import Merged, exchange_entries, merge
-from dcp_zarr.local_plan.layouts import entry_layout
-from dcp_zarr.local_plan.planner import RankState
-from dcp_zarr.local_plan.protocol import Summary, Ticket
-from dcp_zarr.local_plan.writers import Decisions, box_holders, rank_decisions, replica_group
-from dcp_zarr.save_plan import ArraySpec, RankAssignment, array_spec, checked_node_paths
+from dcp_zarr.planning import replicas
+from dcp_zarr.planning.dcp_plans import RankAssignment, array_spec, checked_node_paths
+from dcp_zarr.planning.exchange import exchange_entries, merge
+from dcp_zarr.planning.protocol import Summary, Ticket
+from dcp_zarr.planning.save_planner import RankState
 
 
 class LocalSave:

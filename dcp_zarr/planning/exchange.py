@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.errors import PlanMismatchError
-from dcp_zarr.local_plan.entries import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Entry, signature
-from dcp_zarr.local_plan.layouts import Box, dtensor_box
-from dcp_zarr.replicas import ranks_text
+from dcp_zarr.placement.chunk_grids import Box, dtensor_box
+from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Entry, Merged, signature
+from dcp_zarr.planning.replicas import ranks_text
 
 _LISTED = 20
 
@@ -45,16 +44,6 @@ def exchange_entries(mine: dict[str, Entry], rank: int, world_size: int, group) 
         entries.update(extra)
         every.append(entries)
     return every
-
-
-class Merged(NamedTuple):
-    """The plan of a save whose ranks differ, the same on every rank: every tensor and value as the boxes the ranks
-    hold, each distinct box written by one of its holders."""
-
-    entries: dict[str, Entry]  # one holder's entry per key (the lowest rank's), in the coordinator's key order
-    boxes: dict[str, list[Box]]  # every distinct box of each tensor whose grid follows from its boxes (not DTensors)
-    writers: dict[MetadataIndex, int]  # (key, box offsets) -> the rank writing it
-    describers: dict[str, int]  # key -> the rank writing its array's zarr.json (the writer of its first box)
 
 
 def merge(every: list[dict[str, Entry]]) -> Merged:

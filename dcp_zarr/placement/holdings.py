@@ -23,10 +23,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.format.sources import SourceDescriptions
+from dcp_zarr.placement.boxes import Box
 
 TENSOR, VALUE = "tensor", "value"
 EVERY_RANK, DTENSOR, SHARDS, BOX = "every_rank", "dtensor", "shards", "box"
@@ -273,3 +275,13 @@ def _sharded_tensor_type() -> Any:
     except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
         return None
     return ShardedTensor
+
+
+class Merged(NamedTuple):
+    """The plan of a save whose ranks differ, the same on every rank: every tensor and value as the boxes the ranks
+    hold, each distinct box written by one of its holders."""
+
+    entries: dict[str, Entry]  # one holder's entry per key (the lowest rank's), in the coordinator's key order
+    boxes: dict[str, list[Box]]  # every distinct box of each tensor whose grid follows from its boxes (not DTensors)
+    writers: dict[MetadataIndex, int]  # (key, box offsets) -> the rank writing it
+    describers: dict[str, int]  # key -> the rank writing its array's zarr.json (the writer of its first box)

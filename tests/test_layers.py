@@ -1,0 +1,203 @@
+"""The layers docs/design.md describes, held by walking every import of dcp_zarr (lazy ones inside functions too).
+
+A unit (a subpackage, or a top-level module) may import the units of lower layers and its own modules; never a
+unit of its own layer or of a higher one. So no package imports another that imports it back, and each layer can
+be read, and tested, knowing only the layers below it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dcp_zarr"
+
+# Bottom to top. Units of one layer are siblings: neither imports the other.
+LAYERS = [
+    ["errors"],  # every error class
+    ["version", "json_documents", "progress"],  # helpers with no knowledge of checkpoints
+    ["format", "storage"],  # pure: bytes and documents in, typed values out | bytes to and from a backend
+    ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit
+    ["placement"],  # which rank holds which box
+    ["collective"],  # collective I/O: aggregated writes, reads done once
+    ["planning"],  # planning a save: locally on every rank, or by DCP's coordinator
+    ["async_staging"],  # the writer as DCP's AsyncStager
+    ["writer", "reader"],  # DCP's StorageWriter and StorageReader
+    ["optim"],  # optimizer state across key forms
+    ["offline", "lifecycle"],  # reading without a process group | a training job's checkpoints
+    ["integrations", "tools"],  # training frameworks | the dcp-zarr command
+    ["testing"],  # fixtures for tests and benchmarks
+    ["__init__", "__main__"],  # the public face, the command's entry
+]
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def _imported(path: Path, module: str) -> set[str]:
+    """The dcp_zarr modules ``path`` imports anywhere in it (functions included)."""
+    found = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "dcp_zarr" or name.startswith("dcp_zarr.")}
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in modules else None
+
+
+def _edges() -> dict[str, set[str]]:
+    modules = _modules()
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        for name in _imported(path, module):
+            target = _known(name, modules)
+            if target is not None and target != module:
+                edges[module].add(target)
+    return edges
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(module) for module in _modules()}
+    assert units - set(LAYER_OF) == set(), "a new package or top-level module needs its place in LAYERS"
+    assert set(LAYER_OF) - units == set(), "LAYERS names a unit that no longer exists"
+
+
+def test_no_unit_imports_its_own_layer_or_one_above():
+    wrong = []
+    for module, targets in sorted(_edges().items()):
+        unit = _unit(module)
+        for target in sorted(targets):
+            other = _unit(target)
+            if other != unit and LAYER_OF[other] >= LAYER_OF[unit]:
+                how = "a sibling" if LAYER_OF[other] == LAYER_OF[unit] else "a higher layer"
+                wrong.append(f"{module} imports {target} ({how})")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_no_package_cycle():
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, targets in _edges().items():
+        graph[_unit(module)].update(_unit(t) for t in targets if _unit(t) != _unit(module))
+    assert _cycles(graph) == []
+
+
+def test_no_module_imports_itself_back_at_import_time():
+    """Within a package too: a module-level import cycle works or breaks by import order alone."""
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, path in modules.items():
+        for node in ast.parse(path.read_text()).body:  # module level only: a lazy import inside a function is fine
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                holder = ast.Module(body=[node], type_ignores=[])
+                for name in _imported_from(holder, module, path.name == "__init__.py"):
+                    target = _known(name, modules)
+                    if target is not None and target != module and not module.startswith(target + "."):
+                        graph[module].add(target)
+    assert _cycles(graph) == []
+
+
+def _imported_from(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+            found.add(base)
+    return {name for name in found if name.startswith("dcp_zarr")}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+_COLLECTIVES = {"all_gather", "all_gather_object", "all_reduce", "all_to_all", "barrier", "batch_isend_irecv",
+                "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv", "isend", "recv",
+                "reduce_scatter", "scatter", "scatter_object_list", "send"}
+
+
+@pytest.mark.parametrize("unit", ["format", "storage", "store_io", "placement"])
+def test_the_floor_sends_no_message(unit):
+    """format/ and storage/ read bytes and documents, store_io/ moves a store's, placement/ derives boxes from
+    meshes in arithmetic: none calls a collective (collective I/O and planning do, above them)."""
+    calls = []
+    for path in (PACKAGE / unit).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _COLLECTIVES:
+                calls.append(f"{path.name}:{node.lineno}: {node.func.attr}")
+    assert calls == []
+
+
+def test_storage_moves_bytes_and_knows_no_tensors():
+    imports = []
+    for path in (PACKAGE / "storage").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imports += [(path.name, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imports.append((path.name, node.module or ""))
+    assert [(f, m) for f, m in imports if m == "torch" or m.startswith("torch.")] == []
