@@ -1,7 +1,7 @@
 """``ZarrWriter``: the ``torch.distributed.checkpoint`` StorageWriter that saves into a Zarr v3 store.
 
-Data path: prepare_local_plan (each rank: check keys and dtypes) -> prepare_global_plan (coordinator: node paths,
-chunk layouts, staging area; planning/dcp_plans.py) -> write_data (each rank: its chunks, concurrently; store_io/chunks.py) ->
+Data path: prepare_local_plan (each rank: check keys and dtypes) -> prepare_global_plan (coordinator: node paths, chunk
+layouts, staging area; planning/dcp_plans.py) -> write_data (each rank: its chunks, concurrently; store_io/chunks.py) ->
 finish (coordinator: every zarr.json, the manifest last, then the commit; commit.py).
 """
 
@@ -70,8 +70,8 @@ _NO_COLLECTIVES = (
 class ZarrWriter(StorageWriter, WriterStaging):
     """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
 
-    With ``dcp.async_save`` the writer is also the stager (async_staging.py): the caller waits for a copy in host memory,
-    pinned when the state dict has CUDA tensors.
+    With ``dcp.async_save`` the writer is also the stager (async_staging.py): the caller waits for a copy in host
+    memory, pinned when the state dict has CUDA tensors.
 
     Args:
         path: a local directory or an fsspec URL (``s3://bucket/ckpt.zarr``, ``memory://x``); ``dcp.save``'s

@@ -1,5 +1,5 @@
-"""store_io/chunks.py's pure part: which chunk keys and views a rank's box is cut into, and the runs of inner chunks a rank
-writes into an array-spanning shard."""
+"""store_io/chunks.py's pure part: which chunk keys and views a rank's box is cut into, and the runs of inner chunks a
+rank writes into an array-spanning shard."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""format/chunk_layout.py: node paths of state-dict keys, the chunk grid of a tensor from its saved boxes, and when one shard can
-span the array."""
+"""format/chunk_layout.py: node paths of state-dict keys, the chunk grid of a tensor from its saved boxes, and when one
+shard can span the array."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The coordinator's per-save decisions (planning/dcp_plans.py): who writes each array's metadata, and the layouts sent."""
+"""The coordinator's per-save decisions (planning/dcp_plans.py): who writes each array's metadata, and the layouts
+sent."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Each array's chunk layout, derived from how it is held: the layout DCP's deduplicated boxes would give.
 
-``format/chunk_layout.chunk_layout_for_boxes`` takes every saved box; a rank planning alone has only its own. For a DTensor
-the boxes follow from the global shape, the mesh shape and the placements, so ``dtensor_layout`` computes the same
-grid from those: in closed form, O(1) in the world size, for plain ``Shard``s (FSDP, HSDP, TP, one dim split several
-times) and FSDP2-over-TP's ``_StridedShard`` then ``Shard``; else from the boxes of every mesh coordinate
+``format/chunk_layout.chunk_layout_for_boxes`` takes every saved box; a rank planning alone has only its own. For a
+DTensor the boxes follow from the global shape, the mesh shape and the placements, so ``dtensor_layout`` computes the
+same grid from those: in closed form, O(1) in the world size, for plain ``Shard``s (FSDP, HSDP, TP, one dim split
+several times) and FSDP2-over-TP's ``_StridedShard`` then ``Shard``; else from the boxes of every mesh coordinate
 (boxes.py), enumerated once per kind of array (the arrays of a model have few shapes).
 """
 

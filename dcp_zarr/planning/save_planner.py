@@ -1,10 +1,10 @@
 """``ZarrSavePlanner``: a save planned on every rank from its own state dict, for ``ZarrWriter``.
 
-DCP's planners hand the writer only WriteItems, and the writer sees the planner (and so the state dict: DTensor
-meshes and placements) no sooner than ``write_data``, after DCP has gathered every rank's plan. This planner hands
-the writer, in place of a plan, the rank's items together with its state dict (``RankState``), before the gather;
-the writer then sends a digest instead (protocol.py), and DCP's gather, deduplication and scatter carry O(1) bytes
-per rank. Every decision DCP's coordinator would make is made on each rank alike (placement/box_writers.py, placement/chunk_grids.py).
+DCP's planners hand the writer only WriteItems, and the writer sees the planner (and so the state dict: DTensor meshes
+and placements) no sooner than ``write_data``, after DCP has gathered every rank's plan. This planner hands the writer,
+in place of a plan, the rank's items together with its state dict (``RankState``), before the gather; the writer then
+sends a digest instead (protocol.py), and DCP's gather, deduplication and scatter carry O(1) bytes per rank. Every
+decision DCP's coordinator would make is made on each rank alike (placement/box_writers.py, placement/chunk_grids.py).
 """
 
 from __future__ import annotations
