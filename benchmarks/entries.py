@@ -194,7 +194,7 @@ def ratios(medians: dict[str, float], threads: int, nbytes: int) -> dict:
         if zarr is None:
             continue
         peers = {"best_fs": min(fs.values()) if fs else None, "zarr_dcp": medians.get(f"{op}/zarr-dcp/{threads}"),
-                 "raw_io": medians.get(f"{op}/raw-io/4")}
+                 "zarr_plain": medians.get(f"{op}/zarr-plain/{threads}"), "raw_io": medians.get(f"{op}/raw-io/4")}
         found.update({f"{op}_speedup_zarr_vs_{peer}": s / zarr for peer, s in peers.items() if s is not None})
         if op == "save":
             found["zarr_save_GBps"] = nbytes / zarr / h.GB
@@ -228,7 +228,9 @@ def main(argv=None) -> None:
     p.add_argument("--entry-bytes", type=int, default=1 << 20, help="bytes per tensor, rows of 256 floats (1 MiB)")
     p.add_argument("--shape", help="each tensor's shape instead, as 1025x255")
     p.add_argument("--owned", action="store_true", help="plain tensors, each held by one rank, not DTensors")
-    p.add_argument("--kinds", default="zarr,zarr-dcp,fs,null,raw,raw-io", help="comma-separated (default: all)")
+    p.add_argument("--kinds", default="zarr,zarr-plain,zarr-dcp,fs,null,raw,raw-io",
+                   help="comma-separated (default: all): zarr (ZarrSavePlanner), zarr-plain (ZarrWriter alone), "
+                        "zarr-dcp (planned by DCP), fs, null, raw, raw-io")
     p.add_argument("--raw", action="store_true", help="add the raw kind (in the default kinds)")
     p.add_argument("--zarr-dcp", action="store_true", help="add the zarr-dcp kind (in the default kinds)")
     p.add_argument("--zarr-threads", default="0", help="ZarrWriter/Reader thread counts, the first compared (0: the "

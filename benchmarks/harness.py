@@ -508,25 +508,28 @@ def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
     return kind, parsed
 
 
+ZARR_KINDS = ("zarr", "zarr-plain", "zarr-dcp")
 _READER_ONLY = ("read_once", "read_once_below")
 _READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
 
 
 def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None) -> None:
-    """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner, the README's way), ``zarr-dcp``
-    (ZarrWriter planned by DCP's default planner), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec``
-    (DCP's FsspecWriter); ``threads`` is each writer's thread count (None: its default)."""
+    """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
+    alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
+    planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (DCP's
+    FsspecWriter); ``threads`` is each writer's thread count (None: its default)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     kind, options = parse_kind(spec)
     counts = {} if threads is None else {"thread_count": threads}
     planner = None
-    if kind in ("zarr", "zarr-dcp"):
+    if kind in ZARR_KINDS:
         from dcp_zarr import ZarrSavePlanner, ZarrWriter
+        from dcp_zarr.testing.planners import DCPsPlanning
 
         options = {k: v for k, v in options.items() if k not in _READER_ONLY}
         writer: Any = ZarrWriter(path, storage_options=storage_options, **counts, **options)
-        planner = ZarrSavePlanner() if kind == "zarr" else None
+        planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
     elif kind == "fs":
         writer = FileSystemWriter(path, sync_files=True, **counts)
     elif kind == "fsspec":
@@ -546,7 +549,7 @@ def load(spec: str, target: Any, path: str, threads: int | None = None, storage_
     from torch.distributed.checkpoint import FileSystemReader
 
     kind, options = parse_kind(spec)
-    if kind in ("zarr", "zarr-dcp"):
+    if kind in ZARR_KINDS:
         from dcp_zarr import ZarrReader
 
         options = {k: v for k, v in options.items() if k in _READER_OPTIONS}

@@ -25,7 +25,13 @@ from torch.futures import Future
 from dcp_zarr.async_staging import WriterStaging
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.errors import InvalidEntryError, ReplicaMismatchError, UnsupportedModeError, UntrustedTypeWarning
+from dcp_zarr.errors import (
+    InvalidEntryError,
+    PlanMismatchError,
+    ReplicaMismatchError,
+    UnsupportedModeError,
+    UntrustedTypeWarning,
+)
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.format.consolidated import encoded_copy, encoded_root
@@ -35,7 +41,7 @@ from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
 from dcp_zarr.format.torch_arrays import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.values import NotJSONError, encode_value
-from dcp_zarr.planning import plan_cache, replicas
+from dcp_zarr.planning import plan_cache, replicas, save_call
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.planning.local_save import LocalSave
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
@@ -184,11 +190,12 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._own_values, self._own_objects = {}, {}
-        if isinstance(plan.planner_data, RankState):  # ZarrSavePlanner: planned here, a digest goes to DCP
-            self._local = LocalSave(plan.planner_data, self._rank, self.is_coordinator, self.check_replicas,
+        state = plan.planner_data if isinstance(plan.planner_data, RankState) else self._dcps_own_planner()
+        if state is not None:  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
+            self._local = LocalSave(state, self._rank, self.is_coordinator, self.check_replicas,
                                     self.replica_check_bytes, self._aggregate_below(), self.exchange_bytes,
                                     self.inner_chunk_bytes)
-            return SavePlan(items=[], storage_data=self._local.summary)
+            return SavePlan(items=[], storage_data=self._local.summary, planner_data={})
         self._local = None
         items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
         for item in items:
@@ -200,8 +207,25 @@ class ZarrWriter(StorageWriter, WriterStaging):
             return plan
         return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(items)))
 
+    def _dcps_own_planner(self) -> RankState | None:
+        """The rank's state from DCP's own planner in the ``dcp.save`` under way, taken over for this save
+        (``planning/save_call.py``); None where the planner is not DCP's own or cannot be found."""
+        call = save_call.dcp_save_call()
+        if call is None:
+            return None
+        planner = call.planner
+        save_call.take_over(planner)
+        # planner.plan: the rank's items as DCP made them (a caching planner sends none if unchanged, but keeps them)
+        return RankState(list(planner.plan.items), planner.state_dict, dict(planner.mappings), planner, call.group)
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # before anything is written
+        planned_here = [isinstance(plan.storage_data, Summary) for plan in plans]
+        if any(planned_here) and not all(planned_here):
+            raise PlanMismatchError(
+                f"ranks {[r for r, here in enumerate(planned_here) if here]} planned this save locally and ranks "
+                f"{[r for r, here in enumerate(planned_here) if not here]} through DCP's planner: every rank must "
+                "pass the same planner (ZarrSavePlanner, DCP's own, or another) to dcp.save")
         if plans and isinstance(plans[0].storage_data, Summary):
             summaries = [plan.storage_data for plan in plans]
             if len(plans) == 1 and self._local is not None:

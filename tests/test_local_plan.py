@@ -20,6 +20,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
+from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]
@@ -29,7 +30,7 @@ def save_both_ways(rank, world_size, layout, dcp_path, local_path):
     """Rank program: train, save through DCP's planning and through ZarrSavePlanner; each rank's written keys."""
     model, optim = build(layout, world_size)
     train_steps(model, optim, 2)
-    save_checkpoint(model, optim, ZarrWriter(dcp_path), planner=DefaultSavePlanner())
+    save_checkpoint(model, optim, ZarrWriter(dcp_path), planner=DCPsPlanning())
     writer = ZarrWriter(local_path)
     save_checkpoint(model, optim, writer, planner=ZarrSavePlanner())
     return full_state(model, optim), writer.written_keys
@@ -121,7 +122,8 @@ def test_one_key_with_two_shapes_is_refused_naming_the_key_and_the_ranks(tmp_pat
     results = run_ranks(save_differing, 2, path, "shapes")
     assert all(results), results
     message = "\n".join(results[0])
-    assert "PlanMismatchError" in message and "'x'" in message, message
+    # a plain tensor every rank saves is one replicated entry: refused as DCP's planning refuses replicas that differ
+    assert "ReplicaMismatchError" in message and "'x'" in message and "per-rank keys" in message, message
     assert "shape [1, 2] on rank 0" in message and "shape [2, 2] on rank 1" in message, message
     assert not os.path.exists(path) and os.listdir(tmp_path) == []
 
@@ -270,7 +272,7 @@ def save_fsdp1(rank, world_size, dcp_path, local_path):
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict()}
     kinds = {type(v).__name__ for v in state["model"].values()}
-    dcp.save(state, storage_writer=ZarrWriter(dcp_path), planner=DefaultSavePlanner())
+    dcp.save(state, storage_writer=ZarrWriter(dcp_path), planner=DCPsPlanning())
     dcp.save(state, storage_writer=ZarrWriter(local_path), planner=ZarrSavePlanner())
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         full = {k: v.clone() for k, v in model.state_dict().items()}

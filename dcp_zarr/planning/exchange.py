@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_zarr.errors import PlanMismatchError
+from dcp_zarr.errors import PlanMismatchError, ReplicaMismatchError
 from dcp_zarr.placement.chunk_grids import Box, dtensor_box
 from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Entry, Merged, signature
 from dcp_zarr.planning.replicas import ranks_text
@@ -46,29 +46,39 @@ def exchange_entries(mine: dict[str, Entry], rank: int, world_size: int, group) 
     return every
 
 
-def merge(every: list[dict[str, Entry]]) -> Merged:
+def merge(every: list[dict[str, Entry]], keep_first_replica: bool = False) -> Merged:
+    """The plan of every rank's entries. ``keep_first_replica`` (``check_replicas="none"``): a plain tensor or value
+    whose holders disagree in kind, shape or dtype is saved as the lowest rank holding it has it, as DCP's planning
+    keeps one rank's copy, instead of being refused."""
     held: dict[str, list[tuple[int, Entry]]] = defaultdict(list)
     for rank, entries in enumerate(every):
         for fqn, entry in entries.items():
             held[fqn].append((rank, entry))
     problems: list[str] = []
+    replicas_only = True  # every key refused is a plain tensor or value that each of its holders saves whole
     merged: dict[str, Entry] = {}
     box_holders: dict[MetadataIndex, list[int]] = defaultdict(list)
     sizes: dict[MetadataIndex, int] = {}
     boxes: dict[str, list[Box]] = {}
     for fqn, holders in held.items():
-        kinds = defaultdict(list)
+        kinds: dict[tuple, list[int]] = defaultdict(list)
         for rank, entry in holders:
             kinds[_comparable(entry)].append(rank)
+        if len(kinds) > 1 and keep_first_replica and all(e.holding == EVERY_RANK for _, e in holders):
+            first = _comparable(holders[0][1])
+            holders = [(rank, e) for rank, e in holders if _comparable(e) == first]
+            kinds = {first: [rank for rank, _ in holders]}
         if len(kinds) > 1:
             problems.append(f"{fqn!r}: " + "; ".join(f"{_describe(holders, ranks)} on {ranks_text(ranks)}"
                                                      for ranks in kinds.values()))
+            replicas_only &= all(e.holding == EVERY_RANK for _, e in holders)
             continue
         entry = holders[0][1]
         merged[fqn] = entry
         missing = _missing_holders(entry, [rank for rank, _ in holders])
         if missing:
             problems.append(f"{fqn!r}: {missing}")
+            replicas_only = False
             continue
         distinct: dict[Box, list[int]] = defaultdict(list)
         for rank, e in holders:
@@ -80,6 +90,7 @@ def merge(every: list[dict[str, Entry]]) -> Merged:
                 (a, ra), (b, rb) = ((box, distinct[box]) for box in overlap)
                 problems.append(f"{fqn!r}: box {_box(a)} on {ranks_text(ra)} overlaps box {_box(b)} on "
                                 f"{ranks_text(rb)}")
+                replicas_only = False
                 continue
             boxes[fqn] = sorted(distinct)
         itemsize = entry.dtype.itemsize if entry.dtype is not None else 1
@@ -90,6 +101,12 @@ def merge(every: list[dict[str, Entry]]) -> Merged:
     if problems:
         listed = "\n".join(f"  {p}" for p in problems[:_LISTED])
         more = f"\n  ... and {len(problems) - _LISTED} more" if len(problems) > _LISTED else ""
+        if replicas_only:  # what DCP's planning refuses as replicas that differ (replicas.py): the same error
+            raise ReplicaMismatchError(
+                f"{len(problems)} state-dict entr{'ies' if len(problems) > 1 else 'y'} saved under one key by several "
+                f"ranks differ{'' if len(problems) > 1 else 's'} in kind, shape or dtype between them, so nothing was "
+                f"written:\n{listed}{more}\nSave per-rank state under per-rank keys (e.g. f\"rng.rank{{rank}}\") "
+                "or as a DTensor sharded over the ranks")
         raise PlanMismatchError(f"{len(problems)} state-dict key{'s' if len(problems) > 1 else ''} cannot be saved "
                                 f"as the ranks hold {'them' if len(problems) > 1 else 'it'}, so nothing was "
                                 f"written:\n{listed}{more}")

@@ -47,7 +47,7 @@ class LocalSave:
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
                  replica_check_bytes: int, aggregate_below: int = 0, exchange_bytes: int = 256 << 20,
                  inner_chunk_bytes: int | None = None):
-        group = state.planner.process_group
+        group = state.group
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if distributed else 1
@@ -64,6 +64,7 @@ class LocalSave:
         self.nodes = _recent_plans.get(nodes_key) or _recent_plans.put(
             nodes_key, checked_node_paths((fqn, e.path) for fqn, e in self.entries.items()))
         self.planner = state.planner
+        self.check_replicas = check_replicas
         self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
         group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
         options = (inner_chunk_bytes, aggregate_below, exchange_bytes)  # protocol.SAVE_OPTIONS, checked alike
@@ -131,7 +132,8 @@ class LocalSave:
         """The items this rank writes and its RankAssignment, as DCP's coordinator path would have sent them (the
         arrays its aggregators write left out: ``aggregation``)."""
         if ticket.exchange:
-            self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group))
+            self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group),
+                                keep_first_replica=self.check_replicas == replicas.NONE)
             decisions = self._aggregated(self._decisions_after_exchange(self.merged), inner_chunk_bytes)
             items = self._items_written(decisions)
             specs = self.array_specs(inner_chunk_bytes, array_shards,

@@ -31,7 +31,8 @@ class RankState(NamedTuple):
     items: list[WriteItem]
     state_dict: dict
     mappings: dict
-    planner: ZarrSavePlanner
+    planner: DefaultSavePlanner  # a ZarrSavePlanner, or DCP's own planner taken over (save_call.py)
+    group: dist.ProcessGroup | None  # the one dcp.save runs on (None: the default group)
 
     def __reduce__(self):
         raise TypeError("ZarrSavePlanner plans saves for ZarrWriter only: pass storage_writer=ZarrWriter(...), or "
@@ -71,7 +72,8 @@ class ZarrSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items = local_write_items(self.state_dict)  # this rank's items (its boxes), as DCP makes them
-        self.plan = SavePlan(items=[], planner_data=RankState(items, self.state_dict, dict(self.mappings), self))
+        self.plan = SavePlan(items=[], planner_data=RankState(items, self.state_dict, dict(self.mappings), self,
+                                                              self.process_group))
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

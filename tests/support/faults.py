@@ -16,7 +16,6 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import ZarrSavePlanner
 from tests.support.states import random_bits
 
 __all__ = ["CRASH_WRITER_OPTIONS", "causes", "crash_state", "install_kill_hooks", "load_program",
@@ -90,7 +89,7 @@ def save_program(rank: int, world_size: int, report, target: str, seed: int, kil
     counter = install_kill_hooks(kill if kill and kill["rank"] == rank else None)
     report("saving", time.monotonic())
     writer = ZarrWriter(target, **{**CRASH_WRITER_OPTIONS, **(options or {})})
-    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=writer)
+    dcp.save(state, storage_writer=writer)
     return counter.sequence
 
 

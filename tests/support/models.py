@@ -33,8 +33,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dcp_zarr import ZarrSavePlanner, ZarrWriter
-
 __all__ = [
     "LAYOUTS",
     "ToyModel",
@@ -234,11 +232,9 @@ def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, writer, planner=None) -> None:
-    """``dcp.save({"model": ..., "optim": ...})`` of ``get_state_dict`` through ``writer``; planned locally
-    (``ZarrSavePlanner``) unless ``planner`` says otherwise or ``writer`` is not a ZarrWriter."""
+    """``dcp.save({"model": ..., "optim": ...})`` of ``get_state_dict`` through ``writer``, with ``planner`` (None:
+    DCP's own, which a ZarrWriter takes over and plans locally: the line users write)."""
     msd, osd = get_state_dict(model, optim)
-    if planner is None and isinstance(writer, ZarrWriter):
-        planner = ZarrSavePlanner()
     dcp.save({"model": msd, "optim": osd}, storage_writer=writer, planner=planner)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import ZarrSavePlanner
 from tests.support.compare import assert_state_equal
 from tests.support.states import random_bits
 
@@ -35,7 +34,7 @@ def save_and_reload_sharded(rank: int, world_size: int, path: str, mesh_shape, s
 
     mesh = init_device_mesh("cpu", tuple(mesh_shape))
     state = {"model": {s["name"]: _placed(full_tensor(s), mesh, s["save"]) for s in specs}, "step": 7}
-    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path, inner_chunk_bytes=inner_chunk_bytes))
+    dcp.save(state, storage_writer=ZarrWriter(path, inner_chunk_bytes=inner_chunk_bytes))
     target = {"model": {}, "step": None}
     for s in specs:
         blank = torch.empty(s["shape"], dtype=s["dtype"])

@@ -6,8 +6,6 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import ZarrSavePlanner
-
 __all__ = ["DTYPES", "blank_like", "load_full", "random_bits", "save_plain"]
 
 # Every dtype dcp_zarr stores (bf16 and fp8 through dcp_zarr's zarr data types).
@@ -59,4 +57,4 @@ def load_full(path: str, template, **reader_kwargs):
 def save_plain(state, path: str, **writer_kwargs) -> None:
     from dcp_zarr import ZarrWriter
 
-    dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(path, **writer_kwargs))
+    dcp.save(state, storage_writer=ZarrWriter(path, **writer_kwargs))

@@ -1,0 +1,183 @@
+"""The line users write, ``dcp.save(sd, storage_writer=ZarrWriter(p))``, is planned locally: ZarrWriter takes over
+DCP's own planner in the ``dcp.save`` under way (dcp_zarr/planning/save_call.py), so it writes the store
+``ZarrSavePlanner`` writes and DCP's collectives carry the same digests (test_wire_bytes.py counts them). A planner
+that plans for itself keeps DCP's protocol; where torch no longer keeps its planner where we look, the save follows
+DCP's planning: correct, slower, never wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
+from dcp_zarr.planning import save_call
+from tests.support.compare import assert_state_equal
+from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
+from dcp_zarr.testing.planners import DCPsPlanning
+from tests.support.ranks import run_ranks
+from tests.support.stores import tree_digest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class _SeesTheCall(ZarrWriter):
+    """A ZarrWriter that records what the lookup finds, where DCP calls the writer before its gather."""
+
+    found: list = []
+
+    def prepare_local_plan(self, plan):
+        type(self).found.append(save_call.dcp_save_call())
+        return super().prepare_local_plan(plan)
+
+
+def test_dcps_planner_and_group_are_found_where_this_torch_keeps_them(tmp_path):
+    """Fails the day torch moves ``planner`` or ``distW`` out of ``_save_state_dict``'s ``local_step``: then the plain
+    line falls back to DCP's planning (test below), and save_call.py needs another look."""
+    _SeesTheCall.found = []
+    planner = DefaultSavePlanner()
+    dcp.save({"w": torch.ones(3)}, storage_writer=_SeesTheCall(str(tmp_path / "a.zarr")), planner=planner)
+    dcp.save({"w": torch.ones(3)}, storage_writer=_SeesTheCall(str(tmp_path / "b.zarr")))
+    (given, made) = _SeesTheCall.found
+    assert given is not None and given.planner is planner and given.group is None
+    assert made is not None and type(made.planner) is DefaultSavePlanner
+    assert vars(planner).keys().isdisjoint({"create_global_plan", "finish_plan"}), "given back after the save"
+
+
+def test_the_plain_line_returns_no_metadata_as_the_planner_does(tmp_path):
+    """DCP's Metadata is what its coordinator builds from every rank's items; planned locally there are none (the
+    store's manifest is the checkpoint's metadata), so what DCP broadcasts at the end is empty too."""
+    state = {"w": torch.arange(6.0), "step": 3, "nested": {"b": torch.ones(2, 2)}}
+    metadata = dcp.save(state, storage_writer=ZarrWriter(str(tmp_path / "c.zarr")))
+    assert metadata.state_dict_metadata == {}
+    assert_state_equal(open_checkpoint(str(tmp_path / "c.zarr")).load_full_state_dict(), state)
+
+
+@pytest.mark.parametrize("planner", [DefaultSavePlanner(enable_plan_caching=True),
+                                     DefaultSavePlanner(dedup_save_to_lowest_rank=True)], ids=["caching", "lowest"])
+def test_dcps_own_planners_are_taken_over_save_after_save(tmp_path, planner):
+    for step in range(3):
+        state = {"w": torch.full((4, 3), float(step)), "step": step}
+        metadata = dcp.save(state, storage_writer=ZarrWriter(str(tmp_path / f"{step}.zarr")), planner=planner)
+        assert metadata.state_dict_metadata == {}
+        assert_state_equal(open_checkpoint(str(tmp_path / f"{step}.zarr")).load_full_state_dict(), state)
+
+
+def test_a_planner_that_plans_for_itself_keeps_dcps_protocol(tmp_path):
+    metadata = dcp.save({"w": torch.ones(5)}, storage_writer=ZarrWriter(str(tmp_path / "s.zarr")),
+                        planner=DCPsPlanning())
+    assert set(metadata.state_dict_metadata) == {"w"}
+    assert save_call.is_dcps_own(DefaultSavePlanner()) and not save_call.is_dcps_own(DCPsPlanning())
+    override = DefaultSavePlanner()
+    override.transform_object = lambda item, obj: obj  # an instance's own hook counts too
+    assert not save_call.is_dcps_own(override)
+
+
+def test_a_planner_left_taken_over_by_a_failed_save_serves_another_writer_as_dcps(tmp_path):
+    """A save that fails between the take-over and DCP's finish_plan leaves the instance patched: the next save with
+    the same planner and another writer must still get DCP's planning, not the writer's pass-through."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.ones(2)}, is_coordinator=True)
+    save_call.take_over(planner)
+    fs = str(tmp_path / "fs")
+    metadata = dcp.save({"w": torch.full((2,), 7.0)}, storage_writer=dcp.FileSystemWriter(fs), planner=planner)
+    assert set(metadata.state_dict_metadata) == {"w"} and "create_global_plan" not in vars(planner)
+    back = {"w": torch.zeros(2)}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(fs))
+    assert torch.equal(back["w"], torch.full((2,), 7.0))
+
+
+# -- real ranks --------------------------------------------------------------------------------------------------
+
+
+def save_plain_and_planned(rank, world_size, layout, plain_path, planned_path, dcp_path):
+    """Rank program: the same state saved by the plain line, by ZarrSavePlanner and by DCP's planning."""
+    model, optim = build(layout, world_size)
+    train_steps(model, optim, 2)
+    save_checkpoint(model, optim, ZarrWriter(plain_path))
+    save_checkpoint(model, optim, ZarrWriter(planned_path), planner=ZarrSavePlanner())
+    save_checkpoint(model, optim, ZarrWriter(dcp_path), planner=DCPsPlanning())
+    return full_state(model, optim)
+
+
+def _without_save_ids(path: str) -> dict:
+    import json
+
+    digest = tree_digest(path)
+    with open(f"{path}/zarr.json") as f:
+        root = json.load(f)
+    root["attributes"]["dcp_zarr"].pop("save_id")
+    digest["zarr.json"] = json.dumps(root, sort_keys=True)
+    return digest
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, world_size", [("fsdp2", 2), ("fsdp2", 3), ("hsdp", 4), ("fsdp_tp", 4)])
+def test_one_layout_whoever_plans(tmp_path, layout, world_size):
+    """The plain line, ZarrSavePlanner and a planner that keeps DCP's planning write the same store, byte for byte
+    (but the save's id): its loads are as fast whichever way it was saved."""
+    paths = [str(tmp_path / name) for name in ("plain.zarr", "planned.zarr", "dcp.zarr")]
+    state = run_ranks(save_plain_and_planned, world_size, layout, *paths)[0]
+    plain, planned, by_dcp = (_without_save_ids(p) for p in paths)
+    assert plain == planned
+    assert by_dcp == planned
+    assert_state_equal(run_ranks(load_fresh, 2, "fsdp2", ZarrReader(paths[0]))[0], state)
+
+
+def save_plain_where_torch_moved_things(rank, world_size, path, monkeypatched):
+    if monkeypatched:
+        save_call.dcp_save_call = lambda max_depth=16: None  # as if torch kept its planner elsewhere
+    model, optim = build("fsdp2", world_size)
+    train_steps(model, optim, 1)
+    msd, osd = get_state_dict(model, optim)
+    metadata = dcp.save({"model": msd, "optim": osd}, storage_writer=ZarrWriter(path))
+    return full_state(model, optim), len(metadata.state_dict_metadata)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_where_the_planner_is_not_found_the_save_follows_dcps_planning(tmp_path):
+    fallback, found = str(tmp_path / "fallback.zarr"), str(tmp_path / "found.zarr")
+    (state, entries), _ = run_ranks(save_plain_where_torch_moved_things, 2, fallback, True)
+    assert entries > 0, "DCP planned it: its metadata lists every entry"
+    (_, none), _ = run_ranks(save_plain_where_torch_moved_things, 2, found, False)
+    assert none == 0
+    assert_state_equal(open_checkpoint(fallback).load_full_state_dict(), state)
+    assert _without_save_ids(fallback) == _without_save_ids(found), "the same store either way"
+
+
+def async_plain(rank, world_size, path, executor):
+    """Rank program: the plain line in dcp.async_save, on a gloo group of its own (thread) or in DCP's process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(37 * 5, dtype=torch.float32).reshape(37, 5)
+    state = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)]), "b": torch.ones(3), "step": 4}
+    if executor == "thread":
+        group = dist.new_group(backend="gloo")
+        future = dcp.async_save(state, storage_writer=ZarrWriter(path), process_group=group,
+                                async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    else:
+        future = dcp.async_save(state, storage_writer=ZarrWriter(path),
+                                async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    state["w"].to_local().add_(1)  # the save works from its staged copy
+    if executor == "thread":
+        dist.all_reduce(torch.ones(1))  # the training's own collective meanwhile, on the default group
+    metadata = future.result()
+    return {"w": full, "b": torch.ones(3), "step": 4}, len(metadata.state_dict_metadata)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_the_plain_line_in_async_saves(tmp_path, executor):
+    path = str(tmp_path / "a.zarr")
+    (expected, entries), _ = run_ranks(async_plain, 2, path, executor, timeout=240)
+    assert entries == 0, "planned locally"
+    assert_state_equal(open_checkpoint(path).load_full_state_dict(), expected)
