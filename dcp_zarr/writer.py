@@ -17,9 +17,11 @@ import warnings
 from functools import partial
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from dcp_zarr.async_staging import WriterStaging
@@ -187,14 +189,20 @@ class ZarrWriter(StorageWriter, WriterStaging):
             commit.check_stored(self._open(""), self._replaces())
         elif is_coordinator:
             commit.check_target(self.path, self.storage_options, self._replaces(), retry=self._retrying)
+        # DCP's own planner (planner=None, or a DefaultSavePlanner that plans as DCP does) plans this save locally,
+        # as ZarrSavePlanner would: dcp.save(sd, storage_writer=ZarrWriter(p)) is the line users write. DCP asks
+        # it for its plan next.
+        call = save_call.dcp_save_call()
+        if call is not None:
+            save_call.take_over(call)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._own_values, self._own_objects = {}, {}
-        state = plan.planner_data if isinstance(plan.planner_data, RankState) else self._dcps_own_planner()
-        if state is not None:  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
-            self._local = LocalSave(state, self._rank, self.is_coordinator, self.check_replicas,
+        if isinstance(plan.planner_data, RankState):  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
+            self._local = LocalSave(plan.planner_data, self._rank, self.is_coordinator, self.check_replicas,
                                     self.replica_check_bytes, self._aggregate_below(), self.exchange_bytes,
                                     self.inner_chunk_bytes)
+            # planner_data={}: what DCP's own planner, taken over, merges into its (empty) metadata
             return SavePlan(items=[], storage_data=self._local.summary, planner_data={})
         self._local = None
         items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
@@ -206,17 +214,6 @@ class ZarrWriter(StorageWriter, WriterStaging):
         if self.check_replicas == replicas.NONE:
             return plan
         return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(items)))
-
-    def _dcps_own_planner(self) -> RankState | None:
-        """The rank's state from DCP's own planner in the ``dcp.save`` under way, taken over for this save
-        (``planning/save_call.py``); None where the planner is not DCP's own or cannot be found."""
-        call = save_call.dcp_save_call()
-        if call is None:
-            return None
-        planner = call.planner
-        save_call.take_over(planner)
-        # planner.plan: the rank's items as DCP made them (a caching planner sends none if unchanged, but keeps them)
-        return RankState(list(planner.plan.items), planner.state_dict, dict(planner.mappings), planner, call.group)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # before anything is written
@@ -322,6 +319,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         chunk_keys: list[str] = []
         devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
         describe_source = SourceDescriptions()
+        resolve = _tensor_resolver(planner)
         for item in items:
             if item.type == WriteItemType.BYTE_IO:
                 result, write = _value_write(item, planner, assignment.nodes[item.index.fqn])
@@ -335,7 +333,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
                 spec = assignment.arrays[item.index.fqn]
                 tensor_data = item.tensor_data
                 assert tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
-                tensor = _checked_tensor(planner.resolve_data(item), item.index.fqn)
+                tensor = _checked_tensor(resolve(item), item.index.fqn)
                 offsets = tensor_data.chunk.offsets
                 nbytes = tensor.numel() * tensor.element_size()
                 if spec.layout.spans_array and storage.writes_at_offsets:
@@ -501,6 +499,29 @@ def _checked_tensor(value, fqn: str) -> torch.Tensor:
         raise InvalidEntryError(
             f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
     return tensor
+
+
+def _tensor_resolver(planner: SavePlanner):
+    """``planner.resolve_data`` for tensor items; for DCP's own resolution (DefaultSavePlanner's, ZarrSavePlanner's)
+    the state dict's tensor, or a DTensor's local one, looked up directly: DCP's lookup goes through its protocol
+    checks and, for a DTensor, an autograd Function per tensor, which a save of 800 tensors felt."""
+    cls = type(planner)
+    own = isinstance(planner, DefaultSavePlanner) and all(
+        getattr(cls, name) is getattr(DefaultSavePlanner, name) and name not in vars(planner)
+        for name in ("resolve_data", "lookup_object", "transform_object"))
+    state_dict = getattr(planner, "state_dict", None) if own else None
+    if not isinstance(state_dict, dict):
+        return planner.resolve_data
+
+    def resolve(item: WriteItem):
+        value = state_dict.get(item.index.fqn)
+        if type(value) is DTensor:
+            return value._local_tensor
+        if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+            return value
+        return planner.resolve_data(item)  # anything else (ShardedTensor shards, subclasses) DCP's way
+
+    return resolve
 
 
 def _on_host(tensor: torch.Tensor) -> bool:

@@ -16,36 +16,30 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.planning import save_call
+from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
-from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.ranks import run_ranks
 from tests.support.stores import tree_digest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-class _SeesTheCall(ZarrWriter):
-    """A ZarrWriter that records what the lookup finds, where DCP calls the writer before its gather."""
-
-    found: list = []
-
-    def prepare_local_plan(self, plan):
-        type(self).found.append(save_call.dcp_save_call())
-        return super().prepare_local_plan(plan)
-
-
-def test_dcps_planner_and_group_are_found_where_this_torch_keeps_them(tmp_path):
-    """Fails the day torch moves ``planner`` or ``distW`` out of ``_save_state_dict``'s ``local_step``: then the plain
-    line falls back to DCP's planning (test below), and save_call.py needs another look."""
-    _SeesTheCall.found = []
+def test_dcps_planner_and_group_are_found_where_this_torch_keeps_them(tmp_path, monkeypatch):
+    """Fails the day torch moves ``planner``, ``distW`` or ``storage_writer`` out of ``_save_state_dict``'s
+    ``local_step``: then the plain line falls back to DCP's planning (test below), and save_call.py needs another
+    look."""
+    found = []
+    lookup = save_call.dcp_save_call
+    monkeypatch.setattr(save_call, "dcp_save_call", lambda: found.append(lookup()) or found[-1])
     planner = DefaultSavePlanner()
-    dcp.save({"w": torch.ones(3)}, storage_writer=_SeesTheCall(str(tmp_path / "a.zarr")), planner=planner)
-    dcp.save({"w": torch.ones(3)}, storage_writer=_SeesTheCall(str(tmp_path / "b.zarr")))
-    (given, made) = _SeesTheCall.found
-    assert given is not None and given.planner is planner and given.group is None
-    assert made is not None and type(made.planner) is DefaultSavePlanner
-    assert vars(planner).keys().isdisjoint({"create_global_plan", "finish_plan"}), "given back after the save"
+    writers = [ZarrWriter(str(tmp_path / "a.zarr")), ZarrWriter(str(tmp_path / "b.zarr"))]
+    dcp.save({"w": torch.ones(3)}, storage_writer=writers[0], planner=planner)
+    dcp.save({"w": torch.ones(3)}, storage_writer=writers[1])
+    (given, made) = found
+    assert given is not None and given.planner is planner and given.group is None and given.writer is writers[0]
+    assert made is not None and type(made.planner) is DefaultSavePlanner and made.writer is writers[1]
+    assert vars(planner).keys().isdisjoint(save_call._TAKEN_OVER), "given back after the save"
 
 
 def test_the_plain_line_returns_no_metadata_as_the_planner_does(tmp_path):
@@ -82,7 +76,7 @@ def test_a_planner_left_taken_over_by_a_failed_save_serves_another_writer_as_dcp
     the same planner and another writer must still get DCP's planning, not the writer's pass-through."""
     planner = DefaultSavePlanner()
     planner.set_up_planner({"w": torch.ones(2)}, is_coordinator=True)
-    save_call.take_over(planner)
+    save_call.take_over(save_call.SaveCall(planner, None, ZarrWriter(str(tmp_path / "never.zarr"))))
     fs = str(tmp_path / "fs")
     metadata = dcp.save({"w": torch.full((2,), 7.0)}, storage_writer=dcp.FileSystemWriter(fs), planner=planner)
     assert set(metadata.state_dict_metadata) == {"w"} and "create_global_plan" not in vars(planner)
@@ -131,7 +125,7 @@ def test_one_layout_whoever_plans(tmp_path, layout, world_size):
 
 def save_plain_where_torch_moved_things(rank, world_size, path, monkeypatched):
     if monkeypatched:
-        save_call.dcp_save_call = lambda max_depth=16: None  # as if torch kept its planner elsewhere
+        save_call.dcp_save_call = lambda: None  # as if torch kept its planner elsewhere
     model, optim = build("fsdp2", world_size)
     train_steps(model, optim, 1)
     msd, osd = get_state_dict(model, optim)

@@ -26,36 +26,43 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_zarr.planning.protocol import Summary, Ticket
+from dcp_zarr.planning.save_planner import RankState, local_write_items
 
 _SAVER = "torch.distributed.checkpoint.state_dict_saver"
 # DCP's methods a planner must not override to be taken over: what it plans and what it hands the writer. A
 # subclass that overrides any of them (a planner that rewrites items, transforms tensors) keeps DCP's protocol.
 _DCPS_OWN = ("set_up_planner", "create_local_plan", "create_global_plan", "finish_plan", "resolve_data",
              "lookup_object", "transform_object")
-_TAKEN_OVER = ("create_global_plan", "finish_plan")
+_TAKEN_OVER = ("create_local_plan", "create_global_plan", "finish_plan")
 
 
 class SaveCall(NamedTuple):
     planner: DefaultSavePlanner
     group: Any  # the process group the save runs on; None: the default group, or no process group at all
+    writer: Any  # the storage writer DCP was given
 
 
-def dcp_save_call(max_depth: int = 16) -> SaveCall | None:
-    """The planner and process group of the ``dcp.save`` calling us, if its planner is DCP's own; else None."""
-    frame: FrameType | None = sys._getframe(1)
+def _local_step(max_depth: int = 16) -> FrameType | None:
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "local_step" and frame.f_globals.get("__name__") == _SAVER:
-            planner, wrapper = frame.f_locals.get("planner"), frame.f_locals.get("distW")
-            if planner is not None:
-                give_back(planner)  # a save that failed before its finish_plan left it taken over
-            if wrapper is None or not hasattr(wrapper, "group") or not isinstance(planner, DefaultSavePlanner) \
-                    or not is_dcps_own(planner):
-                return None
-            return SaveCall(planner, wrapper.group)
+        if frame is None or (frame.f_code.co_name == "local_step" and frame.f_globals.get("__name__") == _SAVER):
+            return frame
         frame = frame.f_back
     return None
+
+
+def dcp_save_call() -> SaveCall | None:
+    """The planner, process group and writer of the ``dcp.save`` calling us, if its planner is DCP's own."""
+    frame = _local_step()
+    if frame is None:
+        return None
+    planner, wrapper = frame.f_locals.get("planner"), frame.f_locals.get("distW")
+    if planner is not None:
+        give_back(planner)  # a save that failed before its finish_plan left it taken over
+    if wrapper is None or not hasattr(wrapper, "group") or not isinstance(planner, DefaultSavePlanner) \
+            or not is_dcps_own(planner):
+        return None
+    return SaveCall(planner, wrapper.group, frame.f_locals.get("storage_writer"))
 
 
 def is_dcps_own(planner) -> bool:
@@ -67,9 +74,24 @@ def is_dcps_own(planner) -> bool:
         name in vars(planner) for name in _DCPS_OWN)
 
 
-def take_over(planner: DefaultSavePlanner) -> None:
-    """For this save: the coordinator's global plan is the writer's messages as they are (nothing to deduplicate or
-    cache: they are digests), and every rank's plan is the writer's answer, after which the planner is DCP's again."""
+def take_over(call: SaveCall) -> None:
+    """For this save, the planner plans as ``ZarrSavePlanner`` does: each rank's plan is its items (made in
+    arithmetic: DCP's own would make them again through torch's index computations) and state dict for the writer,
+    the coordinator's global plan is the writer's messages as they are (nothing to deduplicate or cache: they are
+    digests), and every rank's plan is the writer's answer, after which the planner is DCP's again. Should a save
+    fail before that, the next save through this planner gives it back first: here if the writer is not the one
+    that took it over, or where a message is not the writer's."""
+    planner = call.planner
+
+    def create_local_plan() -> SavePlan:
+        frame = _local_step()
+        if frame is None or frame.f_locals.get("storage_writer") is not call.writer:
+            give_back(planner)
+            return planner.create_local_plan()
+        items = local_write_items(planner.state_dict)
+        planner.plan = SavePlan(items=[], planner_data=RankState(items, planner.state_dict, dict(planner.mappings),
+                                                                 planner, call.group))
+        return planner.plan
 
     def create_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         if not all(isinstance(plan.storage_data, Summary) for plan in all_plans):
@@ -86,7 +108,7 @@ def take_over(planner: DefaultSavePlanner) -> None:
         planner.plan = new_plan
         return new_plan
 
-    for method in (create_global_plan, finish_plan):
+    for method in (create_local_plan, create_global_plan, finish_plan):
         vars(method)["taken_over_by_dcp_zarr"] = True
         setattr(planner, method.__name__, method)
     vars(planner).pop("_pending_local_plan", None)  # a caching planner's: this save's plan is not DCP's to cache

@@ -118,7 +118,12 @@ def _dtensor_item(fqn: str, tensor: DTensor, coordinate: Sequence[int]) -> Write
     if box is None:
         return None
     offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
+    # TensorProperties.create_from_tensor(tensor.to_local()), as DCP makes them, without to_local's autograd
+    # Function: with grad enabled its output requires grad as the DTensor does; else it is the local tensor itself.
+    local = tensor._local_tensor
+    requires_grad = tensor.requires_grad if torch.is_grad_enabled() else local.requires_grad
+    properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=requires_grad,
+                                  memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
     return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                                                 properties=TensorProperties.create_from_tensor(tensor.to_local()),
-                                                 size=tensor.size()))
+                                                 properties=properties, size=tensor.size()))
