@@ -11,6 +11,7 @@ Two decisions are made here and nowhere else:
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -105,7 +106,7 @@ class ChunkLayout(NamedTuple):
     @property
     def spans_array(self) -> bool:
         """One shard holds the whole array (``array_shard_layout``): ranks write its inner chunks at offsets."""
-        return self.sharded and all(n <= c for n, c in zip(self.shape, self.chunk_shape))
+        return self.sharded and all(map(operator.le, self.shape, self.chunk_shape))
 
     @property
     def grid_shape(self) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ decision DCP's coordinator would make is made on each rank alike (placement/box_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -95,12 +94,17 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
     instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses
     with their own ``__create_write_items__``, Partial placements) through DCP's own ``_create_write_items``."""
     items: list[WriteItem] = []
+    meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its shape, this rank's coordinate): a model has few meshes
     for fqn, value in state_dict.items():
         if isinstance(value, DTensor):
-            coordinate = value.device_mesh.get_coordinate()
-            if coordinate is None:  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to write
+            mesh = value.device_mesh
+            known = meshes.get(id(mesh))
+            if known is None or known[0] is not mesh:
+                coordinate = mesh.get_coordinate()
+                known = meshes[id(mesh)] = (mesh, tuple(mesh.shape), None if coordinate is None else tuple(coordinate))
+            if known[2] is None:  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to write
                 continue
-            item = _dtensor_item(fqn, value, coordinate)
+            item = _dtensor_item(fqn, value, known[1], known[2])
             if item is not None:
                 items.append(item)
                 continue
@@ -108,19 +112,20 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
     return items
 
 
-def _dtensor_item(fqn: str, tensor: DTensor, coordinate: Sequence[int]) -> WriteItem | None:
+def _dtensor_item(fqn: str, tensor: DTensor, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
+                  ) -> WriteItem | None:
     """DCP's ``_create_write_items_for_dtensor``, or None where DCP would not call it or boxes.py cannot say."""
+    local = tensor._local_tensor
+    # (a plain tensor has no __create_write_items__: asked first, as hasattr's miss raises and catches inside)
     if (type(tensor).__create_write_items__ is not DTensor.__create_write_items__
-            or hasattr(tensor._local_tensor, "__create_write_items__")):
+            or (type(local) is not torch.Tensor and hasattr(local, "__create_write_items__"))):
         return None
-    box = dtensor_local_box(tuple(tensor.shape), tuple(tensor.device_mesh.shape), tuple(tensor.placements),
-                            tuple(coordinate))
+    box = dtensor_local_box(tuple(tensor.shape), mesh_shape, tuple(tensor.placements), coordinate)
     if box is None:
         return None
     offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
     # TensorProperties.create_from_tensor(tensor.to_local()), as DCP makes them, without to_local's autograd
     # Function: with grad enabled its output requires grad as the DTensor does; else it is the local tensor itself.
-    local = tensor._local_tensor
     requires_grad = tensor.requires_grad if torch.is_grad_enabled() else local.requires_grad
     properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=requires_grad,
                                   memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
