@@ -1,7 +1,7 @@
 """dcp_zarr: torch.distributed.checkpoint storage in Zarr v3 stores.
 
-    dcp.save(state_dict, storage_writer=ZarrWriter("ckpt.zarr"), planner=ZarrSavePlanner())  # planned locally
-    dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"))
+    dcp.save(state_dict, storage_writer=ZarrWriter("ckpt.zarr"))  # planned on every rank, O(1) bytes on the wire
+    dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"))  # at any world size, any mesh
     dcp.load(state_dict, storage_reader=ZarrReader("ckpt.zarr"), planner=ZarrLoadPlanner())  # any optimizer key form
     open_checkpoint("ckpt.zarr").load_full_state_dict()  # offline, no process group
 """

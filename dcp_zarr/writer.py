@@ -1,8 +1,10 @@
 """``ZarrWriter``: the ``torch.distributed.checkpoint`` StorageWriter that saves into a Zarr v3 store.
 
-Data path: prepare_local_plan (each rank: check keys and dtypes) -> prepare_global_plan (coordinator: node paths, chunk
-layouts, staging area; planning/dcp_plans.py) -> write_data (each rank: its chunks, concurrently; store_io/chunks.py) ->
-finish (coordinator: every zarr.json, the manifest last, then the commit; commit.py).
+Planned locally (DCP's own planner, taken over in ``set_up_storage_writer``, or ``ZarrSavePlanner``): each rank's
+plan is a digest of what it holds (planning/local_save.py), and the coordinator answers with a ticket. Planned by
+DCP: prepare_global_plan turns DCP's global plan into node paths and chunk layouts (planning/dcp_plans.py). Either
+way write_data writes each rank's chunks concurrently (store_io/chunks.py), and finish writes every zarr.json, the
+manifest last, then commits (store_io/commit.py). docs/design.md has the whole data path.
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
             dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
             ``"all"`` compares every value; ``"none"`` checks nothing (replicas.py).
         retry: the ``RetryPolicy`` of this writer's object-store calls (default: ``storage.retry.DEFAULT_POLICY``).
-        aggregate_below: with ``ZarrSavePlanner``, an array held in pieces by several ranks, none of them this many
-            bytes or more, is written by an aggregator rank as one object per block instead of one per rank: its
-            pieces travel over the planner's process group (collective/). Default: the storage's own
-            (``Storage.aggregate_below``: larger for object stores, where every object is a request); 0: never.
+        aggregate_below: planned locally (DCP's own planner, or ``ZarrSavePlanner``), an array held in pieces by
+            several ranks, none of them this many bytes or more, is written by an aggregator rank as one object per
+            block instead of one per rank: its pieces travel over the save's process group (collective/). Default:
+            the storage's own (``Storage.aggregate_below``: larger for object stores, where every object is a
+            request); 0: never.
         exchange_bytes: the bytes of blocks an aggregator holds at once, and of parts a rank sends in one round,
             when pieces are aggregated; also the largest block written as one object.
     """
