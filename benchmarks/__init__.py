@@ -1,2 +1,1 @@
-"""dcp_zarr's benchmarks: run each from the repository root as ``python -m benchmarks.<name>`` or ``torchrun
---nproc-per-node N -m benchmarks.<name>`` (benchmarks/README.md); ``harness`` is what they share."""
+"""dcp_zarr's benchmarks, each run as ``python -m benchmarks.<name>`` (benchmarks/README.md); ``harness`` is shared."""

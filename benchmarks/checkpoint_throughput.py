@@ -1,16 +1,11 @@
 """Checkpoint throughput of dcp_zarr against DCP's FileSystemWriter/Reader and raw I/O, on an FSDP2 transformer with
-AdamW state (2.0 GB in fp32 by default; the kinds: benchmarks/README.md).
-
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint_throughput --quick
-    python -m benchmarks.checkpoint_throughput --quick --kinds fs,raw          # world size 1, without torchrun
-    torchrun --standalone --nproc-per-node 4 -m benchmarks.checkpoint_throughput --save-only /dev/shm/ck4
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.checkpoint_throughput --reshard-from /dev/shm/ck4
+AdamW state (2.0 GB in fp32 by default; the kinds and commands: benchmarks/README.md).
 
 Each repeat (after ``--warmup`` untimed ones) saves the state dict with every kind, in rotating order, into a fresh
 directory, counts its files and loads it back into a zeroed state dict of the same sharding (checked equal); then
 ``dcp.async_save`` with one ZarrWriter keeping its staging buffers (``--no-staging-cache``: a new one each time).
 ``--reshard-from`` also loads a ``--save-only`` checkpoint of another world size, counting the bytes each rank read()
-(``rchar``: page-cache hits included, mmap-ed reads not) against the bytes it needs.
+(``rchar``: page-cache hits included, mmap-ed reads not) against the bytes it needs. Without torchrun: world size 1.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +35,7 @@ SAVED_CONFIG = "bench_config.json"  # beside a --save-only run's checkpoints
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, default in DEFAULTS.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, help=f"default {default}; --quick {QUICK[key]}")
+        p.add_argument(f"--{key}", type=int, help=f"default {default}; --quick {QUICK[key]}")
     p.add_argument("--dtype", choices=sorted(h.DTYPES), default="float32")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU tensors; nccl: CUDA")
     p.add_argument("--target", default=h.SCRATCH, help="directory for the checkpoints (default: tmpfs)")
@@ -81,11 +77,9 @@ def run(args: argparse.Namespace, ranks: h.Ranks) -> tuple[dict, str] | None:
         return save_only(args, ranks, cfg, state)
     if ranks.rank == 0 and shutil.disk_usage(args.target).free < 1.5 * total:
         raise SystemExit(f"{args.target} has {shutil.disk_usage(args.target).free} bytes free, needs {1.5 * total:.0f}")
-    root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.target) if ranks.rank == 0 else None
-    root = h.gather(root)[0]
+    root = h.gather(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.target) if ranks.rank == 0 else None)[0]
     try:
-        bench = Bench(args, ranks, root, state)
-        result = bench.run(cfg, total, rank_bytes)
+        result = Bench(args, ranks, root, state).run(cfg, total, rank_bytes)
     finally:
         dist.barrier()
         if ranks.rank == 0:
@@ -100,7 +94,7 @@ def save_only(args, ranks: h.Ranks, cfg: h.ModelConfig, state) -> None:
     kinds = [k for k in args.kinds if k != "raw"]
     for kind in kinds:
         h.save(kind, state, os.path.join(args.save_only, kind), args.threads)
-    saved = {"model": cfg.to_json(), "world_size": ranks.world_size, "kinds": kinds}
+    saved = {"model": asdict(cfg), "world_size": ranks.world_size, "kinds": kinds}
     if ranks.rank == 0:
         Path(args.save_only, SAVED_CONFIG).write_text(json.dumps(saved, indent=2) + "\n")
         print(f"saved {', '.join(kinds)} at world size {ranks.world_size} under {args.save_only}", flush=True)
@@ -115,19 +109,12 @@ def read_chars() -> int:
 class Bench:
     def __init__(self, args, ranks: h.Ranks, root: str, state):
         self.args, self.ranks, self.root, self.state = args, ranks, root, state
-        self.times: dict[str, list[list[float]]] = {}  # name -> every repeat's per-rank seconds
-        self.checks: dict[str, bool] = {}
-        self.footprint: dict[str, dict] = {}
+        # name -> every repeat's per-rank seconds; check -> passed; save/kind -> its files, directories and bytes
+        self.times: dict[str, list[list[float]]] = {}
+        self.checks, self.footprint = {}, {}
 
     def check(self, name: str, passed: bool) -> None:
         self.checks[name] = self.checks.get(name, True) and all(h.gather(bool(passed)))
-
-    def save(self, kind: str, state, path: str) -> None:
-        if kind == "raw":
-            os.makedirs(path, exist_ok=True)
-            h.write_raw(state, os.path.join(path, f"rank{self.ranks.rank}.bin"), self.args.threads)
-        else:
-            h.save(kind, state, path, self.args.threads)
 
     def load(self, kind: str, target, path: str) -> None:
         h.fill_zeros(target)
@@ -135,16 +122,12 @@ class Bench:
             if self.ranks.rank == 0:
                 h.evict_page_cache(path)
             dist.barrier()
-        if kind == "raw":
-            h.read_raw(target, os.path.join(path, f"rank{self.ranks.rank}.bin"), self.args.threads)
-        else:
-            h.load(kind, target, path, self.args.threads)
+        h.load(kind, target, path, self.args.threads)
 
-    def timed(self, name: str, fn, record: bool) -> Any:
-        _, per_rank, result = h.timed(fn, self.ranks.device)
+    def timed(self, name: str, fn, record: bool) -> None:
+        per_rank = h.timed(fn, self.ranks.device)[1]
         if record:
             self.times.setdefault(name, []).append(per_rank)
-        return result
 
     def run(self, cfg: h.ModelConfig, total: int, rank_bytes: list[int]) -> dict:
         args = self.args
@@ -153,7 +136,7 @@ class Bench:
             timed = repeat >= 0
             for kind in h.rotated(args.kinds, repeat):
                 path = os.path.join(self.root, f"{kind}-{repeat}")
-                self.timed(f"save/{kind}", lambda: self.save(kind, self.state, path), timed)
+                self.timed(f"save/{kind}", lambda: h.save(kind, self.state, path, args.threads), timed)
                 self.timed(f"load/{kind}", lambda: self.load(kind, target, path), timed)
                 self.check(f"load/{kind} equals saved", h.equal(target, self.state))
                 if self.ranks.rank == 0:
@@ -174,10 +157,10 @@ class Bench:
                 blocking), blocking_gbps=total / statistics.median(blocking) / h.GB)
         if args.reshard_from:
             measurements.update(self.reshard(args.reshard_from, cfg))
-        config = {**cfg.to_json(), **{k: v for k, v in vars(args).items() if k not in cfg.to_json()},
+        config = {**asdict(cfg), **{k: v for k, v in vars(args).items() if k not in asdict(cfg)},
                   "world_size": self.ranks.world_size}
-        return {"config": config, "state_dict": {"total_bytes": total, "rank_bytes": rank_bytes, "tensors": sum(
-                    1 for _ in h.leaves(self.state))}, "measurements": measurements, "ratios": ratios(measurements),
+        return {"config": config, "state_dict": {"total_bytes": total, "rank_bytes": rank_bytes, "tensors": len(
+                    h.leaves(self.state))}, "measurements": measurements, "ratios": ratios(measurements),
                 "footprint": self.footprint, "checks": self.checks}
 
     def async_save(self, repeat: int, writer, target, timed: bool):
@@ -212,8 +195,7 @@ class Bench:
             raise SystemExit(f"--reshard-from {source} has no checkpoint of {sorted(set(kinds) - set(saved['kinds']))}")
         targets = {kind: h.zeroed(state) for kind in kinds}
         needed = h.gather(h.local_bytes(state))
-        runs: dict[str, list] = {kind: [] for kind in kinds}
-        read: dict[str, list] = {kind: [] for kind in kinds}
+        runs, read = {kind: [] for kind in kinds}, {kind: [] for kind in kinds}  # per-rank times and bytes read
         for repeat in range(-self.args.warmup, self.args.repeats):
             for kind in h.rotated(kinds, repeat):
                 def counted(kind=kind) -> int:
@@ -248,18 +230,14 @@ def entry(rank_bytes: list[int], runs: list[list[float]]) -> dict[str, Any]:
 
 def ratios(measurements: dict[str, dict]) -> dict[str, float]:
     """time(other) / time(zarr): above 1, dcp_zarr is faster; ``*_fraction_of_raw``: how close a kind gets to raw."""
-    found = {}
-    for op in ("save", "load", "reshard"):
-        name = {"reshard": "reshard_load"}.get(op, op)
-        pairs = {f"{name}_speedup_zarr_vs_fs": ("fs", "zarr")}
-        if op in ("save", "load"):
-            pairs.update({f"{name}_{k}_fraction_of_raw": ("raw", k) for k in ("zarr", "fs")})
-        for ratio, (top, bottom) in pairs.items():
-            if f"{op}/{top}" in measurements and f"{op}/{bottom}" in measurements:
-                found[ratio] = measurements[f"{op}/{top}"]["median_s"] / measurements[f"{op}/{bottom}"]["median_s"]
+    median, pairs = {name: m["median_s"] for name, m in measurements.items()}, {}  # ratio: (numerator, denominator)
+    for op, name in (("save", "save"), ("load", "load"), ("reshard", "reshard_load")):
+        pairs[f"{name}_speedup_zarr_vs_fs"] = (f"{op}/fs", f"{op}/zarr")
+        for kind in ("zarr", "fs") if op != "reshard" else ():
+            pairs[f"{name}_{kind}_fraction_of_raw"] = (f"{op}/raw", f"{op}/{kind}")
+    found = {ratio: median[a] / median[b] for ratio, (a, b) in pairs.items() if a in median and b in median}
     if "async/zarr" in measurements:
-        found["async_blocking_fraction"] = (measurements["async/zarr"]["median_blocking_s"]
-                                            / measurements["async/zarr"]["median_s"])
+        found["async_blocking_fraction"] = measurements["async/zarr"]["median_blocking_s"] / median["async/zarr"]
     return found
 
 

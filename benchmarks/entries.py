@@ -1,15 +1,10 @@
-"""The per-entry cost: ``dcp.save`` and ``dcp.load`` of many equal tensors with every writer kind, interleaved in one
-run (the kinds: benchmarks/README.md).
-
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.entries                    # 800 x 1 MiB on /dev/shm
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.entries --workload uneven  # 800 x (1025, 255)
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.entries --quick            # seconds
+"""The per-entry cost: ``dcp.save`` and ``dcp.load`` of many equal tensors with every writer kind and thread count,
+interleaved in one run (the kinds and commands: benchmarks/README.md).
 
 The state: ``--count`` fp32 tensors of ``--entry-bytes`` (rows of 256 floats) or of ``--shape``, as FSDP2 holds them
 (DTensors, ``Shard(0)`` over the ranks: 1025 rows on 2 ranks are uneven shards); ``--owned``: plain tensors, each
-held by one rank; ``--workload``: one of ``WORKLOADS``. Every kind and thread count runs in each round, in rotating
-order, one untimed round first; medians of the slowest rank's times over ``--repeats``; loads are checked equal, and
-each store's files and directories counted.
+held by one rank; ``--workload``: one of ``WORKLOADS``. Loads are checked equal, and each store's files and
+directories counted.
 """
 
 from __future__ import annotations
@@ -68,9 +63,6 @@ class NullWriter(StorageWriter):
     def finish(self, metadata, results) -> None:
         pass
 
-    def storage_meta(self):
-        return None
-
 
 class RawWriter(NullWriter):
     """``pwrite``s each item's bytes into one file per rank, and nothing else (no checksum, metadata or fsync)."""
@@ -97,18 +89,12 @@ class RawWriter(NullWriter):
 def save(kind: str, threads: int, state, path: str) -> None:
     if kind in SAVE_ONLY:
         dcp.save(state, storage_writer=NullWriter() if kind == "null" else RawWriter(path))
-    elif kind == "raw-io":
-        os.makedirs(path, exist_ok=True)
-        h.write_raw(state, os.path.join(path, f"rank{dist.get_rank()}"), threads)
-    else:
-        h.save(kind, state, path, threads or None)
+    else:  # raw-io: the harness's raw I/O; thread count 0: the writer's default
+        h.save("raw" if kind == "raw-io" else kind, state, path, threads or None)
 
 
 def load(kind: str, threads: int, target, path: str) -> None:
-    if kind == "raw-io":
-        h.read_raw(target, os.path.join(path, f"rank{dist.get_rank()}"), threads)
-    else:
-        h.load(kind, target, path, threads or None)
+    h.load("raw" if kind == "raw-io" else kind, target, path, threads or None)
 
 
 def build_state(count: int, shape: tuple[int, ...], mesh, owned: bool) -> dict[str, torch.Tensor]:
@@ -141,14 +127,9 @@ def run(args, ranks: h.Ranks) -> tuple[dict, str]:
     state = build_state(count, shape, ranks.mesh, args.owned)
     root = os.path.join(args.target, "dcp-zarr-entries")
     zarr_threads = [int(t) for t in args.zarr_threads.split(",")]
-    peers = []
-    for kind in args.kinds:
-        if kind == "fs":
-            peers += [("fs", int(t)) for t in args.fs_threads.split(",")]
-        elif kind == "zarr":
-            peers += [("zarr", t) for t in zarr_threads]
-        else:
-            peers.append((kind, zarr_threads[0] if kind.startswith("zarr") else 4 if kind == "raw-io" else 1))
+    counts = {"fs": [int(t) for t in args.fs_threads.split(",")], "zarr": zarr_threads, "raw-io": [4]}
+    peers = [(kind, threads) for kind in args.kinds  # other kinds: the first zarr thread count, or 1
+             for threads in counts.get(kind, [zarr_threads[0] if kind.startswith("zarr") else 1])]
     samples: dict[str, list[float]] = {}
     files: dict[str, dict] = {}
     if ranks.rank == 0:
@@ -228,19 +209,16 @@ def main(argv=None) -> None:
     p.add_argument("--entry-bytes", type=int, default=1 << 20, help="bytes per tensor, rows of 256 floats (1 MiB)")
     p.add_argument("--shape", help="each tensor's shape instead, as 1025x255")
     p.add_argument("--owned", action="store_true", help="plain tensors, each held by one rank, not DTensors")
-    p.add_argument("--kinds", default="zarr,zarr-plain,zarr-dcp,fs,null,raw,raw-io",
-                   help="comma-separated (default: all): zarr (ZarrSavePlanner), zarr-plain (ZarrWriter alone), "
-                        "zarr-dcp (planned by DCP), fs, null, raw, raw-io")
+    p.add_argument("--kinds", default="zarr,zarr-plain,zarr-dcp,fs,null,raw,raw-io", help="comma-separated (default: "
+                   "all; benchmarks/README.md says what each is)")
     p.add_argument("--raw", action="store_true", help="add the raw kind (in the default kinds)")
     p.add_argument("--zarr-dcp", action="store_true", help="add the zarr-dcp kind (in the default kinds)")
-    p.add_argument("--zarr-threads", default="0", help="ZarrWriter/Reader thread counts, the first compared (0: the "
-                   "default)")
+    p.add_argument("--zarr-threads", default="0", help="ZarrWriter/Reader thread counts, first compared (0: default)")
     p.add_argument("--fs-threads", default="1,2,4,8", help="FileSystemWriter thread counts (default 1,2,4,8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--target", default=h.SCRATCH, help="directory for the checkpoints (default: tmpfs)")
-    p.add_argument("--keep-stores", action="store_true",
-                   help="delete the stores at the end, not each after its load: on ext4 without a journal, creating "
-                        "files right after thousands were deleted is several times slower (reports/performance.md)")
+    p.add_argument("--keep-stores", action="store_true", help="delete the stores at the end, not each after its "
+                   "load (why: benchmarks/README.md)")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() around every timed save and load")
     p.add_argument("--quick", action="store_true", help="60 x 64 KiB, 1 repeat")
     p.add_argument("--out", help="result JSON (default benchmarks/results/entries.json)")

@@ -1,26 +1,23 @@
-"""The GPU check's measurements (benchmarks/gpu_check.sh runs them; benchmarks/README.md).
+"""The GPU check's measurements (benchmarks/gpu_check.sh runs them; what they are: benchmarks/README.md, "GPU check").
 
-World size 1 with ``cpu:gloo,cuda:nccl``: a state dict of ``--size-gb`` (bf16 weights and fp32 ``exp_avg`` in a
-transformer's shapes, and two large fp32 tensors) as DTensors on the 1-device mesh, saved and loaded through
-ZarrWriter/Reader, FileSystemWriter/Reader and raw I/O of the same bytes (device-to-host copy, ``os.pwrite``, fsync;
-saves only), on tmpfs and on local disk (its pages evicted before each load), medians of ``--repeats``; then
-``dcp.async_save`` with ``ZarrWriter(cache_staged_state_dict=True)`` against a plain device-to-pinned copy of the
-same bytes. Each measurement notes its peak GPU memory beyond what was allocated before it and its peak host RSS
-beyond the RSS before it (sampled every 5 ms, coarse so that it costs the timed code nothing measurable). The result
-(gpu_check.json, gpu_check.md) is rewritten after every step: a run stopped at its limit keeps what it measured.
-``--dry-run``: the same on the CPU with gloo, 32 MB, 1 repeat. ``--check FILE...``: only check results' schema.
+The state dict's tensors are DTensors on the 1-device mesh; raw I/O is saves only (device-to-host copy, ``os.pwrite``,
+fsync). Each measurement's peak GPU memory and host RSS are beyond those just before it (the RSS sampled every 5 ms).
+The result is rewritten after every step: a run stopped at its limit keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import gc
 import json
 import math
 import os
 import shutil
 import statistics
-import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -56,37 +53,55 @@ def state_layout(total_bytes: int, hidden: int) -> list[tuple[str, tuple[int, ..
         for name, shape in weights.items():
             layout += [(f"model.layers.{layer}.{name}.weight", shape, torch.bfloat16),
                        (f"optim.layers.{layer}.{name}.weight.exp_avg", shape, torch.float32)]
-        layout += [(f"model.layers.{layer}.{norm}.weight", (hidden,), torch.float32) for norm in ("attn_norm",
-                                                                                                  "mlp_norm")]
+        layout += [(f"model.layers.{layer}.{n}.weight", (hidden,), torch.float32) for n in ("attn_norm", "mlp_norm")]
     return layout
 
 
 class Peaks:
-    """Peak host RSS and GPU memory of one operation, each beyond what was in use just before it."""
+    """Peak host RSS and GPU memory of one operation, each beyond what was in use just before it. The RSS is sampled
+    in a thread every 5 ms, coarse so that it costs the timed code nothing measurable (it competes for the GIL)."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.rss, self.gpu_extra_bytes, self.gpu_before = device, h.PeakRss(0.005), None, 0
+    def __init__(self, device: torch.device, interval_s: float = 0.005):
+        import psutil
+
+        self.device, self.process, self.interval_s = device, psutil.Process(), interval_s
+        self.stop, self.thread = threading.Event(), threading.Thread(target=self._sample, daemon=True)
+        self.rss_before = self.rss_peak = self.gpu_before = 0
+        self.gpu_extra_bytes: int | None = None
+
+    def _sample(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            self.rss_peak = max(self.rss_peak, self.process.memory_info().rss)
 
     def __enter__(self) -> Peaks:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.gpu_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.rss.__enter__()
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # glibc's free heap back to the OS: a clean baseline
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.rss_before = self.rss_peak = self.process.memory_info().rss
+        self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.rss.__exit__(*exc)
+        self.stop.set()
+        self.thread.join()
+        self.rss_peak = max(self.rss_peak, self.process.memory_info().rss)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.gpu_extra_bytes = torch.cuda.max_memory_allocated(self.device) - self.gpu_before
 
+    @property
+    def rss_extra_bytes(self) -> int:
+        return max(0, self.rss_peak - self.rss_before)
+
 
 def measurement(nbytes: int, times: list[float], peaks: list[Peaks]) -> dict:
-    gpu = [p.gpu_extra_bytes for p in peaks if p.gpu_extra_bytes is not None]
-    return {"bytes": nbytes, "times_s": times, "median_s": statistics.median(times), "min_s": min(times),
-            "gbps": nbytes / statistics.median(times) / h.GB,
-            "peak_rss_extra_bytes": max(p.rss.extra_bytes for p in peaks),  # beyond the RSS before each repeat
+    gpu, median = [p.gpu_extra_bytes for p in peaks if p.gpu_extra_bytes is not None], statistics.median(times)
+    return {"bytes": nbytes, "times_s": times, "median_s": median, "min_s": min(times), "gbps": nbytes / median / h.GB,
+            "peak_rss_extra_bytes": max(p.rss_extra_bytes for p in peaks),  # beyond the RSS before each repeat
             "peak_gpu_extra_bytes": max(gpu) if gpu else None}  # None without CUDA
 
 
@@ -96,8 +111,7 @@ class GpuBench:
         self.deadline = STARTED + args.budget_s
 
     def step(self, name: str, fn, catch: bool = True) -> Any:
-        """Run one step, timed; on an error (``catch``) note it and go on, so that one lent GPU slot measures all it
-        can."""
+        """Run one step, timed; on an error (``catch``) note it and go on: one lent GPU slot measures all it can."""
         started = time.perf_counter()
         log(f"{name} ...")
         try:
@@ -120,10 +134,10 @@ class GpuBench:
             (out / "gpu_check.json").write_text(json.dumps(self.result, indent=2) + "\n")
             (out / "gpu_check.md").write_text(to_markdown(self.result))
 
-    def timed(self, fn) -> tuple[float, Peaks]:
+    def timed(self, times: dict[str, list], key: str, fn) -> None:
         with Peaks(self.ranks.device) as peaks:
             seconds = h.timed(fn, self.ranks.device)[0]
-        return seconds, peaks
+        times.setdefault(key, []).append((seconds, peaks))
 
     def measure_target(self, name: str, directory: str, state: dict, target: dict) -> dict[str, Any]:
         """Every kind's saves and loads on one file system, in rotating order, one checkpoint at a time; the first
@@ -137,41 +151,31 @@ class GpuBench:
                                                            f"{need / 1e9:.1f} GB"}
         except OSError as exc:
             return {"directory": directory, "skipped": f"{directory} is not usable: {exc}"}
-        work, evict = tempfile.mkdtemp(prefix="gpu-check-", dir=directory), name != "shm" and not self.args.no_evict
+        evict, threads = name != "shm" and not self.args.no_evict, self.args.threads
         times: dict[str, list] = {}
         equal, done = True, 0
-        try:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=directory) as work:
             for repeat in range(self.args.repeats):
                 if repeat and time.perf_counter() > self.deadline:
                     log(f"{name}: over --budget-s {self.args.budget_s:.0f}, {repeat} of {self.args.repeats} repeats")
                     break
                 for kind in h.rotated(KINDS, repeat):
                     path = os.path.join(work, f"{kind}-{repeat}")
-                    times.setdefault(f"save/{kind}", []).append(self.timed(lambda: self.save(kind, state, path)))
+                    self.timed(times, f"save/{kind}", lambda: h.save(kind, state, path, threads))
                     if kind in LOADED:
                         h.fill_zeros(target)
                         if evict:  # a disk load that hits the page cache measures memory, not the disk
                             h.evict_page_cache(path)
-                        times.setdefault(f"load/{kind}", []).append(self.timed(lambda: h.load(
-                            kind, target, path, self.args.threads)))
+                        self.timed(times, f"load/{kind}", lambda: h.load(kind, target, path, threads))
                         equal = equal and (repeat > 0 or h.equal(target, state))
                     shutil.rmtree(path)
                 done += 1
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
         entry: dict[str, Any] = {"directory": directory, "evicted_before_loads": evict, "repeats": done,
                                  "loads_equal": equal, "save": {}, "load": {}}
         for key, runs in times.items():
             op, kind = key.split("/")
             entry[op][kind] = measurement(self.result["state"]["bytes"], [t for t, _ in runs], [p for _, p in runs])
         return entry
-
-    def save(self, kind: str, state: dict, path: str) -> None:
-        if kind == "raw":
-            os.makedirs(path)
-            h.write_raw(state, os.path.join(path, "rank0.bin"), self.args.threads)
-        else:
-            h.save(kind, state, path, self.args.threads)
 
     def measure_async(self, directory: str, state: dict, target: dict) -> dict[str, Any]:
         """``dcp.async_save`` with one writer keeping its staging buffers (pinned for CUDA tensors): the first save,
@@ -209,12 +213,12 @@ class GpuBench:
                           self.ranks.device)[0] for _ in range(self.args.repeats)]
         buffers.clear()
         m = measurement(self.result["state"]["bytes"], total[1:] or total, peaks or [Peaks(torch.device("cpu"))])
+        later, copy_s = blocking[1:] or blocking, statistics.median(copies)
         return {"target": directory, "bytes": m["bytes"], "pinned": cuda, "first_blocking_s": blocking[0],
-                "first_total_s": total[0], "blocking_times_s": blocking[1:] or blocking, "total_times_s": m["times_s"],
-                "median_blocking_s": statistics.median(blocking[1:] or blocking), "median_total_s": m["median_s"],
-                "copy_times_s": copies, "median_copy_s": statistics.median(copies),
-                "copy_gbps": m["bytes"] / statistics.median(copies) / h.GB,
-                "blocking_vs_copy": statistics.median(blocking[1:] or blocking) / statistics.median(copies),
+                "first_total_s": total[0], "blocking_times_s": later, "total_times_s": m["times_s"],
+                "median_blocking_s": statistics.median(later), "median_total_s": m["median_s"], "copy_times_s": copies,
+                "median_copy_s": copy_s, "copy_gbps": m["bytes"] / copy_s / h.GB,
+                "blocking_vs_copy": statistics.median(later) / copy_s,
                 "peak_rss_extra_bytes": m["peak_rss_extra_bytes"] if peaks else 0,
                 "peak_gpu_extra_bytes": m["peak_gpu_extra_bytes"], "loads_equal": equal}
 
@@ -230,15 +234,15 @@ class GpuBench:
                                      self.ranks.mesh, [Shard(0)], run_check=False)
             for name, shape, dtype in state_layout(int(self.args.size_gb * 1e9), self.args.hidden)}}, catch=False)
         target = self.step("allocate the load target", lambda: h.zeroed(state), catch=False)
-        tensors, by_dtype = list(h.leaves(state)), {}
+        tensors, by_dtype = h.leaves(state), {}
         for t in tensors:
             key = str(t.dtype).removeprefix("torch.")
             by_dtype[key] = by_dtype.get(key, 0) + h.local(t).numel() * t.element_size()
         s = h.stamp()
         self.result.update(
-            schema=SCHEMA, dry_run=self.args.dry_run, stamp=s, commit=s["commit"] + (" with uncommitted changes" if
-                                                                                     s["dirty"] else ""),
-            date=s["date"], torch=torch.__version__, cuda=torch.version.cuda if cuda else None,
+            schema=SCHEMA, dry_run=self.args.dry_run, stamp=s, date=s["date"], torch=torch.__version__,
+            commit=s["commit"] + (" with uncommitted changes" if s["dirty"] else ""),
+            cuda=torch.version.cuda if cuda else None,
             device=torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
             python=s["python"], zarr=s["zarr"], backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
             threads=self.args.threads, repeats=self.args.repeats, state={
@@ -276,8 +280,8 @@ def ratio(entry: dict | None, op: str, peer: str) -> float | None:
 
 def targets_met(result: dict, gpu_extra: int | None) -> dict[str, bool | None]:
     """Each target of issue 26: True, False, or None where it was not measured (a skipped target, no CUDA)."""
-    def at_least(value, bound):
-        return None if value is None else value >= bound
+    def at_least(value, bound):  # None where either was not measured
+        return None if value is None or bound is None else value >= bound
 
     met: dict[str, bool | None] = {}
     for name, r in result["ratios"].items():
@@ -285,10 +289,9 @@ def targets_met(result: dict, gpu_extra: int | None) -> dict[str, bool | None]:
         met[f"{name}: save >= {SAVE_VS_RAW}x raw"] = at_least(r["save_zarr_fraction_of_raw"], SAVE_VS_RAW)
         met[f"{name}: load >= {LOAD_VS_FS}x FileSystemReader"] = at_least(r["load_zarr_vs_fs"], LOAD_VS_FS)
     blocked = result["async"]["blocking_vs_copy"] if result["async"] else None
-    met[f"async: blocked <= {ASYNC_VS_COPY}x device-to-pinned copy"] = None if blocked is None else (
-        blocked <= ASYNC_VS_COPY)
-    met["zarr: GPU memory beyond the state dict <= one inner chunk per IO thread"] = None if gpu_extra is None else (
-        gpu_extra <= result["gpu_bound_bytes"])
+    met[f"async: blocked <= {ASYNC_VS_COPY}x device-to-pinned copy"] = at_least(ASYNC_VS_COPY, blocked)
+    met["zarr: GPU memory beyond the state dict <= one inner chunk per IO thread"] = at_least(
+        result["gpu_bound_bytes"], gpu_extra)
     return met
 
 
@@ -407,18 +410,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: torch.cuda.is_available() is False; on a machine without CUDA use --dry-run")
-    ranks = h.init_ranks("gloo" if args.dry_run else "nccl")
-    code = 0
-    try:
-        if ranks.world_size != 1:
-            raise SystemExit(f"gpu_bench runs at world size 1 (no torchrun); WORLD_SIZE is {ranks.world_size}")
-        result = GpuBench(args, ranks).run()
-        log(f"wrote {args.out}/gpu_check.json and gpu_check.md")
-        print(to_markdown(result), flush=True)
-    except BaseException as exc:
-        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-        print(exc if isinstance(exc, SystemExit) else traceback.format_exc(), file=sys.stderr)
-    h.end(code)
+    h.on_ranks("gpu_bench", args.out, lambda ranks: run(args, ranks), "gloo" if args.dry_run else "nccl")
+
+
+def run(args: argparse.Namespace, ranks: h.Ranks) -> None:
+    """The whole check; its result files are GpuBench's own (rewritten after every step), not the harness's."""
+    if ranks.world_size != 1:
+        raise SystemExit(f"gpu_bench runs at world size 1 (no torchrun); WORLD_SIZE is {ranks.world_size}")
+    result = GpuBench(args, ranks).run()
+    log(f"wrote {args.out}/gpu_check.json and gpu_check.md")
+    print(to_markdown(result), flush=True)
 
 
 if __name__ == "__main__":

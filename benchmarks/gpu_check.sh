@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
-# The GPU path in one command (benchmarks/README.md, "GPU check"), on a machine with CUDA and no network:
-#   1. installs .whl/*.whl (benchmarks/gpu_wheels.sh downloads them) into a private target, with a dcp_zarr dist-info
-#      for zarr's entry points, and puts that and the working tree on PYTHONPATH: the project is never pip-installed;
-#   2. (a) runs tests/test_cuda_path.py (--noconftest: the suite's conftest imports moto, which that machine lacks);
-#   3. (b-d) runs python -m benchmarks.gpu_bench (JSON and Markdown into --out).
-# --dry-run: the same steps on the CPU (gloo, 32 MB, 1 repeat) in the environment as it is, installing nothing
-# (--install-wheels installs anyway). Arguments after -- go to gpu_bench. The commit is stamped from GPU_CHECK_COMMIT,
-# else from git (the device machine's copy of the tree has no .git). The exit status is non-zero if the tests or the
-# benchmark failed; the benchmark runs even when the tests fail, so that one lent GPU slot shows both.
+# The GPU path in one command, on a machine with CUDA and no network (benchmarks/README.md, "GPU check"): 1. installs
+# .whl/*.whl into a private target (the project is never pip-installed), 2. (a) tests/test_cuda_path.py, 3. (b-d)
+# python -m benchmarks.gpu_bench. --install-wheels installs on a --dry-run too. The commit is stamped from
+# GPU_CHECK_COMMIT (the device machine's copy of the tree has no .git). The benchmark runs even when the tests fail, so
+# that one lent GPU slot shows both; the exit status is non-zero if either failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)" PY="${PYTHON:-python3}" DRY=0 INSTALL="" OUT="benchmarks/results/gpu" BENCH_ARGS=()
@@ -30,11 +26,8 @@ step() { echo "[gpu_check $((SECONDS - START))s] $*"; }
 if [ "$INSTALL" = 1 ]; then  # 1. the environment
   SITE="${GPU_CHECK_SITE:-/tmp/gpu-check-site}"
   shopt -s nullglob; wheels=(.whl/*.whl); shopt -u nullglob
-  if [ ${#wheels[@]} -eq 0 ]; then
-    echo "gpu_check: no wheels in $REPO/.whl: run 'bash benchmarks/gpu_wheels.sh' where pip reaches PyPI, and carry" \
-         ".whl to this machine" >&2
-    exit 2
-  fi
+  [ ${#wheels[@]} -gt 0 ] || { echo "gpu_check: no wheels in $REPO/.whl: run 'bash benchmarks/gpu_wheels.sh' where pip" \
+    "reaches PyPI, and carry .whl to this machine" >&2; exit 2; }
   step "installing ${#wheels[@]} wheels into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}" \
     || { echo "gpu_check: installing .whl/*.whl into $SITE failed" >&2; exit 2; }
@@ -51,18 +44,17 @@ info.mkdir(exist_ok=True)
 PY
   export PYTHONPATH="$SITE:$PYTHONPATH"
 fi
-"$PY" - <<'PY' || { echo "gpu_check: the environment lacks a package dcp_zarr needs (see above)" >&2; exit 2; }
-import sys, torch, zarr, numcodecs, crc32c, dcp_zarr
+"$PY" - "$DRY" <<'PY' || { echo "gpu_check: the environment is not ready (see above)" >&2; exit 2; }
+import sys, torch, zarr, numcodecs, crc32c, dcp_zarr  # the packages dcp_zarr needs
 print(f"gpu_check: Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, available: "
       f"{torch.cuda.is_available()}), zarr {zarr.__version__}, numcodecs {numcodecs.__version__}, dcp_zarr from "
       f"{dcp_zarr.__file__}")
+if sys.argv[1] == "0" and not torch.cuda.is_available():
+    sys.exit("gpu_check: torch.cuda.is_available() is False here; use --dry-run on a machine without CUDA")
 PY
-if [ "$DRY" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_check: torch.cuda.is_available() is False here; use --dry-run on a machine without CUDA" >&2
-  exit 2
-fi
 status=0
 step "(a) tests/test_cuda_path.py"  # 2.
+# --noconftest: the suite's conftest imports moto, which that machine lacks
 "$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tee "$OUT/cuda_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if [ "$tests_rc" -ne 0 ]; then

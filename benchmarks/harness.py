@@ -1,12 +1,6 @@
-"""What every benchmark shares: the stamp each result carries, how ranks start, how an operation is timed across
-ranks, and the states and writer kinds measured. (The loopback S3 server and the FSDP, HSDP and DDP layouts are
-dcp_zarr.testing's, shared with the tests.) Nothing here imports dcp_zarr at import time: DCP's own writer can be
-measured where dcp_zarr does not import.
-
-Every result is written by ``write_result``: JSON and a Markdown table beside it, both stamped (``stamp``) with the
-commit and whether the tree differed from it, a digest of dcp_zarr's sources, torch, zarr and Python versions, the
-machine (CPUs, kernel), the date and the command. Where the tree has no .git (a copy on a lent machine), the commit
-comes from ``BENCH_COMMIT``.
+"""What every benchmark shares (benchmarks/README.md): the stamp and the result files, rank launching, timing across
+ranks, the states and the writer kinds. Nothing here imports dcp_zarr at import time: DCP's own writer can be measured
+where dcp_zarr does not import.
 """
 
 from __future__ import annotations
@@ -18,28 +12,28 @@ import hashlib
 import importlib
 import json
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -47,9 +41,7 @@ SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # 
 GB = 1e9
 CPU = torch.device("cpu")
 
-# --------------------------------------------------------------------------------------------------------------------
-# The stamp and the results
-# --------------------------------------------------------------------------------------------------------------------
+# -- The stamp and the results ----------------------------------------------------------------------------------------
 
 
 def _git(*args: str) -> str:
@@ -58,7 +50,7 @@ def _git(*args: str) -> str:
 
 
 def stamp() -> dict[str, Any]:
-    """What a result was measured with (see the module's docstring)."""
+    """What a result was measured with (benchmarks/README.md; ``BENCH_COMMIT``: the commit, where there is no .git)."""
     commit, dirty = os.environ.get("BENCH_COMMIT"), None
     if not commit:
         with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -76,42 +68,34 @@ def stamp() -> dict[str, Any]:
             "command": " ".join(["python", *sys.orig_argv[1:]])}
 
 
-def stamp_line(s: dict[str, Any]) -> str:
-    dirty = {True: " (tree differs from it)", False: "", None: ""}[s["dirty"]]
-    return (f"commit {s['commit']}{dirty}, dcp_zarr sources {s['dcp_zarr_sources']}, torch {s['torch']}, zarr "
-            f"{s['zarr']}, Python {s['python']}, {s['nproc']} CPUs, kernel {s['kernel']}, {s['date']}: "
-            f"`{s['command']}`")
-
-
 def table(head: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
-def write_result(name: str, out: str | None, result: dict[str, Any], text: str = "") -> dict[str, Any]:
+def write_result(name: str, out: str | None, result: dict[str, Any], text: str = "") -> None:
     """``result`` stamped, as JSON at ``out`` (default benchmarks/results/NAME.json) and ``text`` (Markdown) beside
-    it under the stamp's line; the text is printed. Returns the stamped result."""
-    result = {"stamp": stamp(), **result}
+    it under the stamp's line; the text is printed."""
+    s = stamp()
+    result = {"stamp": s, **result}
     path = Path(out or RESULTS / f"{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    text = f"{name}, {stamp_line(result['stamp'])}\n\n{text}".rstrip() + "\n"
+    text = (f"{name}, commit {s['commit']}{' (tree differs from it)' if s['dirty'] else ''}, dcp_zarr sources "
+            f"{s['dcp_zarr_sources']}, torch {s['torch']}, zarr {s['zarr']}, Python {s['python']}, {s['nproc']} CPUs, "
+            f"kernel {s['kernel']}, {s['date']}: `{s['command']}`\n\n{text}").rstrip() + "\n"
     path.with_suffix(".md").write_text(text)
     print(text + f"\nwrote {path} and {path.with_suffix('.md')}", flush=True)
-    return result
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Ranks: a torchrun job (or one process), or rank processes spawned from this one
-# --------------------------------------------------------------------------------------------------------------------
+# -- Ranks: a torchrun job (or one process), or rank processes spawned from this one ----------------------------------
 
 
 @dataclass(frozen=True)
 class Ranks:
     rank: int
     world_size: int
-    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors, with gloo beside it for async saves)
-    device: torch.device
+    device: torch.device  # a GPU with backend "nccl" (gloo beside it for async saves), else the CPU
     mesh: Any  # a 1-d DeviceMesh over every rank
 
 
@@ -133,7 +117,7 @@ def init_ranks(backend: str = "gloo") -> Ranks:
     else:
         dist.init_process_group("gloo", timeout=timeout)
     world = dist.get_world_size()
-    return Ranks(dist.get_rank(), world, backend, device, init_device_mesh(device.type, (world,)))
+    return Ranks(dist.get_rank(), world, device, init_device_mesh(device.type, (world,)))
 
 
 def _free_port() -> int:
@@ -157,8 +141,7 @@ def end(code: int = 0) -> None:
 def on_ranks(name: str, out: str | None, program: Callable[[Ranks], tuple[dict, str] | None],
              backend: str = "gloo") -> None:
     """Run ``program`` on every rank (the torchrun job, or this process alone); rank 0 writes the (result, text) it
-    returns, if any, with ``write_result``. Ends the process: 0; 3 if one of the result's ``checks`` failed; 1 after
-    printing any rank's exception."""
+    returns, if any (``write_result``). Ends the process: 0; 3 if a result's ``checks`` failed; 1 after an exception."""
     code = 0
     try:
         ranks = init_ranks(backend)
@@ -186,74 +169,41 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.dis
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800) -> list[Any]:
-    """``fn(ranks, *args)`` on ``world_size`` fresh processes joined in a gloo group on 127.0.0.1, forked from one
-    forkserver that imported torch and dcp_zarr; returns each rank's result, or raises RuntimeError carrying the
-    failed ranks' tracebacks. ``fn`` is a module-level function of a benchmarks module."""
+    """``fn(ranks, *args)``, a benchmarks module's function, on ``world_size`` fresh processes in a gloo group, forked
+    from one forkserver that imported torch and dcp_zarr: each rank's result. When a rank fails, torch's launcher ends
+    the others (blocked in a collective that never ends) and raises with its traceback."""
+    from torch.multiprocessing import start_processes
+
     module = fn.__module__ if fn.__module__ != "__main__" else sys.modules["__main__"].__spec__.name
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
-    processes, conns, outcomes = [], {}, {}
-    try:
-        for rank in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_rank_entry, name=f"rank{rank}",
-                                  args=((module, fn.__qualname__), rank, world_size, store.port, writer, args))
-            process.start()
-            writer.close()
-            processes.append(process)
-            conns[reader] = rank
-        deadline = time.monotonic() + timeout
-        while conns and time.monotonic() < deadline:
-            for conn in multiprocessing.connection.wait(list(conns), timeout=max(0.0, deadline - time.monotonic())):
-                rank = conns.pop(conn)
-                try:
-                    outcomes[rank] = pickle.loads(conn.recv_bytes())
-                except EOFError:
-                    outcomes[rank] = ("died", "exited without reporting")
-                if outcomes[rank][0] != "ok":  # the others are likely blocked in a collective that never ends
-                    deadline = min(deadline, time.monotonic() + 3)
-        for rank in conns.values():
-            outcomes[rank] = ("hung", f"still running after {timeout} s, or after another rank failed")
-    finally:
-        for process in processes:
-            process.join(10)
-            if process.is_alive() and process.pid is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(process.pid, signal.SIGKILL)  # the rank and anything it started
-                process.join()
-        del store
-    failed = {r: o for r, o in sorted(outcomes.items()) if o[0] != "ok"}
-    if failed:
-        raise RuntimeError(f"{fn.__qualname__} on {world_size} ranks: ranks {sorted(failed)} failed\n" + "\n".join(
-            f"----- rank {r}: {kind} -----\n{detail}" for r, (kind, detail) in failed.items()))
-    return [outcomes[r][1] for r in range(world_size)]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)  # a failed rank keeps it up
+    ranks = start_processes(_rank_entry, ((module, fn.__qualname__), world_size, store.port, args), world_size,
+                            join=False, start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise RuntimeError(f"{fn.__qualname__} on {world_size} ranks: still running after {timeout} s")
+    return [pickle.loads(store.get(f"result/{rank}")) for rank in range(world_size)]
 
 
-def _rank_entry(target: tuple[str, str], rank: int, world_size: int, port: int, conn, args: tuple) -> None:
+def _rank_entry(rank: int, target: tuple[str, str], world_size: int, port: int, args: tuple) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.setpgrp()
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    try:
-        fn = getattr(importlib.import_module(target[0]), target[1])
-        timeout = datetime.timedelta(minutes=30)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        ranks = Ranks(rank, world_size, "gloo", torch.device("cpu"), init_device_mesh("cpu", (world_size,)))
-        outcome: tuple[str, Any] = ("ok", fn(ranks, *args))
-    except BaseException:
-        outcome = ("raised", traceback.format_exc())
-    conn.send_bytes(pickle.dumps(outcome))
-    conn.close()
-    end(0)
+    fn = getattr(importlib.import_module(target[0]), target[1])
+    timeout = datetime.timedelta(minutes=30)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    result = fn(Ranks(rank, world_size, torch.device("cpu"), init_device_mesh("cpu", (world_size,))), *args)
+    store.set(f"result/{rank}", pickle.dumps(result))
+    end(0)  # an exception instead reaches torch's launcher, which passes its traceback on
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Timing: regions between barriers, the slowest rank's time; kinds in rotating order; medians
-# --------------------------------------------------------------------------------------------------------------------
+# -- Timing: regions between barriers, the slowest rank's time; kinds in rotating order; medians ----------------------
 
 
 def _synchronize(device: torch.device) -> None:
@@ -272,8 +222,7 @@ def quiesce(device: torch.device) -> None:
 
 
 def timed(fn: Callable[[], Any], device: torch.device = CPU) -> tuple[float, list[float], Any]:
-    """Run ``fn`` on every rank between barriers (device work waited for inside): (the slowest rank's seconds,
-    every rank's, ``fn``'s result on this rank)."""
+    """``fn`` on every rank between barriers, device work waited for: (slowest rank's seconds, every rank's, result)."""
     quiesce(device)
     start = time.perf_counter()
     result = fn()
@@ -307,41 +256,6 @@ def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-class PeakRss:
-    """This process's peak RSS beyond its RSS at the start (``extra_bytes``), sampled every ``interval_s`` in a
-    thread. A sampler competes for the GIL with what it watches: use it in untimed runs, or coarsely."""
-
-    def __init__(self, interval_s: float = 0.001):
-        import psutil
-
-        self.process, self.interval_s, self.stop = psutil.Process(), interval_s, threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.baseline = self.peak = 0
-
-    def _sample(self) -> None:
-        while not self.stop.wait(self.interval_s):
-            self.peak = max(self.peak, self.process.memory_info().rss)
-
-    def __enter__(self) -> PeakRss:
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):  # glibc's free heap back to the OS: a clean baseline
-            import ctypes
-
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.baseline = self.peak = self.process.memory_info().rss
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-    @property
-    def extra_bytes(self) -> int:
-        return max(0, self.peak - self.baseline)
-
-
 def footprint(path: str) -> dict[str, int]:
     """Files, directories (``path`` included) and bytes under ``path``: the metadata work a disk charges for."""
     files = directories = size = 0
@@ -363,9 +277,7 @@ def evict_page_cache(path: str) -> None:
                 os.close(fd)
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# States: an FSDP2 transformer with AdamW state, and walks over state dicts
-# --------------------------------------------------------------------------------------------------------------------
+# -- States: an FSDP2 transformer with AdamW state, and walks over state dicts ----------------------------------------
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -376,9 +288,6 @@ class ModelConfig:
     hidden: int = 1024
     vocab: int = 32000  # these defaults: a 2.0 GB fp32 state dict with AdamW state
     dtype: str = "float32"
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class _Block(nn.Module):
@@ -445,12 +354,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def leaves(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (dict, list, tuple)):
-        for value in tree.values() if isinstance(tree, dict) else tree:
-            yield from leaves(value)
+def leaves(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def local_bytes(tree: Any) -> int:
@@ -465,13 +370,7 @@ def global_bytes(tree: Any) -> int:
 
 def zeroed(tree: Any) -> Any:
     """A state dict of the same sharding to load into, zero-filled, so that a load that skips data shows."""
-    if isinstance(tree, torch.Tensor):
-        return torch.zeros_like(tree)
-    if isinstance(tree, dict):
-        return {key: zeroed(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(zeroed(value) for value in tree)
-    return tree
+    return tree_map_only(torch.Tensor, torch.zeros_like, tree)
 
 
 def fill_zeros(tree: Any) -> None:
@@ -492,9 +391,7 @@ def equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Writer kinds: dcp.save and dcp.load with each, and raw I/O of the same bytes
-# --------------------------------------------------------------------------------------------------------------------
+# -- Writer kinds: dcp.save and dcp.load with each, and raw I/O of the same bytes -------------------------------------
 
 
 def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
@@ -513,22 +410,24 @@ _READER_ONLY = ("read_once", "read_once_below")
 _READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
 
 
-def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None) -> None:
+def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
+         store: Any = None) -> None:
     """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
     alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
-    planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (DCP's
-    FsspecWriter); ``threads`` is each writer's thread count (None: its default)."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
+    planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
+    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path."""
     kind, options = parse_kind(spec)
     counts = {} if threads is None else {"thread_count": threads}
     planner = None
+    if kind == "raw":
+        os.makedirs(path, exist_ok=True)
+        return write_raw(state, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
     if kind in ZARR_KINDS:
         from dcp_zarr import ZarrSavePlanner, ZarrWriter
         from dcp_zarr.testing.planners import DCPsPlanning
 
         options = {k: v for k, v in options.items() if k not in _READER_ONLY}
-        writer: Any = ZarrWriter(path, storage_options=storage_options, **counts, **options)
+        writer: Any = ZarrWriter(path, store=store, storage_options=storage_options, **counts, **options)
         planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
     elif kind == "fs":
         writer = FileSystemWriter(path, sync_files=True, **counts)
@@ -538,22 +437,20 @@ def save(spec: str, state: Any, path: str, threads: int | None = None, storage_o
         writer = FsspecWriter(path, sync_files=False, **counts, **(storage_options or {}))
     else:
         raise ValueError(f"unknown writer kind {spec!r}")
-    import torch.distributed.checkpoint as dcp
-
     dcp.save(state, storage_writer=writer, planner=planner)
 
 
-def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None) -> None:
-    """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader and FsspecReader have no thread count)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
+def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
+         store: Any = None) -> None:
+    """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader, FsspecReader: no threads), or read_raw."""
     kind, options = parse_kind(spec)
+    if kind == "raw":
+        return read_raw(target, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
     if kind in ZARR_KINDS:
         from dcp_zarr import ZarrReader
 
         options = {k: v for k, v in options.items() if k in _READER_OPTIONS}
-        reader: Any = ZarrReader(path, storage_options=storage_options,
+        reader: Any = ZarrReader(path, store=store, storage_options=storage_options,
                                  **({} if threads is None else {"thread_count": threads}), **options)
     elif kind == "fs":
         reader = FileSystemReader(path)

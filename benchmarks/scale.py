@@ -1,9 +1,5 @@
-"""Metadata and planning at 8 to 8,192 ranks, simulated in one process, beside DCP's FileSystemWriter/Reader.
-
-    python -m benchmarks.scale --out benchmarks/results/scale    # the scale and planning reports (~15 min + 15)
-    python -m benchmarks.scale --planning-only --out /tmp/plan     # the 100-tensor rows, then the planning measures
-    python -m benchmarks.scale --timing-only --out /tmp/plan       # one rank's planning and the coordinator's CPU
-    python -m benchmarks.scale --quick --out /tmp/scale            # small sizes, about a minute
+"""Metadata and planning at 8 to 8,192 ranks, simulated in one process, beside DCP's FileSystemWriter/Reader
+(commands: benchmarks/README.md).
 
 No process group: each saving rank's SavePlan is built as its DefaultSavePlanner would (one WriteItem per tensor
 shard: FSDP ``Shard(0)``, HSDP ``(Replicate, Shard(0))`` on an (n/8, 8) mesh, FSDP+TP on an (n/8, 8) (dp, tp) mesh)
@@ -26,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -167,8 +164,8 @@ def read_items(metadata, local: dict) -> int:
 
 def measure(layout: str, world: int, entries: int, repeats: int) -> dict:
     """One row: the coordinator's planning, each writer's metadata, DCP's protocol bytes, a loading rank's work."""
-    tensors, work = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-scale-")
-    try:
+    tensors = model_tensors(entries)
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-") as work:
         plans = save_plans(tensors, layout, world)
         planning = coordinator_planning(plans, work)
         row = {"layout": layout, "world": world, "entries": entries,
@@ -204,8 +201,6 @@ def measure(layout: str, world: int, entries: int, repeats: int) -> dict:
                                                   .read_metadata(), repeats)
         row["dcp_load_plan_s"], row["dcp_read_items"] = timed(lambda: read_items(fs_md, local), repeats)
         return row
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- what DCP's collectives carry: each object as its pickle (torch's _object_to_tensor), padded to the largest rank's
@@ -334,7 +329,10 @@ class FakeRank:
             self.state[fqn] = DTensor.from_local(local, self.mesh, placements, run_check=False, shape=torch.Size(
                 shape), stride=tuple(math.prod(shape[d + 1:]) for d in range(len(shape))))
 
-    def close(self) -> None:
+    def __enter__(self) -> FakeRank:
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.state = self.mesh = None
         dist.destroy_process_group()
 
@@ -343,10 +341,11 @@ class FakeRank:
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         return writer
 
-    def local_plan(self, writer: ZarrWriter, timing: bool = True) -> tuple[SavePlan, dict]:
-        """ZarrSavePlanner's local plan and ZarrWriter.prepare_local_plan, from cold caches: (the plan DCP gathers,
-        times). ``timing``: collect garbage first (it costs more than planning when only bytes are counted)."""
-        clear_caches()
+    def local_plan(self, writer: ZarrWriter, timing: bool = True, cold: bool = True) -> tuple[SavePlan, dict]:
+        """ZarrSavePlanner's local plan and ZarrWriter.prepare_local_plan, from cold caches if ``cold``: (the plan DCP
+        gathers, times). ``timing``: collect garbage first (it costs more than planning when only bytes count)."""
+        if cold:
+            clear_caches()
         if timing:
             gc.collect()
         start = time.perf_counter()
@@ -367,12 +366,9 @@ class FakeRank:
 
 def _fake(tensors, layout: str, world: int, rank: int, work: str, then=None):
     """A rank planned for real: its Summary, and ``then(fake_rank, the plan it sends)`` while the rank is open."""
-    fake = FakeRank(tensors, layout, world, rank, work)
-    try:
+    with FakeRank(tensors, layout, world, rank, work) as fake:
         sent = fake.local_plan(fake.writer(f"r{rank}.zarr"), timing=False)[0]
         return sent.storage_data, then(fake, sent) if then else None
-    finally:
-        fake.close()
 
 
 def _representative(layout: str, rank: int) -> int:
@@ -398,19 +394,16 @@ def _held_bytes(items) -> int:
 def zarr_wire(layout: str, world: int, entries: int) -> dict:
     """dcp_zarr's save and load bytes at one point: the representative ranks planned for real, every rank's Summary
     from them, the coordinator's real replies, a RankReport per rank, the planner's Metadata."""
-    tensors, work = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-wire-")
-    try:
+    tensors = model_tensors(entries)
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-wire-") as work:
         summaries, held, metadata = {}, {}, None
         for rank in sorted({_representative(layout, r) for r in range(world)}):
             summaries[rank], (held[rank], found) = _fake(tensors, layout, world, rank, work, lambda fake, sent: (
                 _held_bytes(fake.items), fake.planner.create_global_plan([sent])[1] if fake.rank == 0 else None))
             metadata = metadata or found
         plans = _all_summaries(layout, world, summaries)
-        fake = FakeRank(tensors[:1], layout, world, 0, work)  # the coordinator's writer needs only the group
-        try:
+        with FakeRank(tensors[:1], layout, world, 0, work) as fake:  # the coordinator's writer needs only the group
             replies = fake.writer("coordinator.zarr").prepare_global_plan(plans)
-        finally:
-            fake.close()
         results = [pickled(_report(held[_representative(layout, r)])) for r in range(world)]
         one = DefaultSavePlanner().create_global_plan(save_plans(tensors[:1], "fsdp", 1))[1]
         load = pickled(ZarrReader(os.path.join(work, "none.zarr")).prepare_local_plan(
@@ -418,15 +411,13 @@ def zarr_wire(layout: str, world: int, entries: int) -> dict:
         return {"save": {"dcp_zarr": _traffic(world, [pickled(p) for p in plans], [pickled(p) for p in replies],
                                               results, pickled(metadata))},
                 "load": {"dcp_zarr": _load_traffic(world, load * world, load * world)}}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def check_representatives(layout: str, world: int, entries: int) -> int:
     """Every rank of a small job planned for real: its Summary is its representative's but for the rank, and its
     DTensor boxes are the synthetic plans' (rank_box). Returns the ranks checked."""
-    tensors, work, real = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-wire-"), {}
-    try:
+    tensors, real = model_tensors(entries), {}
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-wire-") as work:
         for rank in range(world):
             real[rank], boxes = _fake(tensors, layout, world, rank, work, lambda fake, _: {i.index.fqn: (tuple(
                 i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes)) for i in fake.items})
@@ -434,39 +425,28 @@ def check_representatives(layout: str, world: int, entries: int) -> int:
         built = [plan.storage_data for plan in _all_summaries(layout, world, real)]
         assert built == [real[r] for r in range(world)], (layout, world)
         return world
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def rank_planning(layout: str, worlds: list[int], entries: int, repeats: int) -> dict:
     """Rank 0's planning (ZarrSavePlanner.create_local_plan, ZarrWriter.prepare_local_plan, LocalSave.rank_writes),
     cold caches, at each world size, interleaved over ``repeats`` rounds; medians."""
-    tensors, work = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-rank-")
+    tensors = model_tensors(entries)
     times: dict[int, dict[str, list[float]]] = {w: defaultdict(list) for w in worlds}
-    try:
-        for round_ in range(repeats):
-            for world in worlds:
-                fake = FakeRank(tensors, layout, world, 0, work)
-                try:
-                    writer = fake.writer(f"w{world}-{round_}.zarr")
-                    sent, found = fake.local_plan(writer)
-                    plans = _all_summaries(layout, world, {r: sent.storage_data._replace(rank=r) for r in
-                                                           {_representative(layout, r) for r in range(world)}})
-                    ticket = fake.writer(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
-                    found["rank_writes_s"], items = fake.rank_writes(writer, ticket)
-                    found["total_s"], found["writes"] = sum(found.values()), len(items)
-                    warm_writer = fake.writer(f"w{world}-{round_}-warm.zarr")  # the next save: caches kept
-                    start = time.perf_counter()
-                    planner = ZarrSavePlanner()
-                    planner.set_up_planner(fake.state, None, True)
-                    warm_writer.prepare_local_plan(planner.create_local_plan())
-                    found["warm_total_s"] = time.perf_counter() - start + fake.rank_writes(warm_writer, ticket)[0]
-                    for key, value in found.items():
-                        times[world][key].append(value)
-                finally:
-                    fake.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-rank-") as work:
+        for round_, world in itertools.product(range(repeats), worlds):  # world sizes interleaved
+            with FakeRank(tensors, layout, world, 0, work) as fake:
+                writer = fake.writer(f"w{world}-{round_}.zarr")
+                sent, found = fake.local_plan(writer)
+                plans = _all_summaries(layout, world, {r: sent.storage_data._replace(rank=r) for r in
+                                                       {_representative(layout, r) for r in range(world)}})
+                ticket = fake.writer(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
+                found["rank_writes_s"], items = fake.rank_writes(writer, ticket)
+                found["total_s"], found["writes"] = sum(found.values()), len(items)
+                warm_writer = fake.writer(f"w{world}-{round_}-warm.zarr")  # the next save: caches kept
+                warm = fake.local_plan(warm_writer, timing=False, cold=False)[1]
+                found["warm_total_s"] = sum(warm.values()) + fake.rank_writes(warm_writer, ticket)[0]
+                for key, value in found.items():
+                    times[world][key].append(value)
     return {str(w): h.medians(found) for w, found in times.items()}
 
 
@@ -475,11 +455,7 @@ def coordinator_cpu(layout: str, world: int, entries: int, repeats: int) -> dict
     medians of ``repeats``: unpickling the gathered Summaries, create_global_plan + prepare_global_plan (and
     check_summaries alone), pickling the replies, unpickling the RankReports, ZarrWriter.finish (into a temporary
     directory), pickling the Metadata it broadcasts. Rank 0's own rank_writes runs untimed between them."""
-    tensors, work = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-coordinator-")
-    times: dict[str, list[float]] = defaultdict(list)
-    others = {r: _fake(tensors, layout, world, r, work)[0]  # HSDP's other replica groups' Summaries
-              for r in sorted({_representative(layout, r) for r in range(world)} - {0})}
-    fake = FakeRank(tensors, layout, world, 0, work)
+    tensors, times = model_tensors(entries), defaultdict(list)
 
     def clock(name: str, fn):
         start = time.perf_counter()
@@ -487,26 +463,27 @@ def coordinator_cpu(layout: str, world: int, entries: int, repeats: int) -> dict
         times[name].append(time.perf_counter() - start)
         return result
 
-    try:
-        for round_ in range(repeats):
-            writer = fake.writer(f"ckpt-{round_}.zarr")
-            sent, _ = fake.local_plan(writer)
-            wire = [pickle.dumps(plan) for plan in _all_summaries(layout, world, {**others, 0: sent.storage_data})]
-            plans = clock("unpickle_plans_s", lambda: [pickle.loads(data) for data in wire])
-            clock("check_summaries_s", lambda: check_summaries([plan.storage_data for plan in plans]))
-            start = time.perf_counter()
-            plans, metadata = fake.planner.create_global_plan(plans)
-            replies = writer.prepare_global_plan(plans)
-            times["global_plan_s"].append(time.perf_counter() - start)
-            clock("pickle_replies_s", lambda: [pickle.dumps(plan) for plan in replies])
-            wire = [pickle.dumps(_report(_held_bytes(fake.rank_writes(writer, replies[0].storage_data)[1])))] * world
-            results = clock("unpickle_results_s", lambda: [pickle.loads(data) for data in wire])
-            clock("finish_s", lambda: writer.finish(metadata, results))
-            clock("pickle_metadata_s", lambda: pickle.dumps(metadata))
-            times["total_s"].append(sum(times[k][-1] for k in times if k not in ("total_s", "check_summaries_s")))
-    finally:
-        fake.close()
-        shutil.rmtree(work, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-coordinator-") as work:
+        others = {r: _fake(tensors, layout, world, r, work)[0]  # HSDP's other replica groups' Summaries
+                  for r in sorted({_representative(layout, r) for r in range(world)} - {0})}
+        with FakeRank(tensors, layout, world, 0, work) as fake:
+            for round_ in range(repeats):
+                writer = fake.writer(f"ckpt-{round_}.zarr")
+                sent, _ = fake.local_plan(writer)
+                wire = [pickle.dumps(p) for p in _all_summaries(layout, world, {**others, 0: sent.storage_data})]
+                plans = clock("unpickle_plans_s", lambda: [pickle.loads(data) for data in wire])
+                clock("check_summaries_s", lambda: check_summaries([plan.storage_data for plan in plans]))
+                start = time.perf_counter()
+                plans, metadata = fake.planner.create_global_plan(plans)
+                replies = writer.prepare_global_plan(plans)
+                times["global_plan_s"].append(time.perf_counter() - start)
+                clock("pickle_replies_s", lambda: [pickle.dumps(plan) for plan in replies])
+                held = _held_bytes(fake.rank_writes(writer, replies[0].storage_data)[1])
+                wire = [pickle.dumps(_report(held))] * world
+                results = clock("unpickle_results_s", lambda: [pickle.loads(data) for data in wire])
+                clock("finish_s", lambda: writer.finish(metadata, results))
+                clock("pickle_metadata_s", lambda: pickle.dumps(metadata))
+                times["total_s"].append(sum(times[k][-1] for k in times if k not in ("total_s", "check_summaries_s")))
     return {"layout": layout, "world": world, "entries": entries, **h.medians(times)}
 
 
@@ -516,14 +493,11 @@ def sampled_save_planning(world: int, entries: int, batch: int, batches: int) ->
     totals = {"dcp_global_plan_s": 0.0, "zarr_added_s": 0.0, "fs_added_s": 0.0}
     tensors = model_tensors(batch * batches)
     for start in range(0, batch * batches, batch):
-        work = tempfile.mkdtemp(prefix="dcp-zarr-scale-")
-        try:
+        with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-") as work:
             planning = coordinator_planning(save_plans(tensors[start:start + batch], "fsdp", world), work)
             for key in totals:
                 totals[key] += planning[key]
             planning = None
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
     return {"layout": "fsdp", "world": world, "entries": entries, "measured_entries": batch * batches,
             **{key: value * entries / (batch * batches) for key, value in totals.items()}}
 
@@ -531,18 +505,15 @@ def sampled_save_planning(world: int, entries: int, batch: int, batches: int) ->
 def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> dict[int, float]:
     """A loading rank's read_metadata + read items of dcp_zarr stores saved at each world size, timed round-robin
     over the world sizes (``rounds`` rounds, medians), so that this machine's drift falls on all of them alike."""
-    tensors, keep = model_tensors(entries), tempfile.mkdtemp(prefix="dcp-zarr-scale-kept-")
+    tensors = model_tensors(entries)
     local = loading_shards(tensors)
-    try:
+    with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-kept-") as keep:
         for world in worlds:
-            work = tempfile.mkdtemp(prefix="dcp-zarr-scale-")
-            try:
+            with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-") as work:
                 planning = coordinator_planning(save_plans(tensors, "fsdp", world), work)
                 planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
                 planning = None
                 shutil.copytree(os.path.join(work, "ckpt.zarr"), os.path.join(keep, f"ws{world}.zarr"))
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
         gc.collect()
         times: dict[int, list[float]] = {world: [] for world in worlds}
         for _ in range(rounds):
@@ -551,8 +522,6 @@ def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> d
                 read_items(ZarrReader(os.path.join(keep, f"ws{world}.zarr")).read_metadata(), local)
                 times[world].append(time.perf_counter() - start)
         return {world: statistics.median(values) for world, values in times.items()}
-    finally:
-        shutil.rmtree(keep, ignore_errors=True)
 
 
 def format1_validation(boxes: int, repeats: int) -> float:
@@ -566,18 +535,15 @@ def planning_grid(rows: list[dict], worlds: dict[str, list[int]], entry_counts: 
     """Bytes per save and per load for every kind, at each layout, world size and tensor count: dcp_zarr from its
     real objects; DCP from a measured row's (exact), or scaled from the row at 100 tensors."""
     exact = {(r["layout"], r["world"], r["entries"]): r["wire"] for r in rows if "wire" in r}
-    points = []
-    for layout, layout_worlds in worlds.items():
-        for world in layout_worlds:
-            for entries in entry_counts:
-                dcp = exact.get((layout, world, entries)) or scaled_dcp_wire(
-                    exact[(layout, world, 100)], model_tensors(entries), layout, world)
-                zarr = zarr_wire(layout, world, entries)
-                points.append({"layout": layout, "world": world, "entries": entries, "dcp_exact": dcp["exact"],
-                               "save": {**zarr["save"], **dcp["save"], "no_collectives": {"per_rank": 0,
-                                                                                          "coordinator": 0}},
-                               "load": {**zarr["load"], **dcp["load"]}})
-                print(planning_tables({"wire": points[-1:]}).splitlines()[2], flush=True)
+    points, none = [], {"per_rank": 0, "coordinator": 0}  # none: use_collectives=False
+    for layout, world, entries in [(lay, w, n) for lay, ws in worlds.items() for w in ws for n in entry_counts]:
+        dcp = exact.get((layout, world, entries)) or scaled_dcp_wire(exact[(layout, world, 100)],
+                                                                     model_tensors(entries), layout, world)
+        zarr = zarr_wire(layout, world, entries)
+        points.append({"layout": layout, "world": world, "entries": entries, "dcp_exact": dcp["exact"],
+                       "save": {**zarr["save"], **dcp["save"], "no_collectives": none},
+                       "load": {**zarr["load"], **dcp["load"]}})
+        print(planning_tables({"wire": points[-1:]}).splitlines()[2], flush=True)
     return points
 
 
@@ -619,34 +585,29 @@ def table(rows: list[dict]) -> str:
                     "validate s"], [[
         r["layout"], r["world"], r["entries"], f"{r['dcp_global_plan_s']:.3f}", f"{r['zarr_added_s']:.3f}",
         f"{r['zarr_root_bytes'] / 1e3:.1f} ({r['zarr_manifest_bytes'] / 1e3:.1f})",
-        f"{r['dcp_metadata_bytes'] / 1e3:.1f}",
-        f"{r['zarr_read_metadata_s']:.4f} / {r['dcp_read_metadata_s']:.3f}",
+        f"{r['dcp_metadata_bytes'] / 1e3:.1f}", f"{r['zarr_read_metadata_s']:.4f} / {r['dcp_read_metadata_s']:.3f}",
         f"{r['zarr_load_plan_s']:.4f} / {r['dcp_load_plan_s']:.3f}", f"{r['zarr_read_items']} / {r['dcp_read_items']}",
         f"{r['zarr_validate_s']:.4f}"] for r in rows])
 
 
 def planning_tables(planning: dict) -> str:
-    def mark(p):
-        return "" if p["dcp_exact"] else "~"
+    def sizes(p: dict, op: str, kinds: tuple[str, ...], part: str) -> list[str]:  # ~: DCP's, scaled from 100 tensors
+        return [("" if p["dcp_exact"] or kind == "dcp_zarr" else "~") + _size(p[op][kind][part]) for kind in kinds]
 
+    saves, loads = ("dcp_zarr", "dcp_default", "dcp_cached_later"), ("dcp_zarr", "dcp_default")
     text = h.table(["layout", "ranks", "tensors", "dcp_zarr / rank", "DCP / rank", "DCP cached, later / rank",
-                    "dcp_zarr coordinator", "DCP coordinator", "DCP cached, later coordinator"], [[
-        p["layout"], p["world"], p["entries"], _size(p["save"]["dcp_zarr"]["per_rank"]),
-        *[mark(p) + _size(p["save"][k]["per_rank"]) for k in ("dcp_default", "dcp_cached_later")],
-        _size(p["save"]["dcp_zarr"]["coordinator"]),
-        *[mark(p) + _size(p["save"][k]["coordinator"]) for k in ("dcp_default", "dcp_cached_later")]]
-        for p in planning["wire"]]) if planning["wire"] else ""
+                    "dcp_zarr coordinator", "DCP coordinator", "DCP cached, later coordinator"], [
+        [p["layout"], p["world"], p["entries"], *sizes(p, "save", saves, "per_rank"),
+         *sizes(p, "save", saves, "coordinator")] for p in planning["wire"]]) if planning["wire"] else ""
     if len(planning["wire"]) == 1 or "rank_planning" not in planning:
         return text
     if planning["wire"]:
         text += ("\n\nLoads (plans gathered and scattered, then DCP's all_gather of each rank's read result):\n\n" +
                  h.table(["layout", "ranks", "tensors", "dcp_zarr / rank", "DCP / rank", "dcp_zarr coordinator",
-                          "DCP coordinator", "of which DCP's read-done all_gather / rank"], [[
-                              p["layout"], p["world"], p["entries"], _size(p["load"]["dcp_zarr"]["per_rank"]),
-                              mark(p) + _size(p["load"]["dcp_default"]["per_rank"]),
-                              _size(p["load"]["dcp_zarr"]["coordinator"]),
-                              mark(p) + _size(p["load"]["dcp_default"]["coordinator"]),
-                              _size(p["load"]["dcp_zarr"]["read_done_per_rank"])] for p in planning["wire"]]))
+                          "DCP coordinator", "of which DCP's read-done all_gather / rank"], [
+                     [p["layout"], p["world"], p["entries"], *sizes(p, "load", loads, "per_rank"),
+                      *sizes(p, "load", loads, "coordinator"), _size(p["load"]["dcp_zarr"]["read_done_per_rank"])]
+                     for p in planning["wire"]]))
     rows = []
     for layout, found in planning["rank_planning"].items():
         first = next(iter(found["worlds"].values()))["total_s"]
@@ -695,8 +656,8 @@ def main(argv=None) -> int:
         return 0
     points = [(layout, world, 100) for layout, worlds in (QUICK_WORLDS if args.quick else WORLDS).items()
               for world in worlds]
-    points += [] if args.planning_only else [("fsdp", 64, n) for n in ([300, 1000] if args.quick else [300, 2000,
-                                                                                                       6000, 20000])]
+    if not args.planning_only:
+        points += [("fsdp", 64, n) for n in ([300, 1000] if args.quick else [300, 2000, 6000, 20000])]
     rows = []
     for point in points:
         rows.append(measure(*point, args.repeats))
@@ -706,12 +667,10 @@ def main(argv=None) -> int:
     if args.planning_only:
         return 0
     boxes = 10_000 if args.quick else 1_000_000
-    report = {"rows": rows, "format1_validation_s": {"boxes": boxes, "seconds": format1_validation(boxes,
-                                                                                                    args.repeats)},
-              "planning": planning, "interleaved_load_planning_s": interleaved_load_planning(interleaved_worlds,
-                                                                                             100, 51)}
-    text = table(rows) + (f"\n\nformat-1 entry of {boxes:,} boxes: Manifest.from_json "
-                          f"{report['format1_validation_s']['seconds']:.2f} s")
+    validation = {"boxes": boxes, "seconds": format1_validation(boxes, args.repeats)}
+    report = {"rows": rows, "format1_validation_s": validation, "planning": planning,
+              "interleaved_load_planning_s": interleaved_load_planning(interleaved_worlds, 100, 51)}
+    text = table(rows) + f"\n\nformat-1 entry of {boxes:,} boxes: Manifest.from_json {validation['seconds']:.2f} s"
     if not args.quick:
         t = report["target"] = sampled_save_planning(8192, 2000, 50, 2)
         text += (f"\ncoordinator save planning at {t['world']} ranks x {t['entries']} tensors (measured on "

@@ -1,36 +1,29 @@
 """Requests, bytes and times through storage per save and per load: dcp_zarr (with its collective I/O: aggregated
 writes, reads done once) beside DCP's FsspecWriter/Reader and FileSystemWriter/Reader, in real gloo runs against a
 loopback S3 server with added latency per request and a local directory; or, with ``--simulate``, the requests
-counted at up to 1,024 ranks from the plans dcp_zarr makes.
-
-    python -m benchmarks.storage_traffic                              # 240 small arrays, 2, 4 and 8 ranks, 0 and 20 ms
-    python -m benchmarks.storage_traffic --simulate 8,64,256,1024
-    python -m benchmarks.storage_traffic --model --layers 2 --hidden 512 --vocab 8000   # the 174 MB FSDP2 model
-    python -m benchmarks.storage_traffic --model --backends s3fs,obstore --quick     # dcp_zarr through obstore too
+counted at up to 1,024 ranks from the plans dcp_zarr makes (commands: benchmarks/README.md).
 
 The state: ``--arrays`` fp32 tensors of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an
-8B model's are at 1,024) in the FSDP, HSDP and DDP layouts (dcp_zarr.testing.shardings); or, with ``--model``, the
-FSDP2 transformer with AdamW state (harness.ModelConfig). This process runs the S3 server (dcp_zarr.testing's: moto)
-and spawns the ranks. The server sleeps the latency before each request (concurrent sleeps overlap: a distant server,
-not a slow one) and counts requests, bytes and its own CPU per operation: moto serves in Python under one GIL, so a
-CPU time near an operation's time means the server set its pace. Kinds on S3: ``zarr`` (a URL: zarr's FsspecStore
-over s3fs), ``zarr-obstore`` (``--backends obstore``: ``store=`` zarr's ObjectStore over obstore) and ``fsspec``; on
-the local directory (``--local-dir``: the files each kind opens and the bytes through them) ``zarr`` and ``fs``; with
-``--off`` also ``zarr-off``, dcp_zarr without collective I/O. dcp_zarr's saves are planned by ZarrSavePlanner. Each
-round runs every kind in rotating order, one untimed round first; times are medians of the slowest rank's, counts
-those of the first timed round.
+8B model's are at 1,024) in the FSDP, HSDP and DDP layouts; or, with ``--model``, the FSDP2 transformer with AdamW
+state. This process runs the S3 server (moto) and spawns the ranks. The server sleeps the latency before each request
+(concurrent sleeps overlap: a distant server, not a slow one) and counts requests, bytes and its own CPU per
+operation (moto serves in Python under one GIL: a CPU time near an operation's time means the server set its pace).
+Kinds on S3: ``zarr`` (a URL: zarr's FsspecStore over s3fs), ``zarr-obstore`` (``--backends obstore``: ``store=``
+zarr's ObjectStore over obstore) and ``fsspec``; on ``--local-dir`` (the files each kind opens, the bytes through
+them) ``zarr`` and ``fs``; ``--off`` adds ``zarr-off``, dcp_zarr without collective I/O. ZarrSavePlanner plans
+dcp_zarr's saves; the counts are those of the first timed round.
 
-The simulation plans every rank of a job in turn in this process, on torch's fake process group, with meta tensors,
-by the functions a real save and load call: ``ZarrSavePlanner.create_local_plan``, ``LocalSave.rank_writes`` and its
-aggregation (a rank PUTs one object per stored chunk of each box it writes, one per block it aggregates, one
-``zarr.json`` per array it describes; the coordinator each group's and the root's), then DCP's ``DefaultLoadPlanner``
-on the manifest, ``rank_needs`` and ``SharedReads`` (a rank GETs one object per plain chunk, two per shard: index and
-inner chunks; the coordinator the root). No bytes move.
+The simulation plans every rank of a job in turn, on torch's fake process group with meta tensors, by the functions
+a real save and load call (ZarrSavePlanner, ``LocalSave.rank_writes`` and its aggregation, then DCP's load planner,
+``rank_needs``, ``SharedReads``), and counts a PUT per stored chunk of each box a rank writes, per block it
+aggregates and per ``zarr.json`` it describes (the coordinator each group's and the root's); a GET per plain chunk,
+two per shard (index, inner chunks); the coordinator the root. No bytes move.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -41,7 +34,6 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from benchmarks import harness as h
 from dcp_zarr.testing import s3_server
@@ -50,11 +42,6 @@ from dcp_zarr.testing.shardings import LAYOUTS, in_layout
 BUCKET = "bench"
 BACKENDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
 OFF = "zarr:aggregate_below=0:read_once=False"  # zarr-off: without collective I/O, as before it
-
-
-def full_tensors(arrays: int, shape: tuple[int, ...]) -> dict:
-    g = torch.Generator().manual_seed(11)
-    return {f"layers.{i}.weight": torch.randn(shape, generator=g) for i in range(arrays)}
 
 
 class LocalCalls:
@@ -68,27 +55,51 @@ class LocalCalls:
 
         self.lock, self.counts = threading.Lock(), Counter()
         written = lambda args, _: sum(memoryview(b).nbytes for b in args[-1])  # noqa: E731
+        read = lambda args, result: len(result)  # noqa: E731
         for cls, name, what, size, opens in (
                 (LocalStorage, "write", "writes", written, 1), (LocalStorage, "write_at", "writes", written, 1),
-                (LocalStorage, "read", "reads", lambda a, r: len(r), 1),
-                (LocalStorage, "read_range", "reads", lambda a, r: len(r), 1),
+                (LocalStorage, "read", "reads", read, 1), (LocalStorage, "read_range", "reads", read, 1),
                 (LocalStorage, "open_value", "reads", lambda a, r: 0, 1),  # then reads through the handle:
-                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0),
-                (OpenFile, "read_tail", "reads", lambda a, r: len(r), 0),
+                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0), (OpenFile, "read_tail", "reads", read, 0),
                 (FileSystem, "create_stream", None, None, 1)):
             setattr(cls, name, self._counted(getattr(cls, name), what, size, opens))
 
     def _counted(self, original, what, size, opens):
-        calls = self
-
         def counted(*args, **kwargs):
             result = original(*args, **kwargs)
             if what is not None:
-                calls.add(what, size(args, result), opens)
+                self.add(what, size(args, result), opens)
                 return result
-            return _Stream(result, calls, "writes" if "w" in args[-1] else "reads")  # FileSystemWriter/Reader
+            return self._stream(result, "writes" if "w" in args[-1] else "reads")  # FileSystemWriter/Reader
 
         return counted
+
+    @contextlib.contextmanager
+    def _stream(self, context, what: str):
+        """FileSystemWriter/Reader's stream context: one open, then the bytes written or read through it."""
+        add = self.add
+        with context as stream:
+            add(what, 0, 1)
+
+            class Counted:
+                def __getattr__(self, name):
+                    return getattr(stream, name)
+
+                def write(self, data):
+                    add(what, memoryview(data).nbytes, 0)
+                    return stream.write(data)
+
+                def read(self, n=-1):
+                    data = stream.read(n)
+                    add(what, len(data), 0)
+                    return data
+
+                def readinto(self, buffer):
+                    n = stream.readinto(buffer)
+                    add(what, n or 0, 0)
+                    return n
+
+            yield Counted()
 
     def add(self, what: str, nbytes: int, opens: int) -> None:
         with self.lock:
@@ -101,40 +112,6 @@ class LocalCalls:
         return counts
 
 
-class _Stream:
-    """FileSystemWriter/Reader's stream context: one open, then the bytes written or read through it."""
-
-    def __init__(self, context, calls: LocalCalls, what: str):
-        self.context, self.calls, self.what = context, calls, what
-
-    def __enter__(self):
-        stream, calls, what = self.context.__enter__(), self.calls, self.what
-        calls.add(what, 0, 1)
-
-        class Counted:
-            def __getattr__(self, name):
-                return getattr(stream, name)
-
-            def write(self, data):
-                calls.add(what, memoryview(data).nbytes, 0)
-                return stream.write(data)
-
-            def read(self, n=-1):
-                data = stream.read(n)
-                calls.add(what, len(data), 0)
-                return data
-
-            def readinto(self, buffer):
-                n = stream.readinto(buffer)
-                calls.add(what, n or 0, 0)
-                return n
-
-        return Counted()
-
-    def __exit__(self, *exc):
-        return self.context.__exit__(*exc)
-
-
 def _obstore(url: str, options: dict):
     """zarr's ObjectStore over obstore's S3 client, for ``url``'s prefix (each rank builds its own)."""
     from obstore.store import S3Store
@@ -145,26 +122,20 @@ def _obstore(url: str, options: dict):
                                secret_access_key=options["secret"], client_options={"allow_http": True}))
 
 
-def save(kind: str, state, where: str, args, options: dict | None) -> None:
+def _kind(kind: str, where: str, options: dict | None) -> dict:
+    """The harness's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
     if kind == "zarr-obstore":
-        from dcp_zarr import ZarrSavePlanner, ZarrWriter
+        return {"spec": "zarr", "path": "", "store": _obstore(where, options or {})}
+    return {"spec": OFF if kind == "zarr-off" else kind, "path": where, "storage_options": options}
 
-        writer = ZarrWriter(store=_obstore(where, options or {}), thread_count=args.zarr_threads)
-        dcp.save(state, storage_writer=writer, planner=ZarrSavePlanner())
-    else:
-        h.save(OFF if kind == "zarr-off" else kind, state, where, args.zarr_threads if kind.startswith("zarr") else
-               args.fsspec_threads, options)
+
+def save(kind: str, state, where: str, args, options: dict | None) -> None:
+    threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads
+    h.save(state=state, threads=threads, **_kind(kind, where, options))
 
 
 def load(kind: str, target, where: str, args, options: dict | None) -> None:
-    if kind == "zarr-obstore":
-        from dcp_zarr import ZarrReader
-
-        reader = ZarrReader(store=_obstore(where, options or {}), thread_count=args.zarr_threads)
-        dcp.load(target, storage_reader=reader)
-    else:
-        h.load(OFF if kind == "zarr-off" else kind, target, where, args.zarr_threads if kind.startswith("zarr")
-               else None, options)
+    h.load(target=target, threads=args.zarr_threads if kind.startswith("zarr") else None, **_kind(kind, where, options))
 
 
 def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
@@ -176,7 +147,8 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
         cfg = h.ModelConfig(4, 128, 2048) if args.quick else h.ModelConfig(args.layers, args.hidden, args.vocab)
         states = {"model": h.fsdp_model_state(cfg, ranks.mesh, ranks.device)}
     else:
-        full = full_tensors(args.arrays, shape)
+        g = torch.Generator().manual_seed(11)
+        full = {f"layers.{i}.weight": torch.randn(shape, generator=g) for i in range(args.arrays)}
         states = {layout: in_layout(layout, ranks.world_size, full) for layout in LAYOUTS
                   if layout != "hsdp" or ranks.world_size % 2 == 0}
     tensor_bytes = h.global_bytes(next(iter(states.values())))
@@ -265,9 +237,7 @@ def markdown(report: dict) -> str:
                        "save s", "load s", "vs peer", "server CPU s"], rows))
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# The simulation
-# --------------------------------------------------------------------------------------------------------------------
+# -- The simulation ---------------------------------------------------------------------------------------------------
 
 
 def rank_state(layout: str, world: int, arrays: int, shape: tuple[int, ...]) -> dict:
@@ -281,9 +251,9 @@ def rank_state(layout: str, world: int, arrays: int, shape: tuple[int, ...]) -> 
         return {f"layers.{i}.weight": torch.empty(shape, device="meta") for i in range(arrays)}
     mesh, placements = ((init_device_mesh("cpu", (world,)), (Shard(0),)) if layout == "fsdp" else
                         (init_device_mesh("cpu", (2, world // 2)), (Replicate(), Shard(0))))
-    box = dtensor_local_box(shape, tuple(mesh.shape), placements, tuple(mesh.get_coordinate()))
+    piece = dtensor_local_box(shape, tuple(mesh.shape), placements, tuple(mesh.get_coordinate()))[1]
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return {f"layers.{i}.weight": DTensor.from_local(torch.empty(box[1], device="meta"), mesh, placements,
+    return {f"layers.{i}.weight": DTensor.from_local(torch.empty(piece, device="meta"), mesh, placements,
                                                      run_check=False, shape=torch.Size(shape), stride=stride)
             for i in range(arrays)}
 
@@ -367,9 +337,8 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
             puts[rank] += len(groups) + 1  # each group's zarr.json, the root's
             manifest = Manifest(entries=entries, saved_world_size=world)
             copies = {group: encoded_copy(group_metadata()) for group in groups}
-            copies.update((s.node, encoded_copy(array_metadata(s.layout, s.data_type, s.itemsize,
-                                                               {"dcp_zarr": {"fqn": fqn}}, node=s.node)))
-                          for fqn, s in specs.items())
+            copies.update((s.node, encoded_copy(array_metadata(s.layout, s.data_type, s.itemsize, {"dcp_zarr": {
+                "fqn": fqn}}, node=s.node))) for fqn, s in specs.items())
             saved = {"manifest": manifest, "layouts": specs,
                      "root_bytes": len(encoded_root(group_metadata({"dcp_zarr": manifest.to_json()}), copies))}
     save_s = time.perf_counter() - started
@@ -467,8 +436,7 @@ def main(argv=None) -> None:
         server.stop()
         if args.local_dir:
             shutil.rmtree(args.local_dir, ignore_errors=True)
-    result = {**{k: getattr(args, k) for k in ("model", "arrays", "shape", "repeats", "backends")},
-              "runs": runs}
+    result = {**{k: getattr(args, k) for k in ("model", "arrays", "shape", "repeats", "backends")}, "runs": runs}
     h.write_result("storage_traffic", args.out, result, markdown(result))
 
 

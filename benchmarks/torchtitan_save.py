@@ -1,7 +1,5 @@
 """torchtitan's save time: its own CheckpointManager (DCP's FileSystemWriter) against dcp_zarr's
-ZarrCheckpointManager, on the same Trainer, state and ranks.
-
-    torchrun --standalone --nproc-per-node 2 -m benchmarks.torchtitan_save --repeats 7   # from the repository root
+ZarrCheckpointManager, on the same Trainer, state and ranks (commands: docs/torchtitan.md).
 
 torchtitan's Trainer builds its debug llama3 (6 layers, 6.2M parameters; ``--layers`` fewer) on CPU gloo ranks,
 with the patches of dcp_zarr/testing/torchtitan_cpu.py, and trains one step (AdamW state: ~76 MB saved in all). Then
@@ -19,13 +17,13 @@ import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from benchmarks import harness as h
 from dcp_zarr.testing.torchtitan_cpu import tiny_llama3_config, use_cpu
 
 MODES = ["disabled", "async"]
@@ -35,7 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=6, help="of the debug llama3's 6")
-    parser.add_argument("--target", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    parser.add_argument("--target", default=h.SCRATCH, help="where the checkpoints go (default: tmpfs)")
     return parser.parse_args()
 
 
@@ -47,8 +45,7 @@ def build_managers(trainer, folder: str) -> dict:
     managers = {}
     for kind, cls in [("fs", CheckpointManager), ("zarr", ZarrCheckpointManager)]:
         for mode in MODES:
-            config = cls.Config(enable=True, interval=1, keep_latest_k=0, async_mode=mode,
-                                folder=f"{kind}-{mode}")
+            config = cls.Config(enable=True, interval=1, keep_latest_k=0, async_mode=mode, folder=f"{kind}-{mode}")
             managers[kind, mode] = config.build(
                 dataloader=trainer.dataloader, model_parts=trainer.model_parts, optimizers=trainer.optimizers,
                 lr_schedulers=trainer.lr_schedulers, states={"train_state": trainer}, sd_adapter=None,
@@ -67,11 +64,6 @@ def timed_save(manager, step: int) -> tuple[float, float]:
     slowest = torch.tensor([blocking, total], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest[0]), float(slowest[1])
-
-
-def tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(directory, name)) for directory, _, names in os.walk(path)
-               for name in names)
 
 
 def main() -> None:
@@ -97,7 +89,7 @@ def main() -> None:
             dist.barrier()
             if rank == 0:
                 saved = os.path.join(folder, f"{kind}-{mode}", f"step-{step}")
-                saved_bytes[f"{kind}-{mode}"] = tree_bytes(saved)
+                saved_bytes[f"{kind}-{mode}"] = h.footprint(saved)["bytes"]
                 shutil.rmtree(saved)
     if rank == 0:
         medians = {name: {"blocking_s": statistics.median(t[0] for t in runs),

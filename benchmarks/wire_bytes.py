@@ -1,8 +1,5 @@
 """Bytes that torch's collectives carry per rank, per save and per load, counted in real gloo ranks on the CPU by
-dcp_zarr.testing.wire's counter (its self-check runs first in every launch).
-
-    python -m benchmarks.wire_bytes                                  # 2, 4 and 8 ranks x 240 and 960 tensors
-    python -m benchmarks.wire_bytes --world-sizes 4 --kinds zarr_local,zarr_default --saves 2
+dcp_zarr.testing.wire's counter (its self-check runs first in every launch; commands: benchmarks/README.md).
 
 The state: an FSDP2 stack of ``nn.Linear(8, 8)`` layers with AdamW state, 8 tensors a layer (240 and 960 by default:
 the protocol is counted, not the data). Kinds, each in fresh rank processes (DCP's plan cache is class-level state),
@@ -18,8 +15,8 @@ bytes collective I/O moves over the process group are counted apart (``payload_b
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,12 +37,6 @@ TITLES = {"zarr_local": "ZarrWriter + ZarrSavePlanner", "zarr_default": "ZarrWri
           "load_zarr": "ZarrReader", "load_zarr_zlp": "ZarrReader + ZarrLoadPlanner", "load_fs": "FileSystemReader"}
 
 
-class Stack(torch.nn.Module):
-    def __init__(self, layers: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
-
-
 def build_state(mesh, tensors: int) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` of an FSDP2 stack holding ``tensors`` tensors (a multiple of 8)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -54,7 +45,8 @@ def build_state(mesh, tensors: int) -> dict[str, Any]:
     if tensors % TENSORS_PER_LAYER:
         raise ValueError(f"--tensors: {tensors} is not a multiple of {TENSORS_PER_LAYER}")
     torch.manual_seed(0)
-    model = Stack(tensors // TENSORS_PER_LAYER)
+    model = torch.nn.Module()  # a stack: its state dict's names are layers.N.weight and layers.N.bias
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(tensors // TENSORS_PER_LAYER))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -64,8 +56,8 @@ def build_state(mesh, tensors: int) -> dict[str, Any]:
     optim.step()
     model_sd, optim_sd = get_state_dict(model, optim)
     state = {"model": model_sd, "optim": optim_sd}
-    if sum(1 for _ in h.leaves(state)) != tensors:
-        raise AssertionError(f"the state holds {sum(1 for _ in h.leaves(state))} tensors, not {tensors}")
+    if len(h.leaves(state)) != tensors:
+        raise AssertionError(f"the state holds {len(h.leaves(state))} tensors, not {tensors}")
     return state
 
 
@@ -78,11 +70,11 @@ def measure_rank(ranks: h.Ranks, kinds: list[str], tensors: int, root: str, save
 
     from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrSavePlanner, ZarrWriter
 
-    writers = {"fs_default": lambda p: (FileSystemWriter(p, thread_count=1, sync_files=False), None),
-               "zarr_local": lambda p: (ZarrWriter(p, thread_count=1, sync_files=False), ZarrSavePlanner()),
-               "zarr_default": lambda p: (ZarrWriter(p, thread_count=1, sync_files=False), None),
-               "zarr_cached": lambda p: (ZarrWriter(p, thread_count=1, sync_files=False),
-                                         DefaultSavePlanner(enable_plan_caching=True))}
+    quiet = {"thread_count": 1, "sync_files": False}  # the bytes are counted, not the time
+    writers = {"fs_default": lambda p: (FileSystemWriter(p, **quiet), None),
+               "zarr_local": lambda p: (ZarrWriter(p, **quiet), ZarrSavePlanner()),
+               "zarr_default": lambda p: (ZarrWriter(p, **quiet), None),
+               "zarr_cached": lambda p: (ZarrWriter(p, **quiet), DefaultSavePlanner(enable_plan_caching=True))}
     readers = {"load_fs": lambda p: (FileSystemReader(p), None), "load_zarr": lambda p: (ZarrReader(
         p, read_once=True), None), "load_zarr_zlp": lambda p: (ZarrReader(p, read_once=True), ZarrLoadPlanner())}
     counter = WireCounter().install()
@@ -145,13 +137,11 @@ def markdown(report: dict) -> str:
     rows = {(r["world_size"], r["tensors"], r["op"]): r for r in report["rows"]}
     lines = []
     for x in report["ratios"]:
-        a, b, kb = rows[(x["world_size"], small, x["op"])], rows[(x["world_size"], large, x["op"])], 1000
-        kind, what = x["op"].split("/")
-        lines.append([x["world_size"], TITLES[kind], what, f"{a['rank_bytes'] / kb:,.1f} KB ({a['rank_calls']})",
-                      f"{b['rank_bytes'] / kb:,.1f} KB ({b['rank_calls']})", f"{x['rank_ratio']:.2f}",
-                      f"{a['coordinator_bytes'] / kb:,.1f} KB ({a['coordinator_calls']})",
-                      f"{b['coordinator_bytes'] / kb:,.1f} KB ({b['coordinator_calls']})",
-                      f"{x['coordinator_ratio']:.2f}"])
+        a, b = rows[(x["world_size"], small, x["op"])], rows[(x["world_size"], large, x["op"])]
+        cells = {who: [f"{r[who + '_bytes'] / 1000:,.1f} KB ({r[who + '_calls']})" for r in (a, b)] + [
+            f"{x[who + '_ratio']:.2f}"] for who in ("rank", "coordinator")}
+        lines.append([x["world_size"], TITLES[x["op"].split("/")[0]], x["op"].split("/")[1], *cells["rank"],
+                      *cells["coordinator"]])
     text = ("Bytes through torch's collectives per save / load (gloo, CPU). `rank`: the largest of ranks 1..ws-1; "
             "`coord`: rank 0. Calls in brackets: tensor collectives.\n\n" + h.table(
                 ["ws", "kind", "op", f"rank {small}", f"rank {large}", "rank x", f"coord {small}", f"coord {large}",
@@ -176,21 +166,15 @@ def main(argv: list[str] | None = None) -> None:
     if set(kinds) - set(SAVE_KINDS) or len(sizes) != 2 or args.saves < 2:
         p.error(f"--kinds takes {', '.join(SAVE_KINDS)}; --tensors two values; --saves 2 or more")
     launches, started = {}, time.monotonic()
-    root = tempfile.mkdtemp(prefix="wire_bytes_", dir=args.target)
-    try:
-        for ws in [int(w) for w in args.world_sizes.split(",")]:
-            for n in sizes:
-                for kind in kinds:
-                    t0 = time.monotonic()
-                    launches[(ws, n, kind)] = h.spawn(measure_rank, ws, [kind], n, root, args.saves)
-                    print(f"ws {ws}, {n} tensors, {kind}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="wire_bytes_", dir=args.target) as root:
+        for ws, n, kind in itertools.product([int(w) for w in args.world_sizes.split(",")], sizes, kinds):
+            t0 = time.monotonic()
+            launches[(ws, n, kind)] = h.spawn(measure_rank, ws, [kind], n, root, args.saves)
+            print(f"ws {ws}, {n} tensors, {kind}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     report = {"config": {"world_sizes": args.world_sizes, "tensors": sizes, "kinds": kinds, "saves": args.saves,
                          "elapsed_s": round(time.monotonic() - started, 1)},
-              "self_checks": [{"world_size": ws, "tensors": n, "kind": kind, "ok": all(r["self_check"]["ok"] for r in
-                                                                                       per_rank)}
-                              for (ws, n, kind), per_rank in launches.items()],
+              "self_checks": [{"world_size": ws, "tensors": n, "kind": kind, "ok": all(
+                  r["self_check"]["ok"] for r in per_rank)} for (ws, n, kind), per_rank in launches.items()],
               "rows": [{"world_size": ws, "tensors": n, "op": op, **summarize(per_rank, op)}
                        for (ws, n, kind), per_rank in launches.items() for op in per_rank[0]["ops"]],
               "ratios": ratios(launches, *sizes)}
