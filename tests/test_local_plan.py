@@ -17,10 +17,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
+from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
-from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.distributed]

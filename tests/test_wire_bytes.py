@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrSavePlanner, ZarrWriter
-from dcp_zarr.testing.wire import WireCounter, self_check, what_grows
 from dcp_zarr.testing.planners import DCPsPlanning
+from dcp_zarr.testing.wire import WireCounter, self_check, what_grows
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
