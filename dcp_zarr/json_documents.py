@@ -3,9 +3,9 @@ the garbage collector paused. Below both the format (which makes documents) and 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
+
+from dcp_zarr.collector import collector_paused
 
 # One encoder for every document, as json.dumps keeps for its defaults: making one per document (a zarr.json per
 # array in a save) was a fifth of the time.
@@ -26,14 +26,3 @@ def decode_json(data: bytes | str):
     with collector_paused():
         return json.loads(data)
 
-
-@contextlib.contextmanager
-def collector_paused():
-    """No automatic garbage collection inside (restored as it was after, if it was on)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

@@ -35,6 +35,7 @@ from dcp_zarr.collective.needs import needs_digest, rank_needs
 from dcp_zarr.collective.read_rounds import read_shared
 from dcp_zarr.collective.shared_reads import SharedReads
 from dcp_zarr.collective.transfer import Group
+from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root
 from dcp_zarr.format.torch_arrays import tensor_as_numpy, torch_dtype_from_name
@@ -174,6 +175,7 @@ class ZarrReader(StorageReader):
             raise ValueError("ZarrReader needs a path or a store: pass path or store=, or checkpoint_id= to dcp.load")
         return open_storage(self.path, self.storage_options, read_only=True, retry=self._retrying)
 
+    @step_with_collector_paused
     def read_metadata(self, *args, **kwargs) -> Metadata:
         self.manifest = self._manifest_read_once()
         metadata = dcp_metadata(self.manifest)
@@ -228,6 +230,7 @@ class ZarrReader(StorageReader):
         if self.manifest is None:
             self.manifest = read_manifest(self._storage())
 
+    @step_with_collector_paused
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # Loads are planned locally: each rank's read items come from the manifest and its own state dict, and DCP's
         # global load plan (DefaultLoadPlanner's, ZarrLoadPlanner's) passes them through untouched. So they stay on
@@ -237,6 +240,7 @@ class ZarrReader(StorageReader):
         seen = LoadSummary(*_rank_and_world(self.process_group)) if self._shares_reads() else None
         return dataclasses.replace(plan, items=[], storage_data=seen)
 
+    @step_with_collector_paused
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         # Reads are shared only when every rank of DCP's load is the same rank of this reader's group (so their
         # collectives meet): not for a load on one rank alone (no_dist=True), nor with a process group other than
@@ -265,6 +269,7 @@ class ZarrReader(StorageReader):
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
         return dict(zip(fqns, found))
 
+    @step_with_collector_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         together = isinstance(plan.storage_data, LoadTicket) and plan.storage_data.together
         # A planner whose global plan gives a rank items of its own is followed; otherwise the rank's kept items.

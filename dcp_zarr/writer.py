@@ -29,6 +29,7 @@ from torch.futures import Future
 from dcp_zarr.async_staging import WriterStaging
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
+from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import (
     InvalidEntryError,
     PlanMismatchError,
@@ -199,6 +200,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         if call is not None:
             save_call.take_over(call)
 
+    @step_with_collector_paused
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._own_values, self._own_objects = {}, {}
         if isinstance(plan.planner_data, RankState):  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
@@ -218,6 +220,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             return plan
         return dataclasses.replace(plan, storage_data=replicas.LocalItems(tuple(items)))
 
+    @step_with_collector_paused
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # before anything is written
         planned_here = [isinstance(plan.storage_data, Summary) for plan in plans]
@@ -260,6 +263,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         commit.prepare_staging(staging)
         return staging
 
+    @step_with_collector_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
         if isinstance(plan.storage_data, Ticket):
@@ -372,6 +376,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         storage.flush()  # this rank's chunks are durable before the coordinator can commit
         return results
 
+    @step_with_collector_paused
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = self._open(self._staging)
         if self._local is not None:

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dcp_zarr"
 
 # Bottom to top. Units of one layer are siblings: neither imports the other.
 LAYERS = [
-    ["errors"],  # every error class
+    ["errors", "collector"],  # every error class | the garbage collector paused
     ["version", "json_documents", "progress"],  # helpers with no knowledge of checkpoints
     ["format", "storage"],  # pure: bytes and documents in, typed values out | bytes to and from a backend
     ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit

@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from dcp_zarr.collector import collector_paused
 from dcp_zarr.errors import (
     IncompleteCheckpointError,
     InvalidKeyError,
@@ -41,7 +42,7 @@ from dcp_zarr.format.consolidated import NodeDocuments, copies_of
 from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
-from dcp_zarr.json_documents import collector_paused, decode_json
+from dcp_zarr.json_documents import decode_json
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)

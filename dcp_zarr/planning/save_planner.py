@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
+from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box
 from dcp_zarr.planning.protocol import Ticket
 
@@ -89,6 +90,7 @@ class ZarrSavePlanner(DefaultSavePlanner):
         return new_plan
 
 
+@step_with_collector_paused
 def local_write_items(state_dict: dict) -> list[WriteItem]:
     """The items of DCP's ``create_default_local_save_plan``, each DTensor's box computed in arithmetic (boxes.py)
     instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses

@@ -1,0 +1,86 @@
+"""The cyclic collector paused during a save's and load's own steps on the main thread, and only then."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_zarr.reader
+import dcp_zarr.writer
+from dcp_zarr import ZarrReader, ZarrWriter
+from dcp_zarr.collector import step_with_collector_paused
+
+
+@pytest.fixture
+def collector_on():
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if not was:
+        gc.disable()
+
+
+def _state_inside() -> bool:
+    return gc.isenabled()
+
+
+def test_paused_inside_and_restored_after(collector_on):
+    assert step_with_collector_paused(_state_inside)() is False
+    assert gc.isenabled()
+
+
+def test_restored_after_an_exception(collector_on):
+    @step_with_collector_paused
+    def fails():
+        raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        fails()
+    assert gc.isenabled()
+
+
+def test_a_collector_turned_off_by_the_caller_stays_off(collector_on):
+    gc.disable()
+    assert step_with_collector_paused(_state_inside)() is False
+    assert not gc.isenabled()
+
+
+def test_nested_steps_restore_once(collector_on):
+    inner = step_with_collector_paused(_state_inside)
+    outer = step_with_collector_paused(lambda: (inner(), gc.isenabled()))
+    assert outer() == (False, False)
+    assert gc.isenabled()
+
+
+def test_a_background_thread_leaves_the_collector_on(collector_on):
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(step_with_collector_paused(_state_inside)()))
+    thread.start()
+    thread.join()
+    assert seen == [True]
+    assert gc.isenabled()
+
+
+def test_save_and_load_write_and_read_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
+    """The decorators sit where the entries' work is done: every batch of jobs of the writer and reader runs paused."""
+    seen: list[tuple[str, bool]] = []
+    for module in (dcp_zarr.writer, dcp_zarr.reader):
+        real = module.run_jobs
+
+        def recording(*args, _real=real, _name=module.__name__, **kwargs):
+            seen.append((_name, gc.isenabled()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "run_jobs", recording)
+    state = {f"layer{i}.weight": torch.rand(3, 5) for i in range(20)}
+    dcp.save(state, storage_writer=ZarrWriter(tmp_path / "ck"))
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(loaded, storage_reader=ZarrReader(tmp_path / "ck"))
+    assert {name for name, _ in seen} == {"dcp_zarr.writer", "dcp_zarr.reader"}
+    assert [on for _, on in seen if on] == []
+    assert gc.isenabled()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
