@@ -10,7 +10,10 @@ work is avoided, not moved. The objects are freed by reference counting when the
 
 ``gc.disable`` is process-wide. A decode takes milliseconds and pauses it on any thread; a step may take seconds, so
 only the main thread pauses it for one: a save on a background thread (DCP's async saves) leaves the collector to
-the training loop. A collector the caller turned off stays off.
+the training loop. The transfers of ``write_data`` and ``read_data`` pause it only for a local file system, whose IO
+threads are dcp_zarr's own and make no reference cycles; an object store's client, for the minutes a transfer may
+take, keeps its collections. Pauses that overlap (threads, nested steps) count: the collector is turned off by the
+first and restored by the last, as it was before the first. A collector the caller turned off stays off.
 """
 
 from __future__ import annotations
@@ -18,24 +21,59 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
+_lock = threading.Lock()
+_pauses = 0  # pauses under way, on every thread
+_enabled_before = False  # the collector's state when the first of them began
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while a pause was under way has none of the threads that would end it: the collector is
+    restored there, and the lock (held, perhaps, by a thread that is not there) made anew."""
+    global _lock, _pauses
+    _lock = threading.Lock()
+    if _pauses:
+        _pauses = 0
+        if _enabled_before:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused() -> Iterator[None]:
     """No automatic garbage collection inside (restored as it was after, if it was on), on whichever thread."""
-    enabled = gc.isenabled()
-    gc.disable()
+    global _pauses, _enabled_before
+    with _lock:
+        if _pauses == 0:
+            _enabled_before = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _lock:
+            _pauses -= 1
+            if _pauses == 0 and _enabled_before:
+                gc.enable()
+
+
+@contextlib.contextmanager
+def paused_on_main_thread(pause: bool = True) -> Iterator[None]:
+    """``collector_paused`` when ``pause`` and this is the main thread; else nothing."""
+    if not pause or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with collector_paused():
+        yield
 
 
 def step_with_collector_paused(step: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -43,9 +81,7 @@ def step_with_collector_paused(step: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(step)
     def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if threading.current_thread() is not threading.main_thread():
-            return step(*args, **kwargs)
-        with collector_paused():
+        with paused_on_main_thread():
             return step(*args, **kwargs)
 
     return paused

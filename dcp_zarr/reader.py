@@ -35,12 +35,12 @@ from dcp_zarr.collective.needs import needs_digest, rank_needs
 from dcp_zarr.collective.read_rounds import read_shared
 from dcp_zarr.collective.shared_reads import SharedReads
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.collector import step_with_collector_paused
+from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root
 from dcp_zarr.format.torch_arrays import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.placement.holdings import group_rank_of
-from dcp_zarr.storage import Storage, default_aggregate_below, open_storage, store_objects
+from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io.chunks import RegionReader
 from dcp_zarr.store_io.entry_data import stored_value, tensor_reader
@@ -269,19 +269,19 @@ class ZarrReader(StorageReader):
                          storage.requests_in_flight(self.thread_count), storage.batch_bytes, name="dcp-zarr-read")
         return dict(zip(fqns, found))
 
-    @step_with_collector_paused
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         together = isinstance(plan.storage_data, LoadTicket) and plan.storage_data.together
         # A planner whose global plan gives a rank items of its own is followed; otherwise the rank's kept items.
         if not plan.items:
             plan = dataclasses.replace(plan, items=self._read_items)
         storage = self._storage()
-        if together:
-            self._read_shared(storage, plan.items, planner)
-        else:
-            committed = self._read_directly(storage, plan.items, planner)
-            for item, dest in committed:
-                planner.commit_tensor(item, dest)
+        with paused_on_main_thread(self.store is None and is_local(self.path)):  # collector.py says why
+            if together:
+                self._read_shared(storage, plan.items, planner)
+            else:
+                committed = self._read_directly(storage, plan.items, planner)
+                for item, dest in committed:
+                    planner.commit_tensor(item, dest)
         future: Future[None] = Future()
         future.set_result(None)
         return future

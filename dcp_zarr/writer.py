@@ -29,7 +29,7 @@ from torch.futures import Future
 from dcp_zarr.async_staging import WriterStaging
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.collector import step_with_collector_paused
+from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import (
     InvalidEntryError,
     PlanMismatchError,
@@ -74,8 +74,9 @@ _NO_COLLECTIVES = (
     "ZarrWriter does not save with dcp.save(..., use_collectives=False): in that mode no rank hears of another, "
     "so no rank can know when every rank's chunks are in the store, and the store would be committed (look "
     "complete) with other ranks' chunks missing. Nothing was written. Save with use_collectives=True (the "
-    "default): with planner=ZarrSavePlanner() (what CheckpointManager uses) DCP's collectives carry a fixed few "
-    "bytes per rank, however many tensors a rank holds, which is what use_collectives=False is for at scale")
+    "default): with DCP's own planner or ZarrSavePlanner, ZarrWriter plans each rank's part locally and DCP's "
+    "collectives carry a fixed few bytes per rank, however many tensors a rank holds, which is what "
+    "use_collectives=False is for at scale")
 
 
 class ZarrWriter(StorageWriter, WriterStaging):
@@ -154,7 +155,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._staging = ""
         self._world_size = 1
         self._local_items: dict = {}  # this rank's items before DCP's deduplication, by index (replicas.py)
-        self._local: LocalSave | None = None  # this rank's part of a ZarrSavePlanner save (planning/local_save.py)
+        self._local: LocalSave | None = None  # this rank's part of a save planned locally (planning/local_save.py)
         self._rank: int | None = None
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_values: dict = {}  # the coordinator's written values and object sizes (not sent to itself)
@@ -226,9 +227,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
         planned_here = [isinstance(plan.storage_data, Summary) for plan in plans]
         if any(planned_here) and not all(planned_here):
             raise PlanMismatchError(
-                f"ranks {[r for r, here in enumerate(planned_here) if here]} planned this save locally and ranks "
-                f"{[r for r, here in enumerate(planned_here) if not here]} through DCP's planner: every rank must "
-                "pass the same planner (ZarrSavePlanner, DCP's own, or another) to dcp.save")
+                f"{replicas.ranks_text([r for r, here in enumerate(planned_here) if here])} planned this save "
+                f"locally (DCP's own planner or ZarrSavePlanner) and "
+                f"{replicas.ranks_text([r for r, here in enumerate(planned_here) if not here])} through a planner "
+                "that plans for itself: every rank must pass dcp.save a planner of the same kind. Nothing was written")
         if plans and isinstance(plans[0].storage_data, Summary):
             summaries = [plan.storage_data for plan in plans]
             if len(plans) == 1 and self._local is not None:
@@ -263,22 +265,29 @@ class ZarrWriter(StorageWriter, WriterStaging):
         commit.prepare_staging(staging)
         return staging
 
-    @step_with_collector_paused
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
-        if isinstance(plan.storage_data, Ticket):
-            future.set_result(self._write_planned_locally(plan.storage_data, planner))
-            return future
-        assignment: RankAssignment = plan.storage_data
-        results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
-        results.extend(self._write_items(plan.items, assignment, planner))
+        with paused_on_main_thread(self.store is None and is_local(self.path)):  # collector.py says why
+            if isinstance(plan.storage_data, Ticket):
+                try:
+                    results = self._write_planned_locally(plan.storage_data, planner)
+                except BaseException:
+                    self._local = None
+                    raise
+                if not self.is_coordinator:  # the coordinator's finish still needs it
+                    self._local = None  # it holds the planner, and so the state dict: not kept past the save
+                future.set_result(results)
+                return future
+            assignment: RankAssignment = plan.storage_data
+            results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
+            results.extend(self._write_items(plan.items, assignment, planner))
         future.set_result(results)
         return future
 
     def _write_planned_locally(self, ticket: Ticket, planner: SavePlanner) -> list[WriteResult]:
-        """This rank's part of a ZarrSavePlanner save, and the one WriteResult that reports it (protocol.py)."""
+        """This rank's part of a save planned locally, and the one WriteResult that reports it (protocol.py)."""
         local = self._local
-        assert local is not None, "write_data of a ZarrSavePlanner save without its prepare_local_plan"
+        assert local is not None, "write_data of a save planned locally without its prepare_local_plan"
         checksums = local.reported_checksums(ticket)
         values, objects = {}, {}
         nbytes = 0
@@ -380,7 +389,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = self._open(self._staging)
         if self._local is not None:
-            self._finish_planned_locally(storage, results)
+            try:
+                self._finish_planned_locally(storage, results)
+            finally:
+                self._local = None  # it holds the planner, and so the state dict: not kept past the save
             return
         results, digests = replicas.split_results(results)
         try:
@@ -405,7 +417,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._commit(storage, entries, key_order=list(paths))
 
     def _finish_planned_locally(self, storage: Storage, results: list[list[WriteResult]]) -> None:
-        """The manifest of a ZarrSavePlanner save, from the coordinator's own plan and each rank's one report."""
+        """The manifest of a save planned locally, from the coordinator's own plan and each rank's one report."""
         local = self._local
         assert local is not None
         reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import dcp_zarr.reader
 import dcp_zarr.writer
 from dcp_zarr import ZarrReader, ZarrWriter
-from dcp_zarr.collector import step_with_collector_paused
+from dcp_zarr.collector import collector_paused, step_with_collector_paused
 
 
 @pytest.fixture
@@ -63,6 +64,66 @@ def test_a_background_thread_leaves_the_collector_on(collector_on):
     thread.join()
     assert seen == [True]
     assert gc.isenabled()
+
+
+def test_overlapping_pauses_on_two_threads_end_with_the_last(collector_on):
+    """A thread's decode that began during a step does not find the collector off and leave it so."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_thread():
+        with collector_paused():
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other_thread)
+    with collector_paused():
+        thread.start()
+        assert entered.wait(10)
+    assert not gc.isenabled()  # the other thread's pause is still under way
+    leave.set()
+    thread.join()
+    assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_pause_has_its_collector_back(collector_on):
+    with collector_paused():
+        pid = os.fork()
+        if pid == 0:  # the child: no thread of its own will end the parent's pause
+            os._exit(0 if gc.isenabled() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
+
+
+def _record_transfers(monkeypatch) -> list[tuple[str, bool]]:
+    seen: list[tuple[str, bool]] = []
+    for cls, method in ((ZarrWriter, "_write_items"), (ZarrReader, "_read_directly")):
+        real = getattr(cls, method)
+
+        def recording(self, *args, _real=real, _name=method, **kwargs):
+            seen.append((_name, gc.isenabled()))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, method, recording)
+    return seen
+
+
+def test_transfers_pause_the_collector_for_a_local_path_only(tmp_path, monkeypatch, collector_on):
+    """An object store's client keeps its collections for the minutes a transfer may take (collector.py)."""
+    from zarr.storage import MemoryStore
+
+    seen = _record_transfers(monkeypatch)
+    state = {"w": torch.rand(4, 3)}
+    dcp.save(state, storage_writer=ZarrWriter(tmp_path / "local"))
+    dcp.load({"w": torch.zeros(4, 3)}, storage_reader=ZarrReader(tmp_path / "local"))
+    assert seen == [("_write_items", False), ("_read_directly", False)]
+    seen.clear()
+    store = MemoryStore()
+    dcp.save(state, storage_writer=ZarrWriter(store=store))
+    loaded = {"w": torch.zeros(4, 3)}
+    dcp.load(loaded, storage_reader=ZarrReader(store=store))
+    assert seen == [("_write_items", True), ("_read_directly", True)]
+    assert torch.equal(loaded["w"], state["w"])
 
 
 def test_save_and_load_write_and_read_with_the_collector_paused(tmp_path, monkeypatch, collector_on):

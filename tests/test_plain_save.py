@@ -6,6 +6,10 @@ DCP's planning: correct, slower, never wrong."""
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,7 +89,48 @@ def test_a_planner_left_taken_over_by_a_failed_save_serves_another_writer_as_dcp
     assert torch.equal(back["w"], torch.full((2,), 7.0))
 
 
+def test_a_writer_kept_across_saves_does_not_keep_the_last_state_dict(tmp_path):
+    """The local plan holds DCP's planner, and so the state dict: a writer (store= mode keeps one) lets it go."""
+    writer = ZarrWriter(str(tmp_path / "kept.zarr"))
+    tensor = torch.ones(4, 3)
+    watch = weakref.ref(tensor)
+    dcp.save({"w": tensor}, storage_writer=writer)
+    del tensor
+    gc.collect()
+    assert watch() is None, "the saved tensor is still referenced after the save"
+
+
 # -- real ranks --------------------------------------------------------------------------------------------------
+
+
+def save_planning_apart(rank, world_size, path, layout):
+    """Rank program: rank 0 with DCP's own planner (planned locally), the others with one that plans for itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if layout == "plain":
+        state = {"w": torch.arange(12.0).reshape(4, 3)}
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
+        state = {"w": distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)], src_data_rank=None)}
+    try:
+        dcp.save(state, storage_writer=ZarrWriter(path), planner=DefaultSavePlanner() if rank == 0 else DCPsPlanning())
+    except BaseException as exc:  # DCP raises on every rank what the coordinator raised (a CheckpointException)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["plain", "dtensor"])
+def test_ranks_that_plan_apart_are_refused_by_name(tmp_path, layout):
+    path = str(tmp_path / "apart.zarr")
+    errors = run_ranks(save_planning_apart, 2, path, layout)
+    assert all(e and "PlanMismatchError" in e and "rank 0 planned this save locally" in e
+               and "rank 1 through a planner that plans for itself" in e for e in errors), errors
+    assert not os.path.exists(path) and not os.path.exists(tmp_path / ".dcp-zarr-staging"), "nothing was written"
+
+
 
 
 def save_plain_and_planned(rank, world_size, layout, plain_path, planned_path, dcp_path):

@@ -94,9 +94,10 @@ def take_over(call: SaveCall) -> None:
         return planner.plan
 
     def create_global_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if not all(isinstance(plan.storage_data, Summary) for plan in all_plans):
+        if not any(isinstance(plan.storage_data, Summary) for plan in all_plans):
             give_back(planner)  # not this save's messages: a save that failed left the planner taken over
             return planner.create_global_plan(all_plans)
+        # Some ranks planned locally and some not: passed on as they are, for the writer to refuse by name.
         planner.metadata = Metadata(state_dict_metadata={})  # the store's manifest is the checkpoint's metadata
         planner.global_plan = all_plans
         return all_plans, planner.metadata
