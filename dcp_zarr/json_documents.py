@@ -25,4 +25,3 @@ def decode_json(data: bytes | str):
     (benchmarks/reports/planning.md)."""
     with collector_paused():
         return json.loads(data)
-
