@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from dcp_zarr.errors import PlanMismatchError, ReplicaMismatchError
 from dcp_zarr.placement.chunk_grids import Box, dtensor_box
 from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Entry, Merged, signature
-from dcp_zarr.planning.replicas import ranks_text
+from dcp_zarr.planning.replicas import mismatch_message, ranks_text
 
 _LISTED = 20
 
@@ -99,14 +99,10 @@ def merge(every: list[dict[str, Entry]], keep_first_replica: bool = False) -> Me
             box_holders[index] = box_ranks
             sizes[index] = math.prod(box_sizes) * itemsize
     if problems:
+        if replicas_only:  # what DCP's planning refuses as replicas that differ (replicas.py): the same error
+            raise ReplicaMismatchError(mismatch_message(problems))
         listed = "\n".join(f"  {p}" for p in problems[:_LISTED])
         more = f"\n  ... and {len(problems) - _LISTED} more" if len(problems) > _LISTED else ""
-        if replicas_only:  # what DCP's planning refuses as replicas that differ (replicas.py): the same error
-            raise ReplicaMismatchError(
-                f"{len(problems)} state-dict entr{'ies' if len(problems) > 1 else 'y'} saved under one key by several "
-                f"ranks differ{'' if len(problems) > 1 else 's'} in kind, shape or dtype between them, so nothing was "
-                f"written:\n{listed}{more}\nSave per-rank state under per-rank keys (e.g. f\"rng.rank{{rank}}\") "
-                "or as a DTensor sharded over the ranks")
         raise PlanMismatchError(f"{len(problems)} state-dict key{'s' if len(problems) > 1 else ''} cannot be saved "
                                 f"as the ranks hold {'them' if len(problems) > 1 else 'it'}, so nothing was "
                                 f"written:\n{listed}{more}")

@@ -98,7 +98,7 @@ def plan_checks(plans: list[SavePlan], mode: str, max_bytes: int) -> list[tuple[
             for rank, _ in held:
                 checks[rank].append(index)
     if problems:
-        raise ReplicaMismatchError(_message(problems))
+        raise ReplicaMismatchError(mismatch_message(problems))
     return [tuple(c) for c in checks]
 
 
@@ -157,7 +157,7 @@ def compare_checksums(digests: list[dict]) -> None:
     problems = [f"{_key(index)!r}: the value differs: " + " vs ".join(ranks_text(r) for r in by_digest.values())
                 for index, by_digest in values.items() if len(by_digest) > 1]
     if problems:
-        raise ReplicaMismatchError(_message(problems))
+        raise ReplicaMismatchError(mismatch_message(problems))
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -165,7 +165,8 @@ def ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
-def _message(problems: list[str]) -> str:
+def mismatch_message(problems: list[str]) -> str:
+    """The ReplicaMismatchError's text for ``problems`` (one line each), whoever found them."""
     listed = "\n".join(f"  {p}" for p in problems[:_LISTED])
     more = f"\n  ... and {len(problems) - _LISTED} more" if len(problems) > _LISTED else ""
     many = len(problems) > 1
