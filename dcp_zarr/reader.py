@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_zarr.collective.load_call import dcp_load_wrapper
+from dcp_zarr.collective.load_call import dcp_load_planner, dcp_load_wrapper
 from dcp_zarr.collective.needs import needs_digest, rank_needs
 from dcp_zarr.collective.read_rounds import read_shared
 from dcp_zarr.collective.shared_reads import SharedReads
@@ -40,6 +40,7 @@ from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import Entry, Manifest, TensorEntry, manifest_of_root
 from dcp_zarr.format.torch_arrays import tensor_as_numpy, torch_dtype_from_name
 from dcp_zarr.placement.holdings import group_rank_of
+from dcp_zarr.planning import load_plan
 from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io.chunks import RegionReader
@@ -229,6 +230,9 @@ class ZarrReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if self.manifest is None:
             self.manifest = read_manifest(self._storage())
+        planner = dcp_load_planner()  # DCP plans next: its own planner makes the read items in arithmetic
+        if planner is not None:
+            load_plan.take_over(planner, metadata)
 
     @step_with_collector_paused
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -306,6 +310,7 @@ class ZarrReader(StorageReader):
             shared = SharedReads(needs, manifest.entries, group.size, below, self.exchange_bytes)
             by_dest = {item.dest_index.fqn: item for item in items if item.type != LoadItemType.BYTE_IO}
             direct = alone + [by_dest[dest] for dest in needs if not shared.shared(dest) and dest in by_dest]
+            destination = load_plan.destinations(planner)
             committed = []
             destinations = {}
             try:  # what fails here is raised on every rank at the first round, so that no rank waits for this one
@@ -314,7 +319,7 @@ class ZarrReader(StorageReader):
                 for key in needs:
                     if shared.shared(key) and key in by_dest:
                         item = by_dest[key]
-                        tensor = planner.resolve_tensor(item).detach()
+                        tensor = destination(item)
                         destinations[key] = (tensor, _region_of(item))
                         committed.append((item, tensor))
             except Exception as exc:  # noqa: BLE001
@@ -349,11 +354,12 @@ class ZarrReader(StorageReader):
         readers = self._tensor_readers(storage, tensor_items)
         self._read_bytes(storage, [item for item in items if item.type == LoadItemType.BYTE_IO], planner)
         reads: list[tuple[ReadItem, torch.Tensor, RegionReader, torch.dtype]] = []
+        destination = load_plan.destinations(planner)
         for item in tensor_items:
             entry = entries[item.storage_index.fqn]
             assert isinstance(entry, TensorEntry)  # dcp_metadata made every other entry a bytes entry
             stored_dtype = torch_dtype_from_name(entry.dtype)
-            reads.append((item, planner.resolve_tensor(item).detach(), readers[item.storage_index.fqn], stored_dtype))
+            reads.append((item, destination(item), readers[item.storage_index.fqn], stored_dtype))
 
         jobs = []
         for item, dest, reader, stored_dtype in reads:

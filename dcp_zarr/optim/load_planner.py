@@ -19,14 +19,16 @@ import logging
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
+from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import MissingKeysError, ParamTableMismatchError
 from dcp_zarr.format.manifest import Manifest
 from dcp_zarr.format.optimizer_tables import OptimizerTable, find_optimizers, tables_of_manifest
 from dcp_zarr.optim.keys import Translation, shape_mismatches, translate
+from dcp_zarr.planning.load_plan import read_items_of
 from dcp_zarr.reader import MANIFEST_IN_STORAGE_DATA
 
 logger = logging.getLogger(__name__)
@@ -115,15 +117,17 @@ class ZarrLoadPlanner(DefaultLoadPlanner):
         loaded: what ZarrReader's shared reads ask of a key this rank has no read item for (an empty box)."""
         return self._sources.get(key)
 
+    @step_with_collector_paused
     def create_local_plan(self) -> LoadPlan:
         metadata = self.metadata
         assert metadata is not None  # set_up_planner refuses to plan without it
         items: list[ReadItem] = []
+        meshes: dict = {}
         for key, obj in self.state_dict.items():
             source = self._sources.get(key)
             if source is None:
                 continue
-            for item in create_default_local_load_plan({source: obj}, metadata, strict=True).items:
+            for item in read_items_of(source, obj, metadata, True, meshes):
                 if source != key:
                     item = dataclasses.replace(item, dest_index=dataclasses.replace(item.dest_index, fqn=key))
                 items.append(item)

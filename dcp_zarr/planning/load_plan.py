@@ -1,0 +1,194 @@
+"""A load's read items made in arithmetic, for ``ZarrLoadPlanner`` and for DCP's own planner in a plain
+``dcp.load(sd, storage_reader=ZarrReader(p))``.
+
+ZarrReader presents every tensor as one saved chunk, the global array (reader.py, ``dcp_metadata``), so a rank's read
+item for a tensor is its own box against that chunk. DCP's ``create_default_local_load_plan`` finds the box through
+``compute_local_shape_and_global_offset`` (index computations in torch, per DTensor) and then sweeps it against the
+saved chunks: a fifth of a load of 800 FSDP2 tensors, two fifths of one of 5,000 small ones
+(benchmarks/reports/performance.md). Here the box comes from ``placement/boxes.py`` (the save's arithmetic), and the
+item from the one overlap there is: the same ReadItems DCP makes, checked item for item on every rank of several
+meshes (``tests/test_load_plan.py``). Anything else (ShardedTensors, tensor subclasses, placements boxes.py cannot
+say, another metadata's chunks, and every error DCP raises) goes through DCP's own function, entry by entry.
+
+DCP's own planner is taken over for one call only: the reader's ``set_up_storage_reader``, which DCP calls right
+before ``planner.create_local_plan()`` in the same ``local_step``, gives that planner an instance attribute
+``create_local_plan`` that removes itself and plans as DCP's would. A planner whose planning is not DCP's (a
+subclass overriding ``set_up_planner`` or ``create_local_plan``) is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.checkpoint import _version, default_planner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_read_items
+from torch.distributed.tensor import DTensor
+
+from dcp_zarr.collector import step_with_collector_paused
+from dcp_zarr.placement.boxes import dtensor_local_box
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NOT_HERE = object()  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to read
+# DCP's methods a load planner must not override to be taken over: what it is set up with and what it plans.
+_DCPS_OWN = ("set_up_planner", "create_local_plan")
+# ... and to have its destinations found here: how it finds the tensor a read item is read into.
+_DCPS_LOOKUP = ("resolve_tensor", "lookup_tensor", "transform_tensor")
+
+
+@step_with_collector_paused
+def local_read_items(state_dict: dict, metadata: Metadata, strict: bool = True) -> list[ReadItem]:
+    """The items of DCP's ``create_default_local_load_plan(state_dict, metadata, strict)``, in the same order."""
+    meshes: dict[int, tuple] = {}
+    items: list[ReadItem] = []
+    for fqn, value in state_dict.items():
+        items += read_items_of(fqn, value, metadata, strict, meshes)
+    return items
+
+
+def read_items_of(fqn: str, value, metadata: Metadata, strict: bool, meshes: dict) -> list[ReadItem]:
+    """DCP's read items for one entry of a state dict. ``meshes`` is a cache the caller keeps across entries:
+    id(mesh) -> (mesh, its shape, this rank's coordinate); a model has few meshes."""
+    md = metadata.state_dict_metadata.get(fqn)
+    if isinstance(md, BytesStorageMetadata) and not isinstance(value, DTensor):
+        return _create_read_items(fqn, md, value)  # a value: one item, as DCP makes it
+    box = _local_box(value, md, meshes) if isinstance(md, TensorStorageMetadata) and _is_whole(md) else None
+    if box is _NOT_HERE:
+        return []
+    if box is None:  # DCP's own, for this entry: its items, or its error (looked up here: tests count its calls)
+        return default_planner.create_default_local_load_plan({fqn: value}, metadata, strict).items
+    assert isinstance(md, TensorStorageMetadata) and isinstance(box, tuple)
+    item = _item_against_whole(fqn, md, *box)
+    return [] if item is None else [item]
+
+
+def _is_whole(md: TensorStorageMetadata) -> bool:
+    """Whether the one saved chunk is the global array, as ZarrReader presents every tensor."""
+    if len(md.chunks) != 1:
+        return False
+    chunk = md.chunks[0]
+    return chunk.sizes == md.size and not any(chunk.offsets)
+
+
+def _local_box(value, md: TensorStorageMetadata, meshes: dict):
+    """This rank's (offsets, sizes) of ``value``, as DCP's ``_create_chunk_list`` gives them; ``_NOT_HERE``; or None
+    where DCP's own function must say (another kind of value, a shape that does not match: DCP's error)."""
+    if type(value) in _PLAIN:
+        return ((0,) * value.dim(), tuple(value.shape)) if value.shape == md.size else None
+    if not isinstance(value, DTensor) or type(value).__create_chunk_list__ is not DTensor.__create_chunk_list__:
+        return None
+    local = value._local_tensor
+    if type(local) is not torch.Tensor and hasattr(local, "__create_chunk_list__"):  # the local tensor's own
+        return None
+    if value.shape != md.size:
+        return None
+    mesh = value.device_mesh
+    known = meshes.get(id(mesh))
+    if known is None or known[0] is not mesh:
+        coordinate = mesh.get_coordinate()
+        known = meshes[id(mesh)] = (mesh, tuple(mesh.shape), None if coordinate is None else tuple(coordinate))
+    if known[2] is None:
+        return _NOT_HERE
+    return dtensor_local_box(tuple(value.shape), known[1], tuple(value.placements), known[2])
+
+
+def _item_against_whole(fqn: str, md: TensorStorageMetadata, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                        ) -> ReadItem | None:
+    """DCP's ``create_read_items_for_chunk_list`` for one local chunk against one saved chunk at the origin: the
+    overlap, or None where there is none (an empty piece)."""
+    size = md.size
+    lengths = []
+    for offset, length, whole in zip(offsets, sizes, size):
+        if offset >= whole or offset + length <= 0:
+            return None
+        lengths.append(min(whole, offset + length) - offset)
+    return ReadItem(type=LoadItemType.TENSOR,
+                    dest_index=MetadataIndex(fqn, torch.Size(offsets), 0),
+                    dest_offsets=torch.Size((0,) * len(offsets)),
+                    storage_index=MetadataIndex(fqn, md.chunks[0].offsets, 0),
+                    storage_offsets=torch.Size(offsets),
+                    lengths=torch.Size(lengths))
+
+
+def is_dcps_own(planner) -> bool:
+    """A ``DefaultLoadPlanner`` whose set-up and planning are DCP's (any ``allow_partial_load``, flattening)."""
+    if not isinstance(planner, DefaultLoadPlanner):
+        return False
+    cls = type(planner)
+    return all(getattr(cls, name) is getattr(DefaultLoadPlanner, name) for name in _DCPS_OWN) and not any(
+        name in vars(planner) for name in _DCPS_OWN)
+
+
+def take_over(planner, metadata: Metadata) -> bool:
+    """Make the next ``planner.create_local_plan()`` plan in arithmetic, once, if ``planner`` is DCP's own and set
+    up with ``metadata``; whether it was taken over."""
+    give_back(planner)
+    if not is_dcps_own(planner) or planner.metadata is not metadata:
+        return False
+
+    def create_local_plan() -> LoadPlan:
+        give_back(planner)
+        unasked = metadata.state_dict_metadata.keys() - planner.state_dict.keys()
+        if planner.flatten_state_dict and unasked and _may_be_of_torch_2_3(planner.original_state_dict, unasked):
+            return planner.create_local_plan()  # DCP's own: it switches the planner to torch 2.3's key form
+        return LoadPlan(local_read_items(planner.state_dict, metadata, not planner.allow_partial_load))
+
+    vars(create_local_plan)["taken_over_by_dcp_zarr"] = True
+    planner.create_local_plan = create_local_plan
+    return True
+
+
+def _may_be_of_torch_2_3(original_state_dict: dict, unasked: set[str]) -> bool:
+    """DCP's check before it plans a load that leaves saved keys out (a model alone from a training checkpoint):
+    whether some of them are keys of the state dict flattened as torch 2.3 did, and so the checkpoint is of that
+    form. True also where torch no longer has the switch this asks it with: DCP's own planning then decides."""
+    if getattr(_version, "_derived_version", "gone") is not None:
+        return True
+    _version._derived_version = "2_3"
+    try:
+        old_keys, _ = flatten_state_dict(original_state_dict)
+    finally:
+        _version._derived_version = None
+    return not old_keys.keys().isdisjoint(unasked)
+
+
+def give_back(planner) -> None:
+    """Remove what ``take_over`` set (only that: a planner's own instance attributes stay)."""
+    if getattr(vars(planner).get("create_local_plan"), "taken_over_by_dcp_zarr", False):
+        del vars(planner)["create_local_plan"]
+
+
+def destinations(planner) -> Callable[[ReadItem], torch.Tensor]:
+    """``item -> planner.resolve_tensor(item).detach()``: the tensor a read item is read into. Where the planner's
+    lookup is DCP's own, a DTensor's local tensor or a plain tensor is found without DCP's per-item lookups and
+    ``to_local``'s autograd Function (a twentieth of a load of 800 tensors); narrowed as DCP's ``transform_tensor``
+    would narrow it, which returns the tensor itself for a whole local shard."""
+    if not (isinstance(planner, DefaultLoadPlanner) and all(
+            getattr(type(planner), name) is getattr(DefaultLoadPlanner, name) and name not in vars(planner)
+            for name in _DCPS_LOOKUP)):
+        return lambda item: planner.resolve_tensor(item).detach()
+    state_dict = planner.state_dict
+
+    def destination(item: ReadItem) -> torch.Tensor:
+        value = state_dict.get(item.dest_index.fqn)
+        local: torch.Tensor
+        if isinstance(value, torch.Tensor) and type(value) in _PLAIN and not any(item.dest_index.offset or ()):
+            local = value
+        elif (isinstance(value, DTensor) and type(value).__get_tensor_shard__ is DTensor.__get_tensor_shard__
+              and type(value._local_tensor) is torch.Tensor and not _is_partial(value)):
+            local = value._local_tensor
+        else:
+            return planner.resolve_tensor(item).detach()
+        if local.shape != item.lengths or any(item.dest_offsets):
+            return planner.resolve_tensor(item).detach()  # a part of it: DCP narrows it
+        return local.detach()
+
+    return destination
+
+
+def _is_partial(value: DTensor) -> bool:
+    return any(placement.is_partial() for placement in value.placements)
