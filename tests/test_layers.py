@@ -23,7 +23,7 @@ LAYERS = [
     ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit
     ["placement"],  # which rank holds which box
     ["collective"],  # collective I/O: aggregated writes, reads done once
-    ["planning"],  # planning a save: locally on every rank, or by DCP's coordinator
+    ["planning"],  # planning a save (locally on every rank, or by DCP's coordinator) and a load's read items
     ["async_staging"],  # the writer as DCP's AsyncStager
     ["writer", "reader"],  # DCP's StorageWriter and StorageReader
     ["optim"],  # optimizer state across key forms
