@@ -2,8 +2,9 @@
 
 Data path: read_metadata (the root manifest, manifest.py -> DCP Metadata in which each tensor is one chunk, the
 global array) -> each rank's read items: one per local shard and tensor, however many ranks saved it, made in
-arithmetic by DCP's own planner taken over (set_up_storage_reader, planning/load_plan.py) -> read_data (each rank reads only the chunks, or inner chunks, under its regions, concurrently,
-checking every checksum; store_io/chunks.py).
+arithmetic by DCP's own planner taken over (set_up_storage_reader, planning/load_plan.py) -> read_data (each rank
+reads only the chunks, or inner chunks, under its regions, concurrently, checking every checksum;
+store_io/chunks.py).
 """
 
 from __future__ import annotations

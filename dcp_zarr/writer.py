@@ -46,6 +46,7 @@ from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
 from dcp_zarr.format.torch_arrays import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.values import NotJSONError, encode_value
+from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning import plan_cache, replicas, save_call
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.planning.local_save import LocalSave
@@ -538,6 +539,8 @@ def _tensor_resolver(planner: SavePlanner):
         if type(value) is DTensor:
             return value._local_tensor
         if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+            if says_its_own_boxes(value):  # a save DCP planned: its items are boxes this writer does not lay out
+                raise InvalidEntryError(own_boxes_refused(item.index.fqn))
             return value
         return planner.resolve_data(item)  # anything else (ShardedTensor shards, subclasses) DCP's way
 

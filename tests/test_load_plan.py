@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import default_planner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -24,6 +25,7 @@ from dcp_zarr.collective import load_call
 from dcp_zarr.planning import load_plan
 from dcp_zarr.planning.load_plan import local_read_items
 from tests.support.compare import assert_state_equal
+from tests.support.faults import causes
 from tests.support.models import build, full_state, load_checkpoint, save_checkpoint, train_steps
 from tests.support.ranks import run_ranks
 
@@ -146,6 +148,11 @@ def test_dcps_own_planner_is_taken_over_for_one_plan(tmp_path, monkeypatch):
     part = {"w": torch.zeros(3, 4)}  # a part of the checkpoint: DCP's check of torch 2.3's form says no
     dcp.load(part, storage_reader=ZarrReader(path))
     assert calls == [] and torch.equal(part["w"], state["w"])
+    more = {"w": torch.zeros(3, 4), "new": torch.full((2,), 7.0)}  # a key the checkpoint lacks, allowed
+    dcp.load(more, storage_reader=ZarrReader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert calls == [] and torch.equal(more["w"], state["w"]) and torch.equal(more["new"], torch.full((2,), 7.0))
+    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: new"):
+        dcp.load(more, storage_reader=ZarrReader(path))
 
 
 class OwnPlanning(DefaultLoadPlanner):
@@ -244,3 +251,61 @@ class OwnResolving(DefaultLoadPlanner):
     def resolve_tensor(self, read_item):
         type(self).asked += 1
         return super().resolve_tensor(read_item)
+
+
+def test_a_take_over_left_by_a_load_that_failed_plans_the_next_one_as_dcp():
+    """A load that failed between the reader's set-up and DCP's plan (a reader's subclass raising after it) leaves
+    the planner taken over; set up again with other metadata, it plans as DCP's own would."""
+    state = {"w": torch.zeros(8)}
+    first = Metadata({"w": _whole((8,))})
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, first)
+    assert load_plan.take_over(planner, first)
+    saved_in_two = Metadata({"w": TensorStorageMetadata(TensorProperties(), torch.Size((8,)), [
+        ChunkStorageMetadata(torch.Size((0,)), torch.Size((4,))),
+        ChunkStorageMetadata(torch.Size((4,)), torch.Size((4,)))])})
+    planner.set_up_planner(state, saved_in_two)
+    assert planner.create_local_plan().items == create_default_local_load_plan(state, saved_in_two).items
+    assert "create_local_plan" not in vars(planner)
+
+
+def _saying_its_own_boxes(tensor: torch.Tensor) -> torch.Tensor:
+    """torch 2.14's CheckpointableTensor: elements 2..5 of ``tensor`` are elements 4..7 of a tensor of 16."""
+    tensor.global_shape = (16,)
+    tensor.global_offsets, tensor.local_offsets, tensor.local_sizes = ((4,),), ((2,),), ((4,),)
+    return tensor
+
+
+def test_tensors_that_say_their_own_boxes_are_dcps_to_plan_and_resolve():
+    """Items and destinations of a tensor carrying torch 2.14's CheckpointableTensor attributes are DCP's own (on
+    torch 2.14 a box of the global tensor; on earlier torch the tensor whole), whatever its buffer's size."""
+    for size in (8, 16):
+        state = {"w": _saying_its_own_boxes(torch.zeros(size))}
+        metadata = Metadata({"w": _whole((size,))})  # a metadata that fits the buffer: for DCP's earlier torch
+        try:
+            dcps = create_default_local_load_plan(state, metadata, True).items
+        except ValueError as exc:  # torch 2.14 checks the global shape
+            with pytest.raises(ValueError, match=str(exc).split(" for ")[0][:30]):
+                local_read_items(state, metadata)
+            continue
+        assert local_read_items(state, metadata) == dcps
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state, metadata)
+        for item in dcps:
+            ours, theirs = load_plan.destinations(planner)(item), planner.resolve_tensor(item).detach()
+            assert (ours.data_ptr(), ours.shape) == (theirs.data_ptr(), theirs.shape)
+
+
+@pytest.mark.parametrize("planner", [None, "dcps"], ids=["plain", "dcp-planned"])
+def test_a_save_refuses_a_tensor_that_says_its_own_boxes_by_name(tmp_path, planner):
+    from dcp_zarr.errors import InvalidEntryError
+    from dcp_zarr.testing.planners import DCPsPlanning
+
+    path = tmp_path / "s.zarr"
+    with pytest.raises(CheckpointException) as raised:
+        dcp.save({"ok": torch.ones(2), "w": _saying_its_own_boxes(torch.arange(8.0))},
+                 storage_writer=ZarrWriter(str(path)), planner=DCPsPlanning() if planner else None)
+    found = causes(raised.value)
+    assert any(isinstance(e, InvalidEntryError) and "'w'" in str(e) and "global_shape" in str(e) for e in found), \
+        found
+    assert not path.exists(), "nothing written"

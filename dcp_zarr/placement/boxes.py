@@ -95,3 +95,20 @@ def _positions(runs: Runs, a: int, b: int) -> Runs:
 
 def _length(runs: Runs) -> int:
     return sum(length for _, length in runs)
+
+
+# torch 2.14's CheckpointableTensor (torch.distributed.checkpoint.protocol): a plain tensor carrying these attributes
+# is, for DCP, boxes of a larger tensor, which DCP's own functions find (a runtime-checked Protocol: slow to ask).
+_OWN_BOXES = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+
+
+def says_its_own_boxes(tensor) -> bool:
+    """Whether a plain tensor carries any of the attributes by which torch 2.14 makes it boxes of a larger tensor."""
+    attributes = getattr(tensor, "__dict__", None) or {}
+    return any(name in attributes for name in _OWN_BOXES)
+
+
+def own_boxes_refused(fqn: str) -> str:
+    """Why a save refuses a tensor that ``says_its_own_boxes``."""
+    return (f"state-dict entry {fqn!r} is a tensor carrying torch 2.14's CheckpointableTensor attributes ("
+            f"{', '.join(_OWN_BOXES)}), which dcp_zarr does not save: save it as a DTensor, or remove them")

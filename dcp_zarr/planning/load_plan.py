@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
-from dcp_zarr.placement.boxes import dtensor_local_box
+from dcp_zarr.placement.boxes import dtensor_local_box, says_its_own_boxes
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_HERE = object()  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to read
@@ -54,6 +54,8 @@ def read_items_of(fqn: str, value, metadata: Metadata, strict: bool, meshes: dic
     """DCP's read items for one entry of a state dict. ``meshes`` is a cache the caller keeps across entries:
     id(mesh) -> (mesh, its shape, this rank's coordinate); a model has few meshes."""
     md = metadata.state_dict_metadata.get(fqn)
+    if md is None and not strict:
+        return []  # not in the checkpoint, and allowed to be missing: DCP's rule
     if isinstance(md, BytesStorageMetadata) and not isinstance(value, DTensor):
         return _create_read_items(fqn, md, value)  # a value: one item, as DCP makes it
     box = _local_box(value, md, meshes) if isinstance(md, TensorStorageMetadata) and _is_whole(md) else None
@@ -78,7 +80,9 @@ def _local_box(value, md: TensorStorageMetadata, meshes: dict):
     """This rank's (offsets, sizes) of ``value``, as DCP's ``_create_chunk_list`` gives them; ``_NOT_HERE``; or None
     where DCP's own function must say (another kind of value, a shape that does not match: DCP's error)."""
     if type(value) in _PLAIN:
-        return ((0,) * value.dim(), tuple(value.shape)) if value.shape == md.size else None
+        if value.shape != md.size or says_its_own_boxes(value):
+            return None
+        return (0,) * value.dim(), tuple(value.shape)
     if not isinstance(value, DTensor) or type(value).__create_chunk_list__ is not DTensor.__create_chunk_list__:
         return None
     local = value._local_tensor
@@ -132,6 +136,8 @@ def take_over(planner, metadata: Metadata) -> bool:
 
     def create_local_plan() -> LoadPlan:
         give_back(planner)
+        if planner.metadata is not metadata:  # set up again since (a load that failed after set_up_storage_reader)
+            return planner.create_local_plan()
         unasked = metadata.state_dict_metadata.keys() - planner.state_dict.keys()
         if planner.flatten_state_dict and unasked and _may_be_of_torch_2_3(planner.original_state_dict, unasked):
             return planner.create_local_plan()  # DCP's own: it switches the planner to torch 2.3's key form
@@ -176,7 +182,8 @@ def destinations(planner) -> Callable[[ReadItem], torch.Tensor]:
     def destination(item: ReadItem) -> torch.Tensor:
         value = state_dict.get(item.dest_index.fqn)
         local: torch.Tensor
-        if isinstance(value, torch.Tensor) and type(value) in _PLAIN and not any(item.dest_index.offset or ()):
+        if isinstance(value, torch.Tensor) and type(value) in _PLAIN and not any(item.dest_index.offset or ()) \
+                and not says_its_own_boxes(value):
             local = value
         elif (isinstance(value, DTensor) and type(value).__get_tensor_shard__ is DTensor.__get_tensor_shard__
               and type(value._local_tensor) is torch.Tensor and not _is_partial(value)):

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
-from dcp_zarr.placement.boxes import dtensor_local_box
+from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.placement.boxes import dtensor_local_box, own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.protocol import Ticket
 
 
@@ -98,6 +99,8 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
     items: list[WriteItem] = []
     meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its shape, this rank's coordinate): a model has few meshes
     for fqn, value in state_dict.items():
+        if (type(value) is torch.Tensor or type(value) is torch.nn.Parameter) and says_its_own_boxes(value):
+            raise InvalidEntryError(own_boxes_refused(fqn))
         if isinstance(value, DTensor):
             mesh = value.device_mesh
             known = meshes.get(id(mesh))
