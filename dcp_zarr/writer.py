@@ -50,6 +50,7 @@ from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning import plan_cache, replicas, save_call
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.planning.local_save import LocalSave
+from dcp_zarr.planning.overrides import keeps_dcps
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
 from dcp_zarr.planning.save_planner import RankState
 from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
@@ -526,10 +527,7 @@ def _tensor_resolver(planner: SavePlanner):
     """``planner.resolve_data`` for tensor items; for DCP's own resolution (DefaultSavePlanner's, ZarrSavePlanner's)
     the state dict's tensor, or a DTensor's local one, looked up directly: DCP's lookup goes through its protocol
     checks and, for a DTensor, an autograd Function per tensor, which a save of 800 tensors felt."""
-    cls = type(planner)
-    own = isinstance(planner, DefaultSavePlanner) and all(
-        getattr(cls, name) is getattr(DefaultSavePlanner, name) and name not in vars(planner)
-        for name in ("resolve_data", "lookup_object", "transform_object"))
+    own = keeps_dcps(planner, DefaultSavePlanner, ("resolve_data", "lookup_object", "transform_object"))
     state_dict = getattr(planner, "state_dict", None) if own else None
     if not isinstance(state_dict, dict):
         return planner.resolve_data

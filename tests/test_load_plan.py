@@ -285,8 +285,9 @@ def test_tensors_that_say_their_own_boxes_are_dcps_to_plan_and_resolve():
         try:
             dcps = create_default_local_load_plan(state, metadata, True).items
         except ValueError as exc:  # torch 2.14 checks the global shape
-            with pytest.raises(ValueError, match=str(exc).split(" for ")[0][:30]):
+            with pytest.raises(ValueError) as ours:
                 local_read_items(state, metadata)
+            assert str(ours.value) == str(exc)
             continue
         assert local_read_items(state, metadata) == dcps
         planner = DefaultLoadPlanner()

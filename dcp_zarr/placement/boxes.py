@@ -97,6 +97,16 @@ def _length(runs: Runs) -> int:
     return sum(length for _, length in runs)
 
 
+def mesh_place(mesh, known: dict) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The shape of ``mesh`` and this rank's coordinate in it (None: not in it), kept in ``known`` (id(mesh) ->
+    (mesh, shape, coordinate), the caller's across a state dict's entries: a model has few meshes)."""
+    place = known.get(id(mesh))
+    if place is None or place[0] is not mesh:
+        coordinate = mesh.get_coordinate()
+        place = known[id(mesh)] = (mesh, tuple(mesh.shape), None if coordinate is None else tuple(coordinate))
+    return place[1], place[2]
+
+
 # torch 2.14's CheckpointableTensor (torch.distributed.checkpoint.protocol): a plain tensor carrying these attributes
 # is, for DCP, boxes of a larger tensor, which DCP's own functions find (a runtime-checked Protocol: slow to ask).
 _OWN_BOXES = ("global_shape", "global_offsets", "local_offsets", "local_sizes")

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.planner_helpers import _create_read_items
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
-from dcp_zarr.placement.boxes import dtensor_local_box, says_its_own_boxes
+from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, says_its_own_boxes
+from dcp_zarr.planning.overrides import keeps_dcps
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_HERE = object()  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to read
@@ -51,8 +52,7 @@ def local_read_items(state_dict: dict, metadata: Metadata, strict: bool = True) 
 
 
 def read_items_of(fqn: str, value, metadata: Metadata, strict: bool, meshes: dict) -> list[ReadItem]:
-    """DCP's read items for one entry of a state dict. ``meshes`` is a cache the caller keeps across entries:
-    id(mesh) -> (mesh, its shape, this rank's coordinate); a model has few meshes."""
+    """DCP's read items for one entry of a state dict. ``meshes``: boxes.mesh_place's, the caller's across entries."""
     md = metadata.state_dict_metadata.get(fqn)
     if md is None and not strict:
         return []  # not in the checkpoint, and allowed to be missing: DCP's rule
@@ -90,14 +90,10 @@ def _local_box(value, md: TensorStorageMetadata, meshes: dict):
         return None
     if value.shape != md.size:
         return None
-    mesh = value.device_mesh
-    known = meshes.get(id(mesh))
-    if known is None or known[0] is not mesh:
-        coordinate = mesh.get_coordinate()
-        known = meshes[id(mesh)] = (mesh, tuple(mesh.shape), None if coordinate is None else tuple(coordinate))
-    if known[2] is None:
+    mesh_shape, coordinate = mesh_place(value.device_mesh, meshes)
+    if coordinate is None:
         return _NOT_HERE
-    return dtensor_local_box(tuple(value.shape), known[1], tuple(value.placements), known[2])
+    return dtensor_local_box(tuple(value.shape), mesh_shape, tuple(value.placements), coordinate)
 
 
 def _item_against_whole(fqn: str, md: TensorStorageMetadata, offsets: tuple[int, ...], sizes: tuple[int, ...]
@@ -120,11 +116,7 @@ def _item_against_whole(fqn: str, md: TensorStorageMetadata, offsets: tuple[int,
 
 def is_dcps_own(planner) -> bool:
     """A ``DefaultLoadPlanner`` whose set-up and planning are DCP's (any ``allow_partial_load``, flattening)."""
-    if not isinstance(planner, DefaultLoadPlanner):
-        return False
-    cls = type(planner)
-    return all(getattr(cls, name) is getattr(DefaultLoadPlanner, name) for name in _DCPS_OWN) and not any(
-        name in vars(planner) for name in _DCPS_OWN)
+    return keeps_dcps(planner, DefaultLoadPlanner, _DCPS_OWN)
 
 
 def take_over(planner, metadata: Metadata) -> bool:
@@ -173,9 +165,7 @@ def destinations(planner) -> Callable[[ReadItem], torch.Tensor]:
     lookup is DCP's own, a DTensor's local tensor or a plain tensor is found without DCP's per-item lookups and
     ``to_local``'s autograd Function (a twentieth of a load of 800 tensors); narrowed as DCP's ``transform_tensor``
     would narrow it, which returns the tensor itself for a whole local shard."""
-    if not (isinstance(planner, DefaultLoadPlanner) and all(
-            getattr(type(planner), name) is getattr(DefaultLoadPlanner, name) and name not in vars(planner)
-            for name in _DCPS_LOOKUP)):
+    if not keeps_dcps(planner, DefaultLoadPlanner, _DCPS_LOOKUP):
         return lambda item: planner.resolve_tensor(item).detach()
     state_dict = planner.state_dict
 

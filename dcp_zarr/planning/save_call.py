@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_zarr.planning.overrides import keeps_dcps
 from dcp_zarr.planning.protocol import Summary, Ticket
 from dcp_zarr.planning.save_planner import RankState, local_write_items
 
@@ -67,11 +68,7 @@ def dcp_save_call() -> SaveCall | None:
 
 def is_dcps_own(planner) -> bool:
     """A ``DefaultSavePlanner`` (caching or not, deduplicating to the lowest rank or not) whose planning is DCP's."""
-    if not isinstance(planner, DefaultSavePlanner):
-        return False
-    cls = type(planner)
-    return all(getattr(cls, name) is getattr(DefaultSavePlanner, name) for name in _DCPS_OWN) and not any(
-        name in vars(planner) for name in _DCPS_OWN)
+    return keeps_dcps(planner, DefaultSavePlanner, _DCPS_OWN)
 
 
 def take_over(call: SaveCall) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import InvalidEntryError
-from dcp_zarr.placement.boxes import dtensor_local_box, own_boxes_refused, says_its_own_boxes
+from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.protocol import Ticket
 
 
@@ -97,19 +97,15 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
     instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses
     with their own ``__create_write_items__``, Partial placements) through DCP's own ``_create_write_items``."""
     items: list[WriteItem] = []
-    meshes: dict[int, tuple] = {}  # id(mesh) -> (mesh, its shape, this rank's coordinate): a model has few meshes
+    meshes: dict[int, tuple] = {}  # boxes.mesh_place's
     for fqn, value in state_dict.items():
         if (type(value) is torch.Tensor or type(value) is torch.nn.Parameter) and says_its_own_boxes(value):
             raise InvalidEntryError(own_boxes_refused(fqn))
         if isinstance(value, DTensor):
-            mesh = value.device_mesh
-            known = meshes.get(id(mesh))
-            if known is None or known[0] is not mesh:
-                coordinate = mesh.get_coordinate()
-                known = meshes[id(mesh)] = (mesh, tuple(mesh.shape), None if coordinate is None else tuple(coordinate))
-            if known[2] is None:  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to write
+            mesh_shape, coordinate = mesh_place(value.device_mesh, meshes)
+            if coordinate is None:  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to write
                 continue
-            item = _dtensor_item(fqn, value, known[1], known[2])
+            item = _dtensor_item(fqn, value, mesh_shape, coordinate)
             if item is not None:
                 items.append(item)
                 continue
