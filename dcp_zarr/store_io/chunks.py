@@ -91,7 +91,8 @@ class _Piece(NamedTuple):
     shape: tuple[int, ...]
     inside: tuple[slice, ...]  # the part of the piece wanted
     target: np.ndarray  # where that part goes
-    name: str  # "chunk c.0.1", "shard c.1.0 inner chunk 3": for errors
+    chunk: tuple[int, ...]  # the chunk's (or shard's) grid coordinates and
+    inner: int | None  # the inner chunk's index in its shard: named in errors only, so never formatted otherwise
 
 
 class RegionReader:
@@ -107,12 +108,19 @@ class RegionReader:
         self.dtype = dtype
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
         self._lock = threading.Lock()
+        # A shard spanning the array (what this library writes) is the array's one chunk: regions inside it are
+        # read without walking the chunk grid (a load reads one region of each of hundreds of arrays).
+        self._spanning_key = f"{node}/{layout.chunk_key((0,) * len(layout.shape))}" if layout.spans_array else None
+        self._index_bytes = shard_index_bytes(layout) if layout.sharded else 0
 
     def read_into(self, offsets: Sequence[int], out: np.ndarray) -> int:
         """Fill ``out`` with the region of the array starting at ``offsets``; returns the bytes fetched."""
         layout = self.layout
         if out.ndim == 0:
-            return self._read_piece(f"{self.node}/c", 0, None, (), (), out, "chunk c")
+            return self._read_piece(f"{self.node}/c", 0, None, (), (), out, ())
+        if self._spanning_key is not None and all(o + n <= s for o, n, s in zip(offsets, out.shape, layout.shape)):
+            inside = tuple(slice(o, o + n) for o, n in zip(offsets, out.shape))
+            return self._read_from_shard(self._spanning_key, (0,) * out.ndim, inside, out)
         fetched = 0
         for coords in layout.chunks_in_box(offsets, out.shape):
             chunk_offsets, chunk_extent = layout.chunk_box(coords)
@@ -120,12 +128,11 @@ class RegionReader:
             hi = [min(o + n, c + e) for o, n, c, e in zip(offsets, out.shape, chunk_offsets, chunk_extent)]
             target = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
             inside = tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk_offsets))
-            name = layout.chunk_key(coords)
-            key = f"{self.node}/{name}"
+            key = f"{self.node}/{layout.chunk_key(coords)}"
             if layout.sharded:
                 fetched += self._read_from_shard(key, coords, inside, target)
             else:
-                fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, f"chunk {name}")
+                fetched += self._read_piece(key, 0, None, layout.chunk_shape, inside, target, coords)
         return fetched
 
     def row_pieces(self, offsets: Sequence[int], shape: Sequence[int], target_bytes: int) -> list[tuple[int, int]]:
@@ -142,17 +149,17 @@ class RegionReader:
         return [(max(first, b) - first, min(last, b + span) - first) for b in range(first - first % span, last, span)]
 
     def _read_piece(self, key: str, offset: int, length: int | None, shape: tuple[int, ...],
-                    inside: tuple[slice, ...], target: np.ndarray, name: str) -> int:
-        """Read one stored piece (a chunk, or an inner chunk of a shard), verify it, copy ``inside`` to ``target``."""
-        piece = _Piece(offset, length, shape, inside, target, name)
-        with self._open(key, self._where(piece)) as value:
+                    inside: tuple[slice, ...], target: np.ndarray, coords: tuple[int, ...]) -> int:
+        """Read one stored chunk, verify it, copy ``inside`` to ``target``."""
+        piece = _Piece(offset, length, shape, inside, target, coords, None)
+        with self._open(key, piece) as value:
             return self._read_run(value, [piece])
 
-    def _open(self, key: str, where: str) -> StoredValue:
+    def _open(self, key: str, piece: _Piece) -> StoredValue:
         try:
             return self.storage.open_value(key)
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"{where}: missing from the store") from exc
+            raise CorruptChunkError(f"{self._where(piece)}: missing from the store") from exc
 
     def _read_run(self, value: StoredValue, pieces: list[_Piece]) -> int:
         """Read pieces that lie back to back in one stored file (consecutive inner chunks of a shard) with one
@@ -163,7 +170,7 @@ class RegionReader:
         others into a scratch buffer first.
         """
         buffers: list[memoryview] = []
-        scratch: list[tuple[np.ndarray, bytearray, bool]] = []
+        scratch: list[tuple[np.ndarray, memoryview, bytearray, bool]] = []
         for piece in pieces:
             payload_bytes = math.prod(piece.shape) * self.dtype.itemsize
             if piece.length is not None and piece.length != payload_bytes + CHECKSUM_BYTES:
@@ -173,35 +180,40 @@ class RegionReader:
                      and piece.target.flags.c_contiguous)
             payload = piece.target if whole else np.empty(piece.shape, dtype=self.dtype)
             stored_crc = bytearray(CHECKSUM_BYTES)
-            buffers += [as_bytes(payload), memoryview(stored_crc)]
-            scratch.append((payload, stored_crc, whole))
+            payload_view = as_bytes(payload)
+            buffers += [payload_view, memoryview(stored_crc)]
+            scratch.append((payload, payload_view, stored_crc, whole))
         try:
             got = value.read_range_into(pieces[0].offset, buffers)
         except FileNotFoundError as exc:
             raise CorruptChunkError(f"{self._where(pieces[0])}: missing from the store") from exc
-        for piece, (payload, stored_crc, whole) in zip(pieces, scratch):
+        for piece, (payload, payload_view, stored_crc, whole) in zip(pieces, scratch):
             expected = payload.nbytes + CHECKSUM_BYTES
             if got < expected:
                 raise CorruptChunkError(f"{self._where(piece)}: truncated ({max(got, 0)} of {expected} bytes)")
             got -= expected
-            if checksum(as_bytes(payload)) != bytes(stored_crc):
+            if checksum(payload_view) != stored_crc:
                 raise CorruptChunkError(f"{self._where(piece)}: crc32c mismatch (the chunk is corrupt)")
             if not whole:
                 piece.target[...] = payload[piece.inside]
         return sum(len(b) for b in buffers)
 
     def _where(self, piece: _Piece) -> str:
-        return f"{self.storage.url}: array {self.node!r} {piece.name}"
+        """The piece in errors: "chunk c.0.1", "shard c.1.0", "shard c.1.0 inner chunk 3"."""
+        name = self.layout.chunk_key(piece.chunk)
+        if piece.inner is None:
+            return f"{self.storage.url}: array {self.node!r} {'shard' if self.layout.sharded else 'chunk'} {name}"
+        return f"{self.storage.url}: array {self.node!r} shard {name} inner chunk {piece.inner}"
 
     def _shard_name(self, coords) -> str:
         return f"{self.storage.url}: array {self.node!r} shard {self.layout.chunk_key(coords)}"
 
     def _index(self, value: StoredValue, coords) -> np.ndarray:
-        with self._lock:
-            if coords in self._indexes:
-                return self._indexes[coords]
+        index = self._indexes.get(coords)  # a dict's get is atomic: the lock is for the first reads of a shard
+        if index is not None:
+            return index
         try:
-            tail = value.read_tail(shard_index_bytes(self.layout))
+            tail = value.read_tail(self._index_bytes)
         except FileNotFoundError as exc:
             raise CorruptChunkError(f"{self._shard_name(coords)}: missing from the store") from exc
         index = decode_shard_index(tail, self.layout, self._shard_name(coords))
@@ -210,14 +222,15 @@ class RegionReader:
         return index
 
     def _read_from_shard(self, key: str, coords, inside: tuple[slice, ...], target: np.ndarray) -> int:
-        with self._open(key, self._shard_name(coords)) as value:
+        with self._open(key, _Piece(0, None, (), (), target, coords, None)) as value:
             return self._read_shard_pieces(value, self._index(value, coords), coords, inside, target)
 
     def _read_shard_pieces(self, value: StoredValue, index: np.ndarray, coords, inside: tuple[slice, ...],
                            target: np.ndarray) -> int:
         layout = self.layout
         inner = layout.inner_rows
-        fetched = shard_index_bytes(layout)
+        fetched = self._index_bytes
+        inner_shape = layout.inner_chunk_shape
         row_slice, rest = inside[0], inside[1:]
         run: list[_Piece] = []
         run_end = 0  # where the run's last piece ends in the shard
@@ -225,14 +238,12 @@ class RegionReader:
             lo = max(row_slice.start, i * inner)
             hi = min(row_slice.stop, (i + 1) * inner)
             offset, length = index[i]
-            name = f"shard {layout.chunk_key(coords)} inner chunk {i}"
+            piece = _Piece(int(offset), int(length), inner_shape,
+                           (slice(lo - i * inner, hi - i * inner), *rest),
+                           target[lo - row_slice.start: hi - row_slice.start], coords, i)
             if offset == MISSING:
                 # The writer leaves out only inner chunks wholly in the edge padding, which no region reaches.
-                raise CorruptChunkError(f"{self.storage.url}: array {self.node!r} {name}: the shard index marks it "
-                                        "missing")
-            piece = _Piece(int(offset), int(length), layout.inner_chunk_shape,
-                           (slice(lo - i * inner, hi - i * inner), *rest),
-                           target[lo - row_slice.start: hi - row_slice.start], name)
+                raise CorruptChunkError(f"{self._where(piece)}: the shard index marks it missing")
             if run and run_end != piece.offset:  # not back to back: a request of its own
                 fetched += self._read_run(value, run)
                 run = []
