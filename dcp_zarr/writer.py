@@ -10,6 +10,7 @@ manifest last, then commits (store_io/commit.py). docs/design.md has the whole d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -46,6 +47,7 @@ from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
 from dcp_zarr.format.torch_arrays import numpy_dtype, tensor_as_numpy, torch_dtype_name
 from dcp_zarr.format.values import NotJSONError, encode_value
+from dcp_zarr.json_documents import json_text
 from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning import plan_cache, replicas, save_call
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
@@ -496,7 +498,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         copies = {}
         for fqn, entry in entries.items():
             if isinstance(entry, TensorEntry):
-                copies[entry.node] = encoded_copy(_array_metadata(self._specs[fqn]))
+                copies[entry.node] = _encoded_array_metadata(self._specs[fqn])  # an array's copy is its zarr.json
             elif isinstance(entry, ObjectEntry):
                 copies[entry.node] = encoded_copy(_object_array_metadata(fqn, entry.node, entry.nbytes))
         return copies
@@ -612,7 +614,15 @@ def _metadata_job(storage, node: str, document: dict) -> tuple[int, partial]:
 def _write_array_metadata(storage, spec: ArraySpec) -> None:
     # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
     # once (twenty dicts and lists each) would set off the garbage collector's full collections (consolidated.py).
-    storage.write_json(f"{spec.node}/zarr.json", _array_metadata(spec))
+    storage.write(f"{spec.node}/zarr.json", [_encoded_array_metadata(spec).encode()])
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _encoded_array_metadata(spec: ArraySpec) -> str:
+    """The array's zarr.json, encoded, as written to its node and copied into the root's consolidated metadata: a
+    function of the spec alone, made once a process for each array of a model saved again and again (800 of them
+    took 10 ms of the coordinator's commit, on the path of every rank's save, and as long of the ranks' writes)."""
+    return json_text(_array_metadata(spec))
 
 
 def _value_write(item, planner: SavePlanner, node: str):

@@ -6,6 +6,7 @@ import datetime
 import decimal
 import fractions
 import io
+import json
 import os
 import pathlib
 import time
@@ -114,6 +115,26 @@ def test_large_tensor_is_sharded_into_inner_chunks_and_reads_partially(tmp_path)
     target = {"w": torch.zeros_like(big)}
     dcp.load(target, storage_reader=reader)
     assert torch.equal(target["w"], big)
+
+
+def test_each_save_in_a_process_describes_its_own_arrays_in_zarr_json_and_the_consolidated_copy(tmp_path):
+    """Array documents are encoded once a process per array spec (the writer's cache): saves of the same key with
+    another shape, dtype or chunking each describe their own array, in its zarr.json and in the root's copy."""
+    for i, (tensor, options) in enumerate([(torch.zeros(4, 2), {}), (torch.zeros(3, dtype=torch.bfloat16), {}),
+                                           (torch.zeros(4096, 64), {}), (torch.zeros(4096, 64),
+                                                                         {"inner_chunk_bytes": 64 << 10})]):
+        path = str(tmp_path / f"s{i}.zarr")
+        save({"w": tensor}, path, **options)
+        with open(os.path.join(path, "w", "zarr.json")) as f:
+            own = json.load(f)
+        with open(os.path.join(path, "zarr.json")) as f:
+            copy = json.load(f)["consolidated_metadata"]["metadata"]["w"]
+        assert own == copy, i
+        array = zarr.open_group(path, mode="r")["w"]
+        assert array.shape == tuple(tensor.shape) and torch.equal(torch.from_numpy(array[...].astype("float32")),
+                                                                  tensor.float()), i
+        if options:
+            assert own["codecs"][0]["configuration"]["chunk_shape"][0] == (64 << 10) // (64 * 4), own
 
 
 def test_non_tensor_values_round_trip_exactly(tmp_path):
