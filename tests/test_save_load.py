@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import (
     CheckpointExistsError,
+    CorruptChunkError,
     InvalidKeyError,
     MalformedMetadataError,
     UntrustedTypeError,
@@ -33,7 +34,9 @@ from dcp_zarr import (
 )
 from dcp_zarr.async_staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
 from dcp_zarr.format.torch_arrays import numpy_as_tensor
+from dcp_zarr.storage.local import LocalStorage
 from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.entry_data import tensor_reader
 from tests.support.compare import assert_state_equal
 from tests.support.states import DTYPES, random_bits
 
@@ -115,6 +118,31 @@ def test_large_tensor_is_sharded_into_inner_chunks_and_reads_partially(tmp_path)
     target = {"w": torch.zeros_like(big)}
     dcp.load(target, storage_reader=reader)
     assert torch.equal(target["w"], big)
+
+
+def _region_reader(path: str, fqn: str):
+    reader = ZarrReader(path)
+    reader.read_metadata()
+    return tensor_reader(LocalStorage(path), reader.manifest.entries[fqn], fqn)
+
+
+def test_an_empty_region_of_a_shard_reads_nothing_even_when_the_shard_is_gone(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    save({"w": torch.randn(1024, 8)}, path, inner_chunk_bytes=4 << 10)  # one shard of 128-row inner chunks
+    region = _region_reader(path, "w")
+    os.remove(os.path.join(path, "w", "c.0.0"))
+
+    assert region.read_into([3, 0], np.empty((0, 8), np.float32)) == 0
+    assert region.read_into([5, 2], np.empty((4, 0), np.float32)) == 0
+    assert region.read_into([1024, 0], np.empty((0, 8), np.float32)) == 0
+
+
+def test_a_region_starting_before_the_array_is_refused_not_read_from_its_end(tmp_path):
+    path = str(tmp_path / "s.zarr")
+    save({"w": torch.randn(1024, 8)}, path, inner_chunk_bytes=4 << 10)
+
+    with pytest.raises(CorruptChunkError):
+        _region_reader(path, "w").read_into([-1, 0], np.zeros((2, 8), np.float32))
 
 
 def test_each_save_in_a_process_describes_its_own_arrays_in_zarr_json_and_the_consolidated_copy(tmp_path):

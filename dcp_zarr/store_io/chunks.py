@@ -91,8 +91,9 @@ class _Piece(NamedTuple):
     shape: tuple[int, ...]
     inside: tuple[slice, ...]  # the part of the piece wanted
     target: np.ndarray  # where that part goes
-    chunk: tuple[int, ...]  # the chunk's (or shard's) grid coordinates and
-    inner: int | None  # the inner chunk's index in its shard: named in errors only, so never formatted otherwise
+    # Which piece, for errors only (formatted by RegionReader._where when one is raised, never otherwise):
+    chunk: tuple[int, ...]  # the grid coordinates of the chunk, or of the shard holding the inner chunk
+    inner: int | None  # the inner chunk's index in that shard; None for a chunk, or a shard as a whole
 
 
 class RegionReader:
@@ -118,7 +119,10 @@ class RegionReader:
         layout = self.layout
         if out.ndim == 0:
             return self._read_piece(f"{self.node}/c", 0, None, (), (), out, ())
-        if self._spanning_key is not None and all(o + n <= s for o, n, s in zip(offsets, out.shape, layout.shape)):
+        if out.size == 0:
+            return 0  # a region without elements touches no chunk (so is never read, even from a missing file)
+        if self._spanning_key is not None and all(0 <= o and o + n <= s
+                                                  for o, n, s in zip(offsets, out.shape, layout.shape)):
             inside = tuple(slice(o, o + n) for o, n in zip(offsets, out.shape))
             return self._read_from_shard(self._spanning_key, (0,) * out.ndim, inside, out)
         fetched = 0
