@@ -156,14 +156,14 @@ class RegionReader:
                     inside: tuple[slice, ...], target: np.ndarray, coords: tuple[int, ...]) -> int:
         """Read one stored chunk, verify it, copy ``inside`` to ``target``."""
         piece = _Piece(offset, length, shape, inside, target, coords, None)
-        with self._open(key, piece) as value:
+        with self._open(key, coords) as value:
             return self._read_run(value, [piece])
 
-    def _open(self, key: str, piece: _Piece) -> StoredValue:
+    def _open(self, key: str, coords: tuple[int, ...]) -> StoredValue:
         try:
             return self.storage.open_value(key)
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"{self._where(piece)}: missing from the store") from exc
+            raise CorruptChunkError(f"{self._name(coords)}: missing from the store") from exc
 
     def _read_run(self, value: StoredValue, pieces: list[_Piece]) -> int:
         """Read pieces that lie back to back in one stored file (consecutive inner chunks of a shard) with one
@@ -203,14 +203,14 @@ class RegionReader:
         return sum(len(b) for b in buffers)
 
     def _where(self, piece: _Piece) -> str:
-        """The piece in errors: "chunk c.0.1", "shard c.1.0", "shard c.1.0 inner chunk 3"."""
-        name = self.layout.chunk_key(piece.chunk)
-        if piece.inner is None:
-            return f"{self.storage.url}: array {self.node!r} {'shard' if self.layout.sharded else 'chunk'} {name}"
-        return f"{self.storage.url}: array {self.node!r} shard {name} inner chunk {piece.inner}"
+        return self._name(piece.chunk, piece.inner)
 
-    def _shard_name(self, coords) -> str:
-        return f"{self.storage.url}: array {self.node!r} shard {self.layout.chunk_key(coords)}"
+    def _name(self, coords: tuple[int, ...], inner: int | None = None) -> str:
+        """A chunk, shard or inner chunk in errors: "chunk c.0.1", "shard c.1.0", "shard c.1.0 inner chunk 3"."""
+        name = self.layout.chunk_key(coords)
+        if inner is None:
+            return f"{self.storage.url}: array {self.node!r} {'shard' if self.layout.sharded else 'chunk'} {name}"
+        return f"{self.storage.url}: array {self.node!r} shard {name} inner chunk {inner}"
 
     def _index(self, value: StoredValue, coords) -> np.ndarray:
         index = self._indexes.get(coords)  # a dict's get is atomic: the lock is for the first reads of a shard
@@ -219,14 +219,14 @@ class RegionReader:
         try:
             tail = value.read_tail(self._index_bytes)
         except FileNotFoundError as exc:
-            raise CorruptChunkError(f"{self._shard_name(coords)}: missing from the store") from exc
-        index = decode_shard_index(tail, self.layout, self._shard_name(coords))
+            raise CorruptChunkError(f"{self._name(coords)}: missing from the store") from exc
+        index = decode_shard_index(tail, self.layout, self._name(coords))
         with self._lock:
             self._indexes[coords] = index
         return index
 
     def _read_from_shard(self, key: str, coords, inside: tuple[slice, ...], target: np.ndarray) -> int:
-        with self._open(key, _Piece(0, None, (), (), target, coords, None)) as value:
+        with self._open(key, coords) as value:
             return self._read_shard_pieces(value, self._index(value, coords), coords, inside, target)
 
     def _read_shard_pieces(self, value: StoredValue, index: np.ndarray, coords, inside: tuple[slice, ...],
