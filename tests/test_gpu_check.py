@@ -57,7 +57,8 @@ def test_the_dry_run_measures_every_kind_on_both_targets_and_loads_back_equal(dr
         target = result["targets"][name]
         if target.get("skipped"):
             continue  # a machine whose /dev/shm is too small: the schema check still demands one measured target
-        assert set(target["save"]) == {"zarr", "fs", "raw"} and set(target["load"]) == {"zarr", "fs"}, name
+        assert set(target["save"]) == {"zarr", "zarr-plain", "fs", "raw"}, name
+        assert set(target["load"]) == {"zarr", "zarr-plain", "fs"}, name
         for op in ("save", "load"):
             for kind, entry in target[op].items():
                 assert entry["bytes"] == result["state"]["bytes"], (name, op, kind)
@@ -65,7 +66,8 @@ def test_the_dry_run_measures_every_kind_on_both_targets_and_loads_back_equal(dr
                 assert entry["peak_gpu_extra_bytes"] is None, "no GPU, so no GPU memory figure"
                 assert entry["peak_rss_extra_bytes"] >= 0
         assert target["loads_equal"] is True
-        assert set(result["ratios"][name]) == {"save_zarr_vs_fs", "save_zarr_fraction_of_raw", "load_zarr_vs_fs"}
+        assert set(result["ratios"][name]) == {"save_zarr_vs_fs", "save_zarr_fraction_of_raw", "load_zarr_vs_fs",
+                                               "save_plain_vs_fs", "save_plain_vs_planned"}
     a = result["async"]
     assert positive_times(a["blocking_times_s"] + a["total_times_s"] + a["copy_times_s"])
     assert positive_times([a["first_blocking_s"], a["first_total_s"], a["blocking_vs_copy"]])
