@@ -17,9 +17,9 @@ def import_framework(module: str, distribution: str, written_for: str, adapter: 
         return importlib.import_module(module)
     except ImportError as exc:
         raise FrameworkNotInstalledError(
-            f"{adapter} adapts {distribution}, which cannot be imported here ({exc}); install it: "
-            f"pip install '{distribution}=={written_for}' (the version {adapter} was written against and is "
-            "tested with)") from exc
+            f"{adapter} adapts {distribution}, which cannot be imported here ({exc}); install it with dcp_zarr's "
+            f"extra, pip install 'dcp-zarr[{distribution}]', or alone, pip install '{distribution}=={written_for}' "
+            f"(the version {adapter} was written against and is tested with)") from exc
 
 
 def installed_version(distribution: str) -> str:
