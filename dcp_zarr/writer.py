@@ -42,6 +42,7 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES, ChunkLayout, chunk_key, parent_groups
 from dcp_zarr.format.consolidated import encoded_copy, encoded_root
 from dcp_zarr.format.encoding import array_metadata, checksum, group_metadata
+from dcp_zarr.format.group_attributes import group_attributes
 from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import SourceDescriptions, summarize_sources
@@ -458,15 +459,18 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._commit(storage, entries, key_order=local.global_key_order())
 
     def _commit(self, storage: Storage, entries: dict[str, Entry], key_order: list) -> None:
-        """Every group's zarr.json, then the root's (the manifest, every node's zarr.json copied), then the commit."""
-        groups = {group: group_metadata()
+        """Every group's zarr.json, then the root's (the manifest, every node's zarr.json copied), then the commit.
+        A group's values are its attributes too, for zarr tools (format/group_attributes.py)."""
+        attributes = group_attributes(entries, key_order)
+        groups = {group: group_metadata(attributes.get(group))
                   for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
         run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
                  storage.requests_in_flight(self.thread_count), storage.batch_bytes)
         manifest = self._manifest(entries, key_order=key_order)
         copies = {group: encoded_copy(document) for group, document in groups.items()}
         copies.update(self._array_copies(entries))
-        storage.write(ROOT_KEY, [encoded_root(group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json()}), copies)])
+        root = group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json(), **attributes.get("", {})})
+        storage.write(ROOT_KEY, [encoded_root(root, copies)])
         commit.commit(storage, self.path, replace=self._replaces())
 
     # -- helpers -----------------------------------------------------------------------------------------------------

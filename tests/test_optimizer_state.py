@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import zarr
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -298,6 +299,27 @@ def test_manifest_records_the_param_table_of_each_saved_form(checkpoints):
     assert {p["fqn"] for p in fqn_table["params"] if not p["state_keys"]} == {"embed.weight", "spare.weight",
                                                                               "spare.bias"}
     assert manifest(root, "fqn")["state_dict_type"] == "sharded" and manifest(root, "full")["state_dict_type"] == "full"
+
+
+def test_zarr_shows_the_hyperparameters_of_each_form_as_attributes_of_the_group_holding_them(checkpoints, reference):
+    root, saved = checkpoints
+
+    def attributes(name: str, node: str) -> dict:  # zarr-python's view: consolidated, as zarr opens it by default
+        return dict(zarr.open_group(f"{root}/{name}", mode="r")[node].attrs)
+
+    def plain(group: dict) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+
+    (group,) = reference["optim"]["param_groups"]
+    assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999) and len(group["params"]) == 19
+    assert attributes("fqn", "optim/param_groups/0") == plain(group)
+    assert attributes("full", "optim/param_groups/0") == plain(group)
+    assert attributes("int", "optim/param_groups/0") == {**plain(group), "params": list(range(19))}
+    (accelerate_group,) = saved["accelerate"]["optim"]["param_groups"]
+    assert attributes("accelerate", "optimizer/param_groups/0") == plain(accelerate_group)
+    # the flattened form keeps no groups: its param_groups.{fqn}.{k} keys are attributes of the optimizer's group
+    assert attributes("flat", "optim") == {f"param_groups.{fqn}.{k}": v for fqn in group["params"]
+                                           for k, v in plain(group).items() if k != "params"}
 
 
 def test_step_is_saved_once_as_a_scalar_under_its_params_key(checkpoints):

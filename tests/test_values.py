@@ -20,6 +20,7 @@ from dcp_zarr.format.values import (
     NDARRAY_TAG,
     NUMPY_SCALAR_TAG,
     SET_TAG,
+    TAGS,
     TUPLE_TAG,
     NotJSONError,
     decode_value,
@@ -51,6 +52,11 @@ def test_each_tag_round_trips_to_an_equal_value_of_the_same_type(value, tag):
     assert tag in json.dumps(document)
     back = stored(value)
     assert back == value and type(back) is type(value)
+
+
+def test_every_tag_written_is_one_of_the_tags_a_one_key_dict_is_recognised_by():
+    values = [(1,), {1: 2}, b"x", {1}, frozenset(), io.BytesIO(b"x"), np.zeros(1), np.int8(1), math.nan]
+    assert {next(iter(encode_value(value))) for value in values} == TAGS
 
 
 @pytest.mark.parametrize("number", [math.inf, -math.inf])

@@ -46,6 +46,12 @@ def expected_steps() -> dict[str, torch.Tensor]:
     return {"w": torch.tensor(3.0), "v": torch.tensor(5, dtype=torch.int64)}
 
 
+# Values of a param group: zarr shows them as the group's attributes, all but eps (plain JSON has no NaN).
+PARAM_GROUP = {"lr": 0.1, "betas": (0.9, 0.95), "eps": float("nan"), "amsgrad": False, "fused": None,
+               "params": ["w", "v"]}
+PARAM_GROUP_ATTRIBUTES = {"lr": 0.1, "betas": [0.9, 0.95], "amsgrad": False, "fused": None, "params": ["w", "v"]}
+
+
 def _save_on_ranks(rank, world_size, path, options=None):
     mesh = init_device_mesh("cpu", (world_size,))
     model = {}
@@ -53,7 +59,7 @@ def _save_on_ranks(rank, world_size, path, options=None):
         local = full.chunk(world_size)[rank].clone()  # torch.chunk's split is Shard(0)'s
         model[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
                                          stride=full.stride())
-    optim = {"state": {k: {"step": v} for k, v in expected_steps().items()}}
+    optim = {"state": {k: {"step": v} for k, v in expected_steps().items()}, "param_groups": [PARAM_GROUP]}
     dcp.save({"model": model, "optim": optim}, planner=ZarrSavePlanner(),
              storage_writer=ZarrWriter(path, inner_chunk_bytes=INNER_BYTES, **(options or {})))
 
@@ -207,18 +213,25 @@ for node, array in group.members(max_depth=None):  # one unknown data type would
     if isinstance(array, zarr.Array):
         data = array[...]
         found[node] = [str(data.dtype), list(data.shape), hashlib.sha256(data.tobytes()).hexdigest()]
-print(json.dumps({"arrays": found, "direct": direct,
+attributes = {node: dict(g.attrs) for node, g in group.members(max_depth=None) if isinstance(g, zarr.Group)}
+print(json.dumps({"arrays": found, "direct": direct, "attributes": attributes,
                   "modules": sorted(m for m in sys.modules if m.startswith("dcp_zarr"))}))
 """
 
 
-def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_dcp_zarr(store):
+@pytest.fixture(scope="module")
+def without_dcp_zarr(store) -> dict:
+    """What a program that never imports dcp_zarr reads of the store with zarr-python."""
     done = subprocess.run([sys.executable, "-c", _WITHOUT_DCP_ZARR, str(store)], capture_output=True, text=True,
                           timeout=120, cwd=str(store.parent))
 
     assert done.returncode == 0, done.stderr
     assert "Task exception was never retrieved" not in done.stderr
-    report = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_dcp_zarr(without_dcp_zarr):
+    report = without_dcp_zarr
     for node, tensor in expected_arrays().items():
         expected = tensor_as_numpy(tensor)
         assert report["arrays"][node] == [str(expected.dtype), list(expected.shape),
@@ -234,6 +247,13 @@ def test_zarr_python_opens_bf16_and_fp8_arrays_in_a_program_that_never_imports_d
                                       "dcp_zarr.format.zarr_dtypes",
                                       "dcp_zarr.format.dtype_table"}  # the dtype table: numpy and ml_dtypes only
     assert "dcp_zarr.format.zarr_dtypes" in report["modules"]
+
+
+def test_zarr_python_without_dcp_zarr_shows_the_param_groups_values_as_its_attributes(without_dcp_zarr):
+    attributes = without_dcp_zarr["attributes"]
+
+    assert attributes["optim/param_groups/0"] == PARAM_GROUP_ATTRIBUTES
+    assert attributes["model"] == attributes["optim"] == attributes["optim/param_groups"] == {}
 
 
 # ---- xarray: every array has dimension_names, none shared between arrays -------------------------------------------
@@ -267,9 +287,16 @@ def _fsdp2_save(rank, world_size, path):
     return train_and_save(rank, world_size, "fsdp2", ZarrWriter(path))[0]
 
 
-def test_xarray_opens_an_fsdp2_checkpoint_group_by_group(tmp_path):
-    path = tmp_path / "fsdp2.zarr"
-    run_ranks(_fsdp2_save, 2, str(path))
+@pytest.fixture(scope="module")
+def fsdp2_store(tmp_path_factory):
+    """An FSDP2 model and its AdamW saved by 2 ranks through the plain line (DCP's own planner, taken over), and the
+    full state rank 0 saw."""
+    path = tmp_path_factory.mktemp("fsdp2") / "fsdp2.zarr"
+    return path, run_ranks(_fsdp2_save, 2, str(path))[0]
+
+
+def test_xarray_opens_an_fsdp2_checkpoint_group_by_group(fsdp2_store):
+    path, _ = fsdp2_store
     ckpt = open_checkpoint(path)
     tensors = {fqn: e for fqn, e in ckpt.entries.items() if e.kind == "tensor"}
     assert any(fqn.endswith("exp_avg_sq") for fqn in tensors) and any(fqn.endswith(".step") for fqn in tensors)
@@ -281,3 +308,13 @@ def test_xarray_opens_an_fsdp2_checkpoint_group_by_group(tmp_path):
     weights = xr.open_zarr(str(path), group="model", consolidated=False)
     some = next(fqn for fqn in tensors if fqn.startswith("model."))
     assert_same_bits(weights[tensors[some].node.removeprefix("model/")].values, ckpt.read_tensor(some), some)
+
+
+def test_zarr_python_shows_the_adamw_hyperparameters_of_an_fsdp2_save_exactly(fsdp2_store):
+    path, saved = fsdp2_store
+    (group,) = saved["optim"]["param_groups"]
+
+    attributes = dict(zarr.open_group(str(path), mode="r")["optim/param_groups/0"].attrs)
+    assert attributes == {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()}
+    assert attributes["lr"] == 1e-2 and attributes["weight_decay"] == 0.01 and attributes["betas"] == [0.9, 0.999]
+    assert attributes["params"] == group["params"] and "blocks.0.up.weight" in attributes["params"]

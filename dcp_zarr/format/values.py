@@ -27,6 +27,9 @@ BYTESIO_TAG = "__bytesio__"  # base64 of the buffer's whole contents; it loads p
 NDARRAY_TAG = "__ndarray__"  # {"dtype": "<f4", "shape": [...], "data": base64 of the C-order bytes}
 NUMPY_SCALAR_TAG = "__numpy_scalar__"  # {"dtype": "<i8", "data": base64}
 # (The last three since format 4: a format-3 reader would hand them back as dicts, so it refuses format 4.)
+# A one-key dict whose key is one of these is a tagged value: every dict with a key starting with "__" is tagged.
+TAGS = frozenset((TUPLE_TAG, FLOAT_TAG, DICT_TAG, BYTES_TAG, SET_TAG, FROZENSET_TAG, BYTESIO_TAG, NDARRAY_TAG,
+                  NUMPY_SCALAR_TAG))
 # Bytes, BytesIO and numpy arrays larger than this are not JSON: the root zarr.json, which every reader fetches
 # and parses whole, stays small; they are stored as torch.save bytes instead, whose types load by default.
 MAX_JSON_BLOB_BYTES = 64 << 10
