@@ -527,6 +527,72 @@ def test_prune_refuses_while_a_manager_holds_the_root(tmp_path, capsys):
         assert manager.steps() == [1, 2, 3, 4]
 
 
+def _accelerate_checkpoints(root) -> None:
+    """accelerate's checkpoints/ as ZarrAccelerator leaves it: checkpoint_8 written by accelerate itself (DCP), 9 and
+    10 complete, 11 killed before the model's commit, 12 killed while the optimizer was saved (its model whole)."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_zarr import ZarrWriter
+
+    def folder(number, stores=(), finished=True):
+        path = root / f"checkpoint_{number}"
+        path.mkdir(parents=True)
+        for name in stores:
+            dcp.save(state(number), storage_writer=ZarrWriter(str(path / name)), planner=ZarrSavePlanner())
+        if finished:  # rank 0's, written after every store of the save
+            for rank in (0, 1):
+                (path / f"random_states_{rank}.pkl").write_bytes(b"rng")
+        return path
+
+    accelerates_own = folder(8)
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (accelerates_own / name).mkdir()
+        (accelerates_own / name / ".metadata").write_bytes(b"dcp")
+    folder(9, ("pytorch_model_fsdp_0", "optimizer_0"))
+    folder(10, ("pytorch_model_fsdp_0", "optimizer_0"))
+    killed_early = folder(11, finished=False)
+    (killed_early / STAGING_DIR / f"pytorch_model_fsdp_0{STAGING_MARK}0a").mkdir(parents=True)
+    folder(12, ("pytorch_model_fsdp_0",), finished=False)
+
+
+def test_list_shows_accelerates_checkpoint_folders_complete_or_interrupted(tmp_path, capsys):
+    from dcp_zarr.tools.cli import main
+
+    _accelerate_checkpoints(tmp_path)
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(r["store"], r["complete"], r["other_format"]) for r in listing["steps"]] == [
+        ("checkpoint_8", False, "DCP checkpoints accelerate wrote itself"), ("checkpoint_9", True, None),
+        ("checkpoint_10", True, None), ("checkpoint_11", False, None), ("checkpoint_12", False, None)]
+    assert all(r["nbytes"] > 0 for r in listing["steps"] if r["complete"]) and listing["leftovers"] == []
+    assert main(["list", str(tmp_path)]) == 0
+    assert "checkpoint_12" in capsys.readouterr().out
+
+
+def test_prune_deletes_accelerates_older_complete_folders_whole_and_leaves_the_rest(tmp_path, capsys):
+    """Interrupted folders stay (accelerate holds no lease, so one may be a save in progress); accelerate's own DCP
+    folders are not counted; and nothing of dcp_zarr's stays in the folder, whose every entry accelerate's
+    total_limit takes for a checkpoint_N."""
+    from dcp_zarr.tools.cli import main
+
+    _accelerate_checkpoints(tmp_path)
+    assert main(["prune", str(tmp_path), "--keep-last", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["deleted"] == [9] and result["kept"] == [10] and result["leftovers_removed"] == []
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_10", "checkpoint_11", "checkpoint_12", "checkpoint_8"]
+    assert sorted(os.listdir(tmp_path / "checkpoint_10")) == ["optimizer_0", "pytorch_model_fsdp_0",
+                                                              "random_states_0.pkl", "random_states_1.pkl"]
+
+
+def test_a_manager_neither_lists_nor_loads_accelerates_folders(tmp_path):
+    _accelerate_checkpoints(tmp_path)
+    with CheckpointManager(tmp_path) as manager:
+        assert manager.steps() == [] and manager.latest_step() is None
+        with pytest.raises(StepNotFoundError, match="no complete checkpoint"):
+            manager.load({"w": torch.zeros(4, 3)})
+    assert RECORDS not in os.listdir(tmp_path)
+
+
 def test_list_and_prune_need_no_torch(tmp_path):
     _filled_root(tmp_path)
     script = ("import sys; sys.modules['torch'] = None\nfrom dcp_zarr.tools.cli import main\n"

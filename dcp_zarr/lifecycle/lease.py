@@ -112,12 +112,17 @@ class Lease:
 
     def _create_exclusively(self) -> None:
         path = os.path.join(self.root.path, LEASE_KEY)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            raise CheckpointRootBusyError(f"checkpoint root {self.root.url}: another manager created its lease at the "
-                                          "same moment") from None
+        for last_try in (False, True):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                raise CheckpointRootBusyError(f"checkpoint root {self.root.url}: another manager created its lease "
+                                              "at the same moment") from None
+            except FileNotFoundError:  # the holder releasing its lease removed the empty folder meanwhile
+                if last_try:
+                    raise
         with os.fdopen(fd, "w") as f:
             json.dump(self.record(), f)
 
@@ -147,3 +152,4 @@ class Lease:
         holder = self.root.read_json(LEASE_KEY) or {}
         if holder.get("holder") == self.id:
             self.root.remove_key(LEASE_KEY)
+            self.root.remove_empty_records_folder()

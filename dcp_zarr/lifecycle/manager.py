@@ -88,7 +88,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """The steps that have a complete checkpoint, ascending."""
-        return [s.step for s in self.root.step_stores() if s.complete]
+        return [s.step for s in self._step_stores() if s.complete]
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -167,7 +167,7 @@ class CheckpointManager:
 
     def _find(self, step: int | None) -> tuple[int | None, str | None, str | None]:
         """(step, store name, None), or (None, None, why not) for ``step`` (None: the latest complete one)."""
-        stores = self.root.step_stores()
+        stores = self._step_stores()
         complete = {s.step: s.name for s in stores if s.complete}
         if step is None:
             if not complete:
@@ -235,8 +235,12 @@ class CheckpointManager:
         if self._lease is not None:
             self.root.clean_leftovers()  # nothing of this manager's is in flight now: what the failed save left can go
 
+    def _step_stores(self) -> list[StepStore]:
+        """The root's step stores; folders of several (accelerate's checkpoint_N) are not a manager's to load."""
+        return [s for s in self.root.step_stores() if not s.folder]
+
     def _apply_retention(self) -> None:
-        complete = {s.step: s.name for s in self.root.step_stores() if s.complete}
+        complete = {s.step: s.name for s in self._step_stores() if s.complete}
         with self._lock:
             doomed = steps_to_delete(list(complete), self.keep_last, self.keep_every, self._in_use)
         assert self._lease is not None  # only the manager holding the lease applies retention (_after_save)

@@ -12,9 +12,10 @@
       .dcp-zarr/deleting-00000001.json                     an object-store deletion was started
 
 Step stores are also recognized under the names training frameworks give them: torchtitan's ``step-N``, Lightning's
-``epoch=E-step=N`` (``.ckpt`` or not), so ``dcp-zarr list`` and ``prune`` work on their checkpoint folders; a
-manager saves under its own ``step-N.zarr`` names. Only names of these forms are ever removed, so foreign files
-beside the stores are never touched.
+``epoch=E-step=N`` (``.ckpt`` or not), and accelerate's ``checkpoint_N`` folders, each holding several stores and
+accelerate's own files (folders.py), so ``dcp-zarr list`` and ``prune`` work on their checkpoint folders; a manager
+saves under its own ``step-N.zarr`` names, and lists, loads and deletes only single stores. Only names of these
+forms are ever removed, so foreign files beside the stores are never touched.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from dcp_zarr.errors import ZarrCheckpointError
 from dcp_zarr.format.manifest import FORMAT_NAME, MANIFEST_ATTRIBUTE, MAX_MANIFEST_BYTES, ROOT_KEY
+from dcp_zarr.lifecycle.folders import FINISHED_MARK, FOLDER_NAME, folder_state
 from dcp_zarr.storage import is_local, local_path, open_storage
 from dcp_zarr.store_io.commit import LEGACY_STAGING_MARK, STAGING_DIR, STAGING_MARK, remove_staging_dir
 
@@ -38,15 +40,17 @@ if TYPE_CHECKING:
 RECORDS = ".dcp-zarr"
 DELETING_MARK = ".deleting-"  # <name>.deleting-<id>, in STAGING_DIR
 # The step-store names recognized, each with the step as its one group: this package's CheckpointManager's, then
-# torchtitan's CheckpointManager's, then Lightning's ModelCheckpoint's default (a store a DCP strategy writes).
-STEP_NAME_FORMS = ("step-N.zarr", "step-N", "epoch=E-step=N[.ckpt]")
+# torchtitan's CheckpointManager's, then Lightning's ModelCheckpoint's default (a store a DCP strategy writes), then
+# accelerate's automatic_checkpoint_naming (a folder of stores; its N counts saves, not training steps).
+STEP_NAME_FORMS = ("step-N.zarr", "step-N", "epoch=E-step=N[.ckpt]", "checkpoint_N")
 _STEP_NAMES = (re.compile(r"^step-(\d+)\.zarr$"), re.compile(r"^step-(\d+)$"),
-               re.compile(r"^epoch=\d+-step=(\d+)(?:\.ckpt)?$"))
+               re.compile(r"^epoch=\d+-step=(\d+)(?:\.ckpt)?$"), FOLDER_NAME)
 _LEGACY_LEFTOVER = re.compile(r"^\.(step-\d+\.zarr)(" + re.escape(LEGACY_STAGING_MARK) + r"|\.dcp-zarr-deleting-)")
 _STAGED = re.compile(r"^(?P<name>.+?)(" + re.escape(STAGING_MARK) + "|" + re.escape(DELETING_MARK) + r")[0-9a-f]+$")
 # What marks a step folder as another format's checkpoint: DCP's FileSystemWriter, Hugging Face safetensors.
 _OTHER_FORMATS = {".metadata": "a DCP checkpoint (FileSystemWriter)",
                   "model.safetensors.index.json": "Hugging Face safetensors"}
+_ACCELERATES_OWN = "DCP checkpoints accelerate wrote itself"
 _RECORD = re.compile(r"^(saving|deleting)-(\d+)\.json$")
 STEP_DIGITS = 8
 
@@ -75,6 +79,7 @@ class StepStore:
     name: str
     complete: bool
     other_format: str | None = None  # what it is instead, when it is a step folder of another format
+    folder: bool = False  # a folder of several stores (accelerate's checkpoint_N), not one store
 
 
 class CheckpointRoot:
@@ -104,9 +109,9 @@ class CheckpointRoot:
 
     # -- what is there ---------------------------------------------------------------------------------------------
 
-    def names(self) -> list[str]:
-        """The names directly under the root (directories and objects, one level)."""
-        return self._list("")
+    def names(self, directory: str = "") -> list[str]:
+        """The names directly under the root, or under its ``directory`` (directories and objects, one level)."""
+        return self._list(directory)
 
     def _list(self, directory: str) -> list[str]:
         """The names directly under ``directory`` of the root (none if it does not exist), sorted."""
@@ -124,11 +129,18 @@ class CheckpointRoot:
 
     def step_stores(self) -> list[StepStore]:
         """Every step store under the root (``STEP_NAME_FORMS``), ascending by step, with whether it is a complete
-        checkpoint; of two names of one step, this package's ``step-N.zarr`` last."""
+        checkpoint; of two names of one step, this package's ``step-N.zarr`` last. A ``checkpoint_N`` folder is
+        complete when the dcp_zarr stores it holds are all committed and accelerate finished it (folders.py); one
+        that is itself a committed store counts as that store."""
         found = []
         for name in self.names():
             step = parse_step(name)
-            if step is not None:
+            if step is not None and FOLDER_NAME.match(name) and not self.is_complete(name):
+                folder = folder_state(self, name)
+                only_dcp = bool(folder.dcp) and not folder.committed
+                found.append(StepStore(step, name, folder.complete and not only_dcp,
+                                       _ACCELERATES_OWN if only_dcp else None, folder=True))
+            elif step is not None:
                 complete = self.is_complete(name)
                 found.append(StepStore(step, name, complete, None if complete else self._other_format(name)))
         return sorted(found, key=lambda s: (s.step, s.name == step_name(s.step)))
@@ -221,6 +233,15 @@ class CheckpointRoot:
     def remove_key(self, key: str) -> None:
         self._storage.remove(key)
 
+    def remove_empty_records_folder(self) -> None:
+        """Remove ``.dcp-zarr/`` if it is empty and the root holds accelerate's ``checkpoint_N`` folders: accelerate's
+        ``total_limit`` takes every entry of that folder for a checkpoint and fails on a name without a number."""
+        if self.local and any(FOLDER_NAME.match(name) for name in self.names()):
+            try:
+                os.rmdir(os.path.join(self.path, RECORDS))
+            except OSError:
+                pass  # records of saves or deletions are still there, or it is gone already
+
     # -- removing --------------------------------------------------------------------------------------------------
 
     def delete_step(self, step: int, name: str | None = None) -> None:
@@ -278,7 +299,9 @@ class CheckpointRoot:
 
     def _remove_remote_store(self, name: str) -> None:
         storage = open_storage(self.location(name), self.storage_options)
-        storage.remove(ROOT_KEY)  # the commit marker first
+        storage.remove(ROOT_KEY)  # what makes it complete, first: the commit marker
+        if FOLDER_NAME.match(name):
+            storage.remove(FINISHED_MARK)  # an accelerate folder's: the last file of its save
         storage.remove_all()
 
 
