@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,21 +52,21 @@ def _as_accelerate_does_for_fsdp_on_gpu(accelerator, plugin) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def _zarr_accelerator(project_dir: str, state_dict_type: str = "SHARDED_STATE_DICT"):
+def _zarr_accelerator(project_dir: str, state_dict_type: str = "SHARDED_STATE_DICT", total_limit: int | None = None):
     from accelerate.utils import FullyShardedDataParallelPlugin, ProjectConfiguration
 
     from dcp_zarr.integrations.accelerate import ZarrAccelerator
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
     accelerator = ZarrAccelerator(cpu=True, fsdp_plugin=plugin, project_config=ProjectConfiguration(
-        project_dir=project_dir, automatic_checkpoint_naming=True))
+        project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=total_limit))
     return accelerator, plugin
 
 
-def _prepared(project_dir: str, seed: int):
+def _prepared(project_dir: str, seed: int, total_limit: int | None = None):
     """A ZarrAccelerator (FSDP2, sharded state, automatic checkpoint naming under ``project_dir``) and the toy
     model and its AdamW, prepared."""
-    accelerator, plugin = _zarr_accelerator(project_dir)
+    accelerator, plugin = _zarr_accelerator(project_dir, total_limit=total_limit)
     _as_accelerate_does_for_fsdp_on_gpu(accelerator, plugin)
     model = make_model(seed)
     # Not `spare`, which never trains: on a fresh optimizer accelerate's load_state (torch's get_optimizer_state_dict)
@@ -101,30 +102,75 @@ def train_and_save_each_step(rank, world_size, project_dir):
     return saved, restored
 
 
+def _warned(call) -> list[str]:
+    """The warnings ``call()`` gave from dcp_zarr's adapter."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught if str(w.message).startswith("ZarrAccelerator")]
+
+
 def resume(rank, world_size, project_dir, checkpoint=None):
-    """Rank program: a model prepared from another seed, then ``load_state(checkpoint)``; its full state (rank 0)."""
+    """Rank program: a model prepared from another seed, then ``load_state(checkpoint)``; its full state (rank 0)
+    and the adapter's warnings (every rank)."""
     accelerator, model, optimizer = _prepared(project_dir, seed=1)
-    accelerator.load_state(checkpoint)
+    said = _warned(lambda: accelerator.load_state(checkpoint))
     assert _accelerates_own_fsdp_functions_in_place()
-    return full_state(model, optimizer.optimizer)
+    return full_state(model, optimizer.optimizer), said
 
 
-def _refusal(call) -> str | None:
+def _refusal(call, kind: type[Exception] = ValueError) -> str | None:
     try:
         call()
-    except ValueError as refused:
-        return str(refused)
+    except kind as refused:
+        return f"{type(refused).__name__}: {refused}"
     return None
 
 
 def refusals(rank, world_size, project_dir):
-    """Rank program: what a ZarrAccelerator's save_state / load_state raise where accelerate would not go through DCP:
-    a CPU run as accelerate leaves it (not FSDP), then FSDP2 with FULL_STATE_DICT (one torch.save file)."""
+    """Rank program: what a ZarrAccelerator's save_state / load_state raise for FSDP2 with FULL_STATE_DICT (one
+    torch.save file, not DCP)."""
     accelerator, plugin = _zarr_accelerator(project_dir, state_dict_type="FULL_STATE_DICT")
-    accelerator.prepare(make_model(0), torch.optim.AdamW(make_model(0).parameters()))
-    raised = [_refusal(accelerator.save_state)]
     _as_accelerate_does_for_fsdp_on_gpu(accelerator, plugin)
-    return raised + [_refusal(accelerator.save_state), _refusal(accelerator.load_state)]
+    model = make_model(0)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    return [_refusal(accelerator.save_state), _refusal(accelerator.load_state)]
+
+
+def refusals_on_cpu(rank, world_size, project_dir):
+    """Rank program: the issue's script on CPU: FSDP2 with sharded state, as accelerate leaves a CPU run (it drops
+    the plugin), then save_state and load_state."""
+    accelerator, _ = _zarr_accelerator(project_dir)
+    model = make_model(0)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    return [_refusal(accelerator.save_state), _refusal(accelerator.load_state)]
+
+
+def resume_refusals(rank, world_size, project_dirs):
+    """Rank program: ``load_state()`` in each of ``project_dirs``; what each raised."""
+    from dcp_zarr.errors import NotACheckpointError
+
+    accelerator, _, _ = _prepared(project_dirs[0], seed=1)
+    raised = []
+    for project_dir in project_dirs:
+        accelerator.project_configuration.project_dir = project_dir
+        raised.append(_refusal(accelerator.load_state, NotACheckpointError))
+    return raised
+
+
+def save_past_a_partial_checkpoint(rank, world_size, project_dir, partial):
+    """Rank program: with total_limit=2, ``save_state()`` numbered past the interrupted ``partial`` (what
+    docs/accelerate.md used to advise), then what it advises now: remove it, save under its number."""
+    accelerator, _, _ = _prepared(project_dir, seed=2, total_limit=2)
+    accelerator.project_configuration.iteration = int(partial.rsplit("_", 1)[1]) + 1
+    refused = _refusal(accelerator.save_state)
+    after_refusal = sorted(os.listdir(Path(project_dir) / "checkpoints"))
+    if accelerator.is_main_process:
+        shutil.rmtree(partial)
+    accelerator.wait_for_everyone()
+    accelerator.project_configuration.iteration -= 1
+    accelerator.save_state()
+    return refused, after_refusal
 
 
 # --------------------------------------------------------------------------------------------------
@@ -140,6 +186,13 @@ def saved_at_two_ranks(tmp_path_factory):
     results = run_ranks(train_and_save_each_step, 2, str(project_dir), timeout=240)
     assert all(all(restored) for _, restored in results), "accelerate.accelerator was left routed after a save"
     return project_dir, results[0][0]
+
+
+@pytest.fixture(scope="module")
+def resumed(saved_at_two_ranks):
+    """``load_state()`` of that project at 3 ranks and at 1: each rank's (full state, warnings), by world size."""
+    project_dir, _ = saved_at_two_ranks
+    return {world_size: run_ranks(resume, world_size, str(project_dir), timeout=240) for world_size in (3, 1)}
 
 
 def checkpoint_dir(project_dir: Path, iteration: int) -> Path:
@@ -185,46 +238,121 @@ def test_the_stores_hold_exactly_what_was_trained(saved_at_two_ranks):
         assert_state_equal(state_in_stores(checkpoint_dir(project_dir, iteration)), saved[iteration])
 
 
-@pytest.mark.parametrize("world_size", [3, 1])
-def test_load_state_resumes_the_latest_checkpoint_at_another_world_size(saved_at_two_ranks, world_size):
-    project_dir, saved = saved_at_two_ranks
-    with pytest.raises(AssertionError):  # the saves differ, so which one was loaded shows
-        assert_state_equal(saved[ZARR_ITERATIONS[0]], saved[ZARR_ITERATIONS[1]])
-    loaded = run_ranks(resume, world_size, str(project_dir), timeout=240)[0]
-    assert_state_equal(loaded, saved[ZARR_ITERATIONS[-1]])
-
-
-def test_load_state_passes_over_a_checkpoint_whose_save_was_killed(saved_at_two_ranks, tmp_path):
-    """What a save killed before its stores' commit leaves: checkpoint_11 with the model's staging area only, and
-    checkpoint_12 with the model committed but not the optimizer. accelerate's own choice would be checkpoint_12."""
-    project_dir, saved = saved_at_two_ranks
-    copy = tmp_path / "run"
+def with_interrupted_saves(project_dir: Path, copy: Path) -> Path:
+    """A copy of ``project_dir`` with what two killed saves leave above checkpoint_10: checkpoint_11 with the model's
+    staging area only (killed before its commit), checkpoint_12 with the model committed and nothing else (killed
+    while the optimizer was saved). accelerate's own choice would be checkpoint_12."""
     shutil.copytree(project_dir, copy)
     latest = checkpoint_dir(copy, ZARR_ITERATIONS[-1])
-    killed_early = checkpoint_dir(copy, 11)
-    staging = killed_early / ".dcp-zarr-staging" / "pytorch_model_fsdp_0.partial-0a"
+    staging = checkpoint_dir(copy, 11) / ".dcp-zarr-staging" / "pytorch_model_fsdp_0.partial-0a"
     shutil.copytree(latest / "pytorch_model_fsdp_0", staging)
     os.remove(staging / "zarr.json")
-    killed_later = checkpoint_dir(copy, 12)
-    shutil.copytree(latest / "pytorch_model_fsdp_0", killed_later / "pytorch_model_fsdp_0")
-    loaded = run_ranks(resume, 2, str(copy), timeout=240)[0]
+    shutil.copytree(latest / "pytorch_model_fsdp_0", checkpoint_dir(copy, 12) / "pytorch_model_fsdp_0")
+    return copy
+
+
+@pytest.mark.parametrize("world_size", [3, 1])
+def test_load_state_resumes_the_latest_checkpoint_at_another_world_size(saved_at_two_ranks, resumed, world_size):
+    _, saved = saved_at_two_ranks
+    with pytest.raises(AssertionError):  # the saves differ, so which one was loaded shows
+        assert_state_equal(saved[ZARR_ITERATIONS[0]], saved[ZARR_ITERATIONS[1]])
+    loaded, _ = resumed[world_size][0]
     assert_state_equal(loaded, saved[ZARR_ITERATIONS[-1]])
+
+
+def test_a_rank_without_saved_random_states_is_warned(resumed):
+    """accelerate logs "Could not load random states" at INFO, on the main process only: unseen by default."""
+    said = {world_size: [warned for _, warned in results] for world_size, results in resumed.items()}
+    assert said[1] == [[]] and said[3][:2] == [[], []]
+    [warning] = said[3][2]
+    assert f"{os.sep}random_states_2.pkl does not exist" in warning
+    assert "holds random_states_0.pkl, random_states_1.pkl: it was saved by 2 process(es)" in warning
+    assert "rank 2 keeps its own random states and its accelerator.step (0)" in warning
+    assert "set_seed" in warning and "Could not load random states" in warning
+
+
+def test_load_state_passes_over_a_checkpoint_whose_save_was_killed_and_says_so(saved_at_two_ranks, tmp_path):
+    project_dir, saved = saved_at_two_ranks
+    copy = with_interrupted_saves(project_dir, tmp_path / "run")
+    (loaded, said), (_, said_on_rank_1) = run_ranks(resume, 2, str(copy), timeout=240)
+    assert_state_equal(loaded, saved[ZARR_ITERATIONS[-1]])
+    [warning] = said
+    assert f"resuming from {checkpoint_dir(copy, 10)}, not from the newer checkpoint_12 (optimizer_0 is missing; " \
+           "random_states_0.pkl, which accelerate writes after every store of a save, is missing), checkpoint_11 " \
+           "(pytorch_model_fsdp_0 was never committed; optimizer_0 is missing; random_states_0.pkl" in warning
+    assert "whose saves were interrupted. Remove them before the next save_state()" in warning
+    assert "iteration = 11" in warning
+    assert said_on_rank_1 == []  # once, from the main process, as accelerate logs
+
+
+def test_with_no_complete_checkpoint_load_state_raises_one_error_naming_what_it_found(saved_at_two_ranks, tmp_path):
+    project_dir, _ = saved_at_two_ranks
+    interrupted = with_interrupted_saves(project_dir, tmp_path / "run")
+    for iteration in (BEFORE_THE_SWITCH, *ZARR_ITERATIONS):
+        shutil.rmtree(checkpoint_dir(interrupted, iteration))
+    never_saved = tmp_path / "fresh"
+    only_partial, nothing = run_ranks(resume_refusals, 1, [str(interrupted), str(never_saved)], timeout=240)[0]
+    folder = interrupted / "checkpoints"
+    assert only_partial is not None and only_partial.startswith(
+        f"IncompleteCheckpointError: ZarrAccelerator.load_state: no complete checkpoint to resume from in {folder}: "
+        "every save there was interrupted: checkpoint_12 (optimizer_0 is missing; ")
+    assert "checkpoint_11 (pytorch_model_fsdp_0 was never committed; " in only_partial
+    assert f"rm -r {folder / 'checkpoint_11'} {folder / 'checkpoint_12'}) and start afresh" in only_partial
+    assert "zarr.json" not in only_partial
+    assert nothing == (f"NotACheckpointError: ZarrAccelerator.load_state: no checkpoint to resume from: "
+                       f"{never_saved / 'checkpoints'} does not exist (accelerate's automatic_checkpoint_naming saves "
+                       "there). Call save_state() first, or pass load_state(input_dir)")
+
+
+def test_with_total_limit_save_state_refuses_to_prune_complete_checkpoints_past_an_interrupted_one(
+        saved_at_two_ranks, tmp_path):
+    """accelerate's total_limit deletes the lowest checkpoint_N first, whatever they hold: saving checkpoint_12 past
+    the interrupted checkpoint_11 with total_limit=2 would delete checkpoint_8, 9 and 10 and keep checkpoint_11."""
+    project_dir, _ = saved_at_two_ranks
+    copy = tmp_path / "run"
+    shutil.copytree(project_dir, copy)
+    partial = checkpoint_dir(copy, 11)
+    (partial / ".dcp-zarr-staging" / "pytorch_model_fsdp_0.partial-0a").mkdir(parents=True)
+    refused, after_refusal = run_ranks(save_past_a_partial_checkpoint, 1, str(copy), str(partial), timeout=240)[0]
+    assert refused is not None and refused.startswith(
+        f"ValueError: ZarrAccelerator.save_state: {copy / 'checkpoints'} holds checkpoint_11 (pytorch_model_fsdp_0 "
+        "was never committed; ")
+    assert "with total_limit=2 accelerate would count it and delete complete checkpoints" in refused
+    assert f"Nothing was saved. Remove it (rm -r {partial})" in refused
+    assert after_refusal == ["checkpoint_10", "checkpoint_11", "checkpoint_8", "checkpoint_9"]
+    # the advice: remove it and save under its number; accelerate then keeps the two newest, both complete
+    assert sorted(os.listdir(copy / "checkpoints")) == ["checkpoint_10", "checkpoint_11"]
+    assert dcp_zarr.open_checkpoint(str(partial / "optimizer_0")).entries
 
 
 def test_a_checkpoint_accelerate_wrote_before_the_switch_still_loads(saved_at_two_ranks):
     project_dir, saved = saved_at_two_ranks
     checkpoint = checkpoint_dir(project_dir, BEFORE_THE_SWITCH)
-    loaded = run_ranks(resume, 3, str(project_dir), str(checkpoint), timeout=240)[0]
+    loaded, _ = run_ranks(resume, 3, str(project_dir), str(checkpoint), timeout=240)[0]
     assert_state_equal(loaded, saved[BEFORE_THE_SWITCH])
+
+
+def test_on_cpu_the_refusal_says_accelerate_turned_fsdp_off_and_how_to_turn_it_on(tmp_path):
+    """The issue's script on CPU: accelerate 1.16.0 drops the FSDP plugin there (no GPU-like device)."""
+    project_dir = tmp_path / "run"
+    on_save, on_load = run_ranks(refusals_on_cpu, 1, str(project_dir), timeout=240)[0]
+    for refused in (on_save, on_load):
+        assert refused is not None and "FSDP was asked for (an fsdp_plugin, or ACCELERATE_USE_FSDP=true)" in refused
+        assert "accelerator.state has distributed_type=MULTI_CPU and fsdp_plugin=None" in refused
+        assert "only when its processes are on GPU-like devices" in refused and "never on CPU" in refused
+        assert ("accelerator.state.distributed_type = DistributedType.FSDP; accelerator.state.fsdp_plugin = "
+                "<your FullyShardedDataParallelPlugin>; PartialState._shared_state['distributed_type'] = "
+                "DistributedType.FSDP") in refused
+        assert "launch with FSDP" not in refused
+    assert "ZarrAccelerator.save_state" in on_save and "ZarrAccelerator.load_state" in on_load
+    assert not project_dir.exists() or not files_under(project_dir), files_under(project_dir)
 
 
 def test_anything_but_fsdp2_sharded_state_is_refused_before_anything_is_written(tmp_path):
     project_dir = tmp_path / "run"
-    not_fsdp, full_save, full_load = run_ranks(refusals, 1, str(project_dir), timeout=240)[0]
-    assert not_fsdp is not None and "distributed_type=MULTI_CPU" in not_fsdp
+    full_save, full_load = run_ranks(refusals, 1, str(project_dir), timeout=240)[0]
     for refused in (full_save, full_load):
         assert refused is not None and "fsdp_version=2, state_dict_type=FULL_STATE_DICT" in refused
-    for refused in (not_fsdp, full_save, full_load):
         assert "ZarrAccelerator" in refused and "state_dict_type='SHARDED_STATE_DICT'" in refused
     assert not project_dir.exists() or not files_under(project_dir), files_under(project_dir)
 

@@ -26,18 +26,20 @@ import dis
 import importlib
 import inspect
 import os
-import re
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import StateDictType
 
-from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
+from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.integrations.framework import import_framework, installed_version, missing_attributes, require_internals
+from dcp_zarr.lifecycle.folders import FolderState, checkpoint_folders
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
@@ -55,7 +57,7 @@ _USED = {
     "accelerate.accelerator": ["Accelerator"],
     "accelerate.utils.fsdp_utils": ["_prepare_sd_options", "_get_model_state_dict", "_set_model_state_dict",
                                     "_unwrap_optimizer"],
-    "accelerate.utils.constants": ["FSDP_MODEL_NAME", "OPTIMIZER_NAME"],
+    "accelerate.utils.constants": ["FSDP_MODEL_NAME", "OPTIMIZER_NAME", "RNG_STATE_NAME"],
 }
 
 import_framework(_DISTRIBUTION, _DISTRIBUTION, WRITTEN_FOR, _ADAPTER)
@@ -84,6 +86,7 @@ require_internals(_DISTRIBUTION, WRITTEN_FOR, _ADAPTER, _missing)
 _Accelerator: Any = _accelerator_module.Accelerator
 _FSDP_MODEL_NAME: str = _constants.FSDP_MODEL_NAME
 _OPTIMIZER_NAME: str = _constants.OPTIMIZER_NAME
+_RNG_STATE_NAME: str = _constants.RNG_STATE_NAME
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,6 +239,7 @@ class ZarrAccelerator(_Accelerator):
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
         self._refuse_unless_fsdp2_sharded("save_state")
+        self._refuse_pruning_past_a_partial_checkpoint()
         with _fsdp_checkpoints_through_zarr():
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
 
@@ -243,45 +247,127 @@ class ZarrAccelerator(_Accelerator):
         self._refuse_unless_fsdp2_sharded("load_state")
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             input_dir = self._latest_complete_checkpoint()
+        if input_dir is not None:
+            self._warn_without_random_states(input_dir)
         with _fsdp_checkpoints_through_zarr():
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
-    def _latest_complete_checkpoint(self) -> str | None:
-        """The highest ``checkpoint_N`` whose model and optimizer stores are all committed (or accelerate's own DCP
-        directories). accelerate's own choice is the highest N, whatever it holds: a save killed before its stores
-        were committed leaves ``checkpoint_N`` holding none, and resuming from it would fail. None: no complete
-        ``checkpoint_N`` at all, for accelerate to say so."""
+    # -- which checkpoint_N ----------------------------------------------------------------------------------------
+
+    def _checkpoint_folders(self) -> tuple[Path, list[FolderState]]:
+        """accelerate's ``checkpoints`` folder and its ``checkpoint_N``, ascending by N, each judged by the stores
+        this accelerator writes: a model store per prepared model, an optimizer store per optimizer."""
         folder = Path(self.project_dir) / "checkpoints"
-        numbered = sorted((int(match.group(1)), path) for path in folder.iterdir() if path.is_dir()
-                          and (match := _CHECKPOINT_FOLDER.match(path.name))) if folder.is_dir() else []
-        names = [f"{_constants.FSDP_MODEL_NAME}_{i}" for i in range(len(self._models))]
-        names += [f"{_constants.OPTIMIZER_NAME}_{i}" for i in range(len(self._optimizers))]
-        for _, path in reversed(numbered):
-            if all(_committed(path / name) for name in names):
-                return str(path)
-        return None
+        if not folder.is_dir():  # a CheckpointRoot would make it
+            return folder, []
+        expected = [f"{_FSDP_MODEL_NAME}_{i}" for i in range(len(self._models))]
+        expected += [f"{_OPTIMIZER_NAME}_{i}" for i in range(len(self._optimizers))]
+        return folder, checkpoint_folders(CheckpointRoot(str(folder)), expected)
+
+    def _latest_complete_checkpoint(self) -> str:
+        """The highest ``checkpoint_N`` whose model and optimizer stores are all committed (or accelerate's own DCP
+        directories) and that accelerate finished. accelerate's own choice is the highest N, whatever it holds: a save
+        killed before its stores were committed leaves ``checkpoint_N`` without them, and resuming from it would fail.
+        Newer ones passed over are named in a warning; with none complete, ``NotACheckpointError`` names what is
+        there (``IncompleteCheckpointError`` when saves were interrupted)."""
+        folder, folders = self._checkpoint_folders()
+        complete = [f for f in folders if f.complete]
+        if not complete:
+            self._refuse_to_resume_from_nothing(folder, folders)
+        latest = complete[-1]
+        passed_over = [f for f in folders if f.number > latest.number]
+        if passed_over and self.is_main_process:
+            warnings.warn(
+                f"ZarrAccelerator.load_state: resuming from {folder / latest.name}, not from the newer "
+                f"{_described(passed_over)}, {_whose_save(passed_over)} interrupted. Remove "
+                f"{'it' if len(passed_over) == 1 else 'them'} before the next save_state() (then set "
+                f"accelerator.project_configuration.iteration = {latest.number + 1}): accelerate counts every "
+                "checkpoint_N for total_limit and prunes the lowest numbers first, complete or not",
+                stacklevel=3)
+        return str(folder / latest.name)
+
+    def _refuse_to_resume_from_nothing(self, folder: Path, folders: list[FolderState]) -> NoReturn:
+        if not folders:
+            raise NotACheckpointError(
+                f"ZarrAccelerator.load_state: no checkpoint to resume from: {folder} "
+                f"{'holds no checkpoint_N folder' if folder.is_dir() else 'does not exist'} (accelerate's "
+                "automatic_checkpoint_naming saves there). Call save_state() first, or pass load_state(input_dir)")
+        raise IncompleteCheckpointError(
+            f"ZarrAccelerator.load_state: no complete checkpoint to resume from in {folder}: every save there was "
+            f"interrupted: {_described(folders)}. Nothing was loaded. Remove "
+            f"{'it' if len(folders) == 1 else 'them'} (rm -r {' '.join(str(folder / f.name) for f in folders)}) "
+            "and start afresh, saving again; or pass load_state(input_dir) a checkpoint saved elsewhere")
+
+    def _refuse_pruning_past_a_partial_checkpoint(self) -> None:
+        """accelerate's ``total_limit`` deletes the lowest-numbered ``checkpoint_N`` first, whatever they hold: with
+        an incomplete one above a complete one (a killed save, with the counter set past it), it would delete the
+        complete one and keep the other. Refused, before anything is written, on every rank alike."""
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming or config.total_limit is None:
+            return
+        folder, folders = self._checkpoint_folders()
+        complete = [f.number for f in folders if f.complete]
+        above = [f for f in folders if not f.complete and complete and f.number > min(complete)]
+        if above:
+            raise ValueError(
+                f"ZarrAccelerator.save_state: {folder} holds {_described(above)}, {_whose_save(above)} interrupted, "
+                f"above complete checkpoints; with total_limit={config.total_limit} accelerate would count "
+                f"{'it' if len(above) == 1 else 'them'} and delete complete checkpoints (lowest numbers first) "
+                f"instead. Nothing was saved. Remove {'it' if len(above) == 1 else 'them'} "
+                f"(rm -r {' '.join(str(folder / f.name) for f in above)}), set "
+                f"accelerator.project_configuration.iteration to the next free number, and save again")
+
+    def _warn_without_random_states(self, input_dir) -> None:
+        """accelerate logs "Could not load random states" at INFO, on the main process only, so a rank that finds no
+        RNG file (one beyond the saving world size) resumes with its own RNG and step counter unannounced."""
+        states = Path(input_dir) / f"{_RNG_STATE_NAME}_{self.process_index}.pkl"
+        if not states.parent.is_dir() or states.is_file():
+            return
+        saved = sorted(path.name for path in states.parent.glob(f"{_RNG_STATE_NAME}_*.pkl"))
+        warnings.warn(
+            f"ZarrAccelerator.load_state: {states} does not exist ({states.parent} holds "
+            f"{', '.join(saved) if saved else 'no random_states_R.pkl'}: it was saved by {len(saved)} process(es)), "
+            f"so rank {self.process_index} keeps its own random states and its accelerator.step ({self.step}) "
+            "instead of the saved ones; accelerate only logs 'Could not load random states' at INFO on the main "
+            "process. Seed this rank (accelerate.utils.set_seed) and set accelerator.step to the saved one (rank 0's) "
+            "if the run depends on them", stacklevel=3)
+
+    # -- what this accelerator is ----------------------------------------------------------------------------------
 
     def _refuse_unless_fsdp2_sharded(self, method: str) -> None:
         plugin = getattr(self.state, "fsdp_plugin", None)
         if plugin is not None and self.is_fsdp2 and plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT:
             return
         found = f"distributed_type={_name(self.distributed_type)}"
+        if plugin is None and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            raise ValueError(
+                f"ZarrAccelerator.{method}: FSDP was asked for (an fsdp_plugin, or ACCELERATE_USE_FSDP=true) but "
+                f"accelerate {installed_version(_DISTRIBUTION)} did not turn it on: accelerator.state has {found} and "
+                "fsdp_plugin=None, because AcceleratorState makes a run FSDP only when its processes are on GPU-like "
+                "devices (MULTI_GPU, MULTI_XPU, MULTI_NPU, ...), never on CPU (cpu=True, or no GPU found: MULTI_CPU "
+                "or NO) nor in a single process (NO). So prepare() did not shard the model and there is no sharded "
+                "state to save or load. Launch on GPUs; or, on CPU, right after building the accelerator and before "
+                "prepare(), make the three assignments accelerate makes on a GPU: "
+                "accelerator.state.distributed_type = DistributedType.FSDP; accelerator.state.fsdp_plugin = "
+                "<your FullyShardedDataParallelPlugin>; PartialState._shared_state['distributed_type'] = "
+                "DistributedType.FSDP (from accelerate.state import PartialState; from accelerate.utils import "
+                "DistributedType; docs/accelerate.md shows them)")
         if plugin is not None:
             found += f", fsdp_version={plugin.fsdp_version}, state_dict_type={_name(plugin.state_dict_type)}"
         raise ValueError(
             f"ZarrAccelerator.{method} keeps FSDP2 models with state_dict_type=SHARDED_STATE_DICT in zarr stores; "
             f"this accelerator has {found}, which accelerate checkpoints in files of its own, not through DCP. Pass "
-            "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type='SHARDED_STATE_DICT') "
-            "(and launch with FSDP), or use accelerate.Accelerator for this run")
+            "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type='SHARDED_STATE_DICT'), "
+            "or use accelerate.Accelerator for this run")
 
 
-# accelerate's automatic_checkpoint_naming: checkpoints/checkpoint_{iteration}
-_CHECKPOINT_FOLDER = re.compile(r"^checkpoint_(\d+)$")
+def _described(folders: list[FolderState]) -> str:
+    """``checkpoint_12 (optimizer_0 is missing; ...), checkpoint_11 (...)``, newest first."""
+    return ", ".join(f"{f.name} ({f.why_incomplete()})" for f in reversed(folders))
 
 
-def _committed(store: Path) -> bool:
-    """A committed dcp_zarr store, or a DCP directory accelerate wrote itself."""
-    return is_dcp_directory(store) or (store.is_dir() and CheckpointRoot(str(store.parent)).is_complete(store.name))
+def _whose_save(folders: list[FolderState]) -> str:
+    return "whose save was" if len(folders) == 1 else "whose saves were"
 
 
 def _name(member: Any) -> str:
