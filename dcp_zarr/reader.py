@@ -15,7 +15,7 @@ import os
 import pickle
 import warnings
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,8 @@ _READ_PIECE_BYTES = 4 << 20
 # Key of the manifest in ``Metadata.storage_data``: ZarrLoadPlanner reads the optimizer param tables from it.
 MANIFEST_IN_STORAGE_DATA = "dcp_zarr_manifest"
 DEFAULT_EXCHANGE_BYTES = 256 << 20
+# torch 2.15's TensorProperties hold the strides of the tensor a chunk was saved from; earlier ones have no field.
+_PROPERTIES_HOLD_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
 
 
 class LoadSummary(NamedTuple):
@@ -407,8 +409,8 @@ def dcp_metadata(manifest: Manifest) -> Metadata:
         if isinstance(entry, TensorEntry):
             shape = torch.Size(entry.shape)
             state_dict_metadata[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(
-                    dtype=torch_dtype_from_name(entry.dtype), requires_grad=entry.requires_grad),
+                properties=TensorProperties(dtype=torch_dtype_from_name(entry.dtype),
+                                            requires_grad=entry.requires_grad, **_strides(shape)),
                 size=shape,
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
             )
@@ -416,6 +418,20 @@ def dcp_metadata(manifest: Manifest) -> Metadata:
             state_dict_metadata[fqn] = BytesStorageMetadata()
     planner_data = {fqn: entry.path for fqn, entry in manifest.entries.items()}
     return Metadata(state_dict_metadata=state_dict_metadata, planner_data=planner_data or None, storage_data=None)
+
+
+def _strides(shape: torch.Size) -> dict[str, Any]:
+    """``strides=`` where torch's TensorProperties have them: the one chunk presented is the array at its global shape,
+    in C order, so ``torch.empty(shape).stride()``, which DCP's own metadata holds for a contiguous tensor saved whole.
+    (For a sharded one, DCP's holds the strides of the first saving rank's local shard: a store does not record how
+    the saving ranks held their tensors, nor does what a load reads depend on it.)"""
+    if not _PROPERTIES_HOLD_STRIDES:
+        return {}
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)  # torch's rule: a dimension of size 0 strides as one of size 1
+    return {"strides": tuple(reversed(strides))}
 
 
 def _read_into_tensor(reader: RegionReader, stored_dtype: torch.dtype, offsets, lengths, dest: torch.Tensor) -> int:

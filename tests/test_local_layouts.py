@@ -162,3 +162,45 @@ def test_the_planner_s_write_items_are_dcp_s_on_every_rank():
                 local_write_items(partial)
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_the_planner_s_items_hold_the_properties_of_each_rank_s_local_shard_as_dcp_s(grad_enabled):
+    """The items' TensorProperties are DCP's, made from each rank's local tensor (``to_local()``): its dtype, pinning,
+    whether it requires grad (as the DTensor does where grad is enabled, as the local tensor does where not), and from
+    torch 2.15 its strides, contiguous or not (a transposed local shard), whatever the global tensor's."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dcp_zarr.planning.save_planner import local_write_items
+
+    layouts = [(Shard(0), Shard(1)), (Replicate(), Shard(1)), (_StridedShard(0, split_factor=4), Shard(0))]
+    for rank in range(8):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            mesh = init_device_mesh("cpu", (2, 4))
+            state: dict = {"plain": torch.zeros(5, 3).t()}
+            for i, placements in enumerate(layouts):
+                for size in [(37, 9), (6, 3), (2, 2)]:
+                    box = _compute_local_shape_and_global_offset(size, (2, 4), list(mesh.get_coordinate()),
+                                                                 placements)[0]
+                    for kind, local in (("rows", torch.zeros(box)), ("columns", torch.zeros(box[::-1]).t()),
+                                        ("grad", torch.zeros(box, dtype=torch.bfloat16))):
+                        state[f"{kind}{i}.{size}"] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                                         shape=torch.Size(size), stride=(size[1], 1))
+                    state[f"grad{i}.{size}"].requires_grad_()  # the DTensor, not its local tensor
+            with torch.set_grad_enabled(grad_enabled):
+                ours, dcps = local_write_items(state), create_default_local_save_plan(state, rank == 0).items
+            assert ours == dcps, rank
+            properties = {item.index.fqn: item.tensor_data.properties for item in ours if item.tensor_data}
+            assert {fqn for fqn, p in properties.items() if p.requires_grad} == (
+                {fqn for fqn in state if fqn.startswith("grad")} if grad_enabled else set())
+            if hasattr(properties["plain"], "strides"):  # torch 2.15
+                assert {fqn: p.strides for fqn, p in properties.items()} == {
+                    fqn: (t.to_local() if isinstance(t, DTensor) else t).stride() for fqn, t in state.items()}
+        finally:
+            dist.destroy_process_group()

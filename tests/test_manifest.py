@@ -82,6 +82,20 @@ def test_reader_presents_each_tensor_as_one_chunk_the_global_array(saved_at):
         assert [(list(c.offsets), list(c.sizes)) for c in md.chunks] == [([0] * len(md.size), list(md.size))]
 
 
+def test_the_readers_tensor_properties_are_dcps_for_tensors_saved_whole(tmp_path):
+    """What DCP's own reader holds of each tensor saved whole from a contiguous tensor (dtype, requires_grad, and from
+    torch 2.15 strides: torch.empty(shape).stride()), the reader's one chunk, the global array, holds too."""
+    state = {"w": torch.ones(3, 5), "grad": torch.ones(4, requires_grad=True), "scalar": torch.tensor(2.0),
+             "empty": torch.ones(0, 3), "empty_last": torch.ones(3, 0, 2), "bf16": torch.ones(2, 3, 4).bfloat16()}
+    dcp.save(state, storage_writer=ZarrWriter(str(tmp_path / "z.zarr")))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")))
+    ours = ZarrReader(str(tmp_path / "z.zarr")).read_metadata().state_dict_metadata
+    dcps = dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata().state_dict_metadata
+    assert {fqn: ours[fqn].properties for fqn in state} == {fqn: dcps[fqn].properties for fqn in state}
+    if hasattr(dcps["w"].properties, "strides"):  # torch 2.15
+        assert [ours[fqn].properties.strides for fqn in state] == [t.stride() for t in state.values()]
+
+
 def _read_items_per_key(rank: int, world_size: int, path: str) -> dict[str, int]:
     model, optim = build("fsdp2", world_size, seed=1)
     msd, osd = get_state_dict(model, optim)

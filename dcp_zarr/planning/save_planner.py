@@ -126,10 +126,10 @@ def _dtensor_item(fqn: str, tensor: DTensor, mesh_shape: tuple[int, ...], coordi
         return None
     offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
     # TensorProperties.create_from_tensor(tensor.to_local()), as DCP makes them, without to_local's autograd
-    # Function: with grad enabled its output requires grad as the DTensor does; else it is the local tensor itself.
-    requires_grad = tensor.requires_grad if torch.is_grad_enabled() else local.requires_grad
-    properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=requires_grad,
-                                  memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
+    # Function: with grad enabled its output is a view of the local tensor (its strides, which torch 2.15's
+    # properties hold, and pinning) that requires grad as the DTensor does; else it is the local tensor itself.
+    properties = TensorProperties.create_from_tensor(local)
+    properties.requires_grad = tensor.requires_grad if torch.is_grad_enabled() else local.requires_grad
     return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                      tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
                                                  properties=properties, size=tensor.size()))
