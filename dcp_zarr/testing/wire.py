@@ -1,18 +1,22 @@
 """Counting what torch's collectives carry: ``WireCounter`` wraps, in one process, the tensor collectives of
 ``torch.distributed.distributed_c10d`` (the names its object collectives call: ``gather_object`` calls ``all_gather``
 + ``gather``, ``scatter_object_list`` ``broadcast`` + ``scatter``, ``broadcast_object_list`` ``broadcast``,
-``all_gather_object`` ``all_gather``; every other tensor collective and point-to-point call; and ``torch.distributed``'s
-bindings of them) and counts the calls and the bytes of every tensor each call touches on the rank, inputs and outputs
-(a gather's destination counts its gather list). Each object collective is recorded with its caller and what it
-carried, so that a figure that grows can be traced to its object (``what_grows``). ``_functional_collectives``
-(DTensor's redistributions) are counted apart, and so are the calls from ``PAYLOAD_SITES``, where dcp_zarr moves the
-checkpoint's own bytes over the process group (collective I/O's exchanges, the root ``zarr.json``'s broadcast): data,
-not protocol. ``self_check`` proves the counts against object collectives of known payloads.
+``all_gather_object`` ``all_gather`` up to torch 2.14 and ``all_gather_single`` from 2.15; every other tensor
+collective and point-to-point call; and ``torch.distributed``'s bindings of them) and counts the calls and the bytes of
+every tensor each call touches on the rank, inputs and outputs (a gather's destination counts its gather list). A
+collective that another calls (``all_gather_into_tensor`` calls ``all_gather_single``, ``send`` ``isend``,
+``batch_isend_irecv`` its P2POps') is counted once, as the one called. Each object collective is recorded with its
+caller and what it carried, so that a figure that grows can be traced to its object (``what_grows``).
+``_functional_collectives`` (DTensor's redistributions) are counted apart, and so are the calls from ``PAYLOAD_SITES``,
+where dcp_zarr moves the checkpoint's own bytes over the process group (collective I/O's exchanges, the root
+``zarr.json``'s broadcast): data, not protocol. ``self_check`` proves the counts against object collectives of known
+payloads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import pickle
@@ -28,14 +32,15 @@ import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["WireCounter", "self_check", "what_grows"]
 
-# Every module-level tensor collective and point-to-point call of distributed_c10d. The object collectives look these
-# names up in that module's globals at each call, so replacing the attribute is enough for them; DCP and dcp_zarr
-# call ``dist.X``, torch.distributed's binding of the same function, which is replaced too.
+# Every module-level tensor collective and point-to-point call of distributed_c10d (those a torch lacks are skipped:
+# gather_single and gather_into_tensor are 2.15's). The object collectives look these names up in that module's
+# globals at each call, so replacing the attribute is enough for them; DCP and dcp_zarr call ``dist.X``,
+# torch.distributed's binding of the same function, which is replaced too.
 TENSOR_COLLECTIVES = (
     "all_gather", "gather", "broadcast", "scatter", "all_reduce", "reduce", "barrier", "monitored_barrier",
-    "all_gather_into_tensor", "_all_gather_base", "all_gather_coalesced", "all_reduce_coalesced", "reduce_scatter",
-    "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "send", "recv", "isend",
-    "irecv", "batch_isend_irecv",
+    "all_gather_single", "all_gather_into_tensor", "_all_gather_base", "all_gather_coalesced", "all_reduce_coalesced",
+    "gather_single", "gather_into_tensor", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+    "_reduce_scatter_base", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )  # fmt: skip
 # What each object collective sends from this rank, and what it fills on the ranks that receive.
 SENT = {"gather_object": "obj", "scatter_object_list": "scatter_object_input_list",
@@ -129,10 +134,12 @@ class WireCounter:
         self.originals.clear()
 
     def _tensor_wrapper(self, name: str, original: Any) -> Any:
+        @functools.wraps(original)  # inspect.unwrap reaches torch's function (self_check asks it)
+        @functools.wraps(original)
         def counted(*args, **kwargs):
+            if getattr(self.outer, "in_collective", False):  # called by a counted collective, which has its tensors
+                return original(*args, **kwargs)
             nbytes = tensor_bytes(list(args)) + tensor_bytes(list(kwargs.values()))
-            if name in ("isend", "irecv") and not nbytes:  # batch_isend_irecv calls them with the P2POp's tensor
-                nbytes = tensor_bytes([kwargs.get("tensor")])
             payload = any((f.f_code.co_name, os.path.basename(f.f_code.co_filename)) in PAYLOAD_SITES
                           for f in _frames(sys._getframe(1)))
             with self.lock:
@@ -143,13 +150,18 @@ class WireCounter:
                     outer["payload"] = True
                 elif outer is not None:
                     outer["bytes"], outer["tensor_calls"] = outer["bytes"] + nbytes, outer["tensor_calls"] + 1
-            return original(*args, **kwargs)
+            self.outer.in_collective = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.outer.in_collective = False
 
         return counted
 
     def _object_wrapper(self, name: str, original: Any) -> Any:
         signature = inspect.signature(original)
 
+        @functools.wraps(original)
         def counted(*args, **kwargs):
             arguments = signature.bind_partial(*args, **kwargs).arguments
             sent = arguments.get(SENT.get(name, ""))
@@ -174,6 +186,7 @@ class WireCounter:
         return counted
 
     def _functional_wrapper(self, name: str, original: Any) -> Any:
+        @functools.wraps(original)
         def counted(*args, **kwargs):
             with self.lock:
                 entry = self.functional[name]
@@ -201,10 +214,14 @@ class WireCounter:
 
 def self_check(counter: WireCounter, rank: int, ws: int) -> dict[str, Any]:
     """Object collectives of known payloads, of a different size on each rank (so that padding shows), must count
-    exactly the bytes torch moves; raises if not. Sizes travel as int64 tensors: 8 bytes each."""
-    payload = [bytes(1000 + 37 * r) for r in range(ws)]
+    exactly the bytes torch moves, and a collective that calls another must count once; raises if not. Sizes travel
+    as int64 tensors: 8 bytes each."""
+    payload: list[Any] = [bytes(1000 + 37 * r) for r in range(ws)]  # Any: torch 2.15 types object collectives generic
     sizes = [len(pickle.dumps(p)) for p in payload]
     largest = max(sizes)
+    # all_gather_object gathers into one tensor from torch 2.15 (all_gather_single), into a list before
+    all_gather = ("all_gather_single" if "all_gather_single" in inspect.unwrap(c10d.all_gather_object).__code__.co_names
+                  else "all_gather")
     expected = {
         # all_gather of each rank's size, then gather of the padded payload (the destination: ws of them)
         "gather_object": {"all_gather": [1, 8 + 8 * ws], "gather": [1, largest + (ws * largest if rank == 0 else 0)]},
@@ -214,14 +231,18 @@ def self_check(counter: WireCounter, rank: int, ws: int) -> dict[str, Any]:
         # broadcast of the sizes of the list's objects, then of their concatenation
         "broadcast_object_list": {"broadcast": [2, 8 * 2 + sizes[0] + sizes[1]]},
         # all_gather of sizes, then all_gather of the padded payloads
-        "all_gather_object": {"all_gather": [2, 8 + 8 * ws + largest + ws * largest]},
+        "all_gather_object": {all_gather: [2, 8 + 8 * ws + largest + ws * largest]},
+        # a tensor collective that calls all_gather_single: its input and output, once
+        "all_gather_into_tensor": {"all_gather_into_tensor": [1, 8 + 8 * ws]},
     }
     out: list[Any] = [None]
     calls = {"gather_object": lambda: dist.gather_object(payload[rank], [None] * ws if rank == 0 else None, dst=0),
              "scatter_object_list": lambda: dist.scatter_object_list(out, payload if rank == 0 else None, src=0),
              "broadcast_object_list": lambda: dist.broadcast_object_list(
                  [payload[0], payload[1]] if rank == 0 else [None, None], src=0),
-             "all_gather_object": lambda: dist.all_gather_object([None] * ws, payload[rank])}
+             "all_gather_object": lambda: dist.all_gather_object([None] * ws, payload[rank]),
+             "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.zeros(ws, dtype=torch.int64),
+                                                                           torch.ones(1, dtype=torch.int64))}
     found = {}
     for name, call in calls.items():
         with counter.measure() as counts:
