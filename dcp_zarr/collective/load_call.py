@@ -8,11 +8,11 @@ GET of one object per rank, and as many times its bytes: 8,192 GETs at 8,192 ran
 bytes than a load's tensors when the tensors are small (benchmarks/reports/storage-traffic.md).
 
 A broadcast is only safe when every rank of the load makes it, and only DCP knows that: its ``_DistWrapper`` for the
-call, which ``local_step`` of ``_load_state_dict`` holds as ``distW`` (torch 2.11 to 2.14), beside the ``planner``
-whose ``create_local_plan`` it calls right after the reader's ``set_up_storage_reader``. Both are looked up in the
-caller's frames; where they are not found (another torch, a call from outside ``dcp.load``), every rank reads the
-root itself and DCP plans the load, as before, and nothing else changes. ``tests/test_read_once.py`` and
-``tests/test_load_plan.py`` fail if torch stops keeping them there.
+call, which ``local_step`` of ``_load_state_dict`` holds as ``distW`` (verified on torch 2.13.0, 2.14.1 and 2.15.0),
+beside the ``planner`` whose ``create_local_plan`` it calls right after the reader's ``set_up_storage_reader``. Both
+are looked up in the caller's frames; where they are not found (another torch, a call from outside ``dcp.load``),
+every rank reads the root itself and DCP plans the load, as before, and nothing else changes.
+``tests/test_read_once.py`` and ``tests/test_load_plan.py`` fail if torch stops keeping them there.
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@ plans locally, as ``planner=ZarrSavePlanner()`` does.
 DCP hands a writer its plan's WriteItems before the gather and its planner only in ``write_data``, after it: the
 writer cannot tell from the items whether planning is DCP's own (a subclass may rewrite them in its global plan),
 and a WriteItem says neither how a DTensor is split nor which ranks hold the same box, so every rank's box cannot
-be derived from it. Both are in the ``dcp.save`` call: ``local_step`` of ``_save_state_dict`` (torch 2.11 to 2.14),
-which calls the writer's ``prepare_local_plan``, holds DCP's ``planner`` and its ``_DistWrapper`` ``distW`` (whose
-``group`` is the process group the save runs on). They are looked up in the caller's frames, as
-``collective/load_call.py`` looks up a load's. Where they are not found (another torch), or the planner is not DCP's
-own, the writer follows DCP's planning, as before: correct, and slower. ``tests/test_plain_save.py`` fails if torch
-stops keeping them there.
+be derived from it. Both are in the ``dcp.save`` call: ``local_step`` of ``_save_state_dict`` (verified on torch
+2.13.0, 2.14.1 and 2.15.0), which calls the writer's ``prepare_local_plan``, holds DCP's ``planner`` and its
+``_DistWrapper`` ``distW`` (whose ``group`` is the process group the save runs on). They are looked up in the
+caller's frames, as ``collective/load_call.py`` looks up a load's. Where they are not found (another torch), or the
+planner is not DCP's own, the writer follows DCP's planning, as before: correct, and slower.
+``tests/test_plain_save.py`` lists the releases verified and fails, saying which, if torch stops keeping them there.
 
 A planner taken over plans no more for this save: its ``create_global_plan`` and ``finish_plan`` pass the writer's
 own messages through (``protocol.py``), instance attributes removed again by the ``finish_plan`` every rank calls.
