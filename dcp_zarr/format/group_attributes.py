@@ -20,6 +20,7 @@ from dcp_zarr.format.values import DICT_TAG, TAGS, TUPLE_TAG
 
 # Names a group's values cannot take: the root's is the manifest.
 _RESERVED = {"": frozenset((MANIFEST_ATTRIBUTE,))}
+_SCALARS = frozenset((type(None), bool, int, float, str))
 
 
 class NotPlainJSONError(ValueError):
@@ -30,14 +31,13 @@ def group_attributes(entries: Mapping[str, Entry], key_order: Sequence[str] = ()
     """Group node (``""``: the root) -> the attributes its values give it: each value entry under its own name (the
     last component of its node), as plain JSON, in the saved state dict's order (``key_order``, fqns; entries it
     does not name follow in their own order). Groups without such values are not named."""
-    values = [entry for entry in entries.values() if isinstance(entry, ValueEntry)]
+    values = {fqn: entry for fqn, entry in entries.items() if type(entry) is ValueEntry}
     if not values:
         return {}
-    if key_order:
-        position = {fqn: i for i, fqn in enumerate(key_order)}
-        values.sort(key=lambda entry: position.get(entry.fqn, len(position)))
+    ordered = {fqn: values[fqn] for fqn in key_order if fqn in values}
+    ordered.update(values)  # those key_order does not name, after the others
     attributes: dict[str, dict] = {}
-    for entry in values:
+    for entry in ordered.values():
         group, _, name = entry.node.rpartition("/")
         if name in _RESERVED.get(group, ()):
             continue
@@ -52,16 +52,18 @@ def plain_json(document):
     """The plain JSON of a tagged value ``document`` (values.py), tuples as lists; ``NotPlainJSONError`` when plain
     JSON cannot hold the value exactly."""
     kind = type(document)
-    if document is None or kind in (bool, int, float, str):  # values.py tags non-finite floats
+    if kind in _SCALARS:  # values.py tags non-finite floats
         return document
     if kind is list:
+        if _SCALARS.issuperset(map(type, document)):  # params: hundreds of names, looked at in C
+            return document
         return [plain_json(v) for v in document]
     if kind is not dict:
         raise NotPlainJSONError(f"{kind.__name__} is no tagged JSON")
     if len(document) == 1:
         (tag, body), = document.items()
-        if tag == TUPLE_TAG:
-            return [plain_json(v) for v in body]
+        if tag == TUPLE_TAG and type(body) is list:
+            return plain_json(body)
         if tag == DICT_TAG:  # a dict with a key values.py does not write as itself: plain when every key is a str
             if not all(type(key) is str for key, _ in body):
                 raise NotPlainJSONError("a dict with keys other than strings")
