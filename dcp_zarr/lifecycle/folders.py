@@ -22,8 +22,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.storage import open_storage
 from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
 
 if TYPE_CHECKING:  # root.py lists these folders, and this module reads them through it
@@ -34,7 +32,6 @@ FOLDER_NAME = re.compile(r"^checkpoint_(\d+)$")  # accelerate's automatic_checkp
 # the ones it expects; this is for the command line, which cannot ask accelerate)
 _STORE_NAME = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
 FINISHED_MARK = "random_states_0.pkl"
-_DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -83,17 +80,10 @@ def folder_state(root: CheckpointRoot, name: str, expected: Iterable[str] = ()) 
     for store in sorted({n for n in inside if _STORE_NAME.match(n)} | (expected & inside) | staged):
         if store in inside and root.is_complete(f"{name}/{store}"):
             committed.append(store)
-        elif store in inside and _is_dcp_directory(root, f"{name}/{store}"):
+        elif store in inside and root.holds_dcp_checkpoint(f"{name}/{store}"):
             dcp.append(store)
         else:
             unfinished.append(store)
     missing = sorted(expected - inside - staged)
     return FolderState(name, int(match.group(1)), tuple(committed), tuple(dcp), tuple(unfinished), tuple(missing),
                        FINISHED_MARK in inside)
-
-
-def _is_dcp_directory(root: CheckpointRoot, name: str) -> bool:
-    try:
-        return open_storage(root.location(name), root.storage_options, read_only=True).exists(_DCP_METADATA)
-    except (ZarrCheckpointError, OSError):
-        return False

@@ -145,6 +145,10 @@ class CheckpointRoot:
                 found.append(StepStore(step, name, complete, None if complete else self._other_format(name)))
         return sorted(found, key=lambda s: (s.step, s.name == step_name(s.step)))
 
+    def holds_dcp_checkpoint(self, name: str) -> bool:
+        """Whether ``name`` is a checkpoint DCP's FileSystemWriter wrote (its ``.metadata``)."""
+        return self._other_format(name) == _OTHER_FORMATS[".metadata"]
+
     def _other_format(self, name: str) -> str | None:
         storage = open_storage(self.location(name), self.storage_options, read_only=True)
         for marker, what in _OTHER_FORMATS.items():

@@ -135,7 +135,6 @@ class WireCounter:
 
     def _tensor_wrapper(self, name: str, original: Any) -> Any:
         @functools.wraps(original)  # inspect.unwrap reaches torch's function (self_check asks it)
-        @functools.wraps(original)
         def counted(*args, **kwargs):
             if getattr(self.outer, "in_collective", False):  # called by a counted collective, which has its tensors
                 return original(*args, **kwargs)
