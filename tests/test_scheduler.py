@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dcp_zarr.store_io.scheduler import run_jobs
+from dcp_zarr.store_io.scheduler import run_jobs, run_storage_jobs
 
 
 class Tracker:
@@ -51,6 +51,35 @@ def test_bytes_in_flight_stay_within_the_budget_and_a_larger_job_runs_alone():
     results = run_jobs(jobs, 16, batch_bytes=0, max_bytes_in_flight=40)
     assert results == [*range(30), "big", *range(10)]
     assert tracker.peak == 100, "the budget holds 4 small jobs at once; the 100-byte one ran with nothing beside it"
+
+
+class Limits:
+    """What run_storage_jobs asks of a storage: how many requests it keeps in flight, its batches and its budget."""
+
+    def __init__(self, requests: int, batch_bytes: int = 0, max_bytes_in_flight: int | None = None):
+        self.requests, self.batch_bytes, self.max_bytes_in_flight = requests, batch_bytes, max_bytes_in_flight
+
+    def requests_in_flight(self, thread_count: int) -> int:
+        return min(thread_count, self.requests)
+
+
+def test_storage_jobs_run_on_as_many_threads_as_the_storage_keeps_requests_in_flight():
+    tracker = Tracker()
+    results = run_storage_jobs(Limits(requests=3), [tracker.job(10, i, seconds=0.01) for i in range(12)], 16)
+    assert results == list(range(12))
+    assert len(tracker.threads) == 3 and tracker.peak == 30
+
+
+def test_storage_jobs_stay_within_the_storages_bytes_in_flight():
+    tracker = Tracker()
+    run_storage_jobs(Limits(requests=16, max_bytes_in_flight=20), [tracker.job(10, i) for i in range(12)], 16)
+    assert tracker.peak == 20
+
+
+def test_storage_jobs_are_batched_as_the_storage_batches():
+    tracker = Tracker()
+    run_storage_jobs(Limits(requests=8, batch_bytes=1 << 20), [tracker.job(1, i) for i in range(20)], 8)
+    assert len(tracker.threads) == 1
 
 
 def test_without_a_budget_every_thread_is_busy():

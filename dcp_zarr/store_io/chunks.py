@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -25,6 +26,11 @@ from dcp_zarr.format.encoding import (
 )
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.base import StoredValue
+
+# A large region is read as concurrent row pieces of about this size (whole chunk rows each), by ZarrReader and the
+# offline API alike: enough pieces to keep several requests in flight, large enough that scheduling them costs little
+# beside the reads.
+READ_PIECE_BYTES = 4 << 20
 
 
 def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequence[int]
@@ -151,6 +157,20 @@ class RegionReader:
         span = max(1, target_bytes // max(step * row_bytes, 1)) * step  # whole chunk rows per piece
         first, last = offsets[0], offsets[0] + rows
         return [(max(first, b) - first, min(last, b + span) - first) for b in range(first - first % span, last, span)]
+
+    def read_jobs(self, offsets: Sequence[int], out: np.ndarray, piece_bytes: int = READ_PIECE_BYTES
+                  ) -> list[tuple[int, Callable[[], int]]]:
+        """``(bytes, job)`` pairs for ``scheduler.run_jobs`` that together fill ``out`` with the region at
+        ``offsets``: one per row piece (``row_pieces``), each returning the bytes it fetched. None for a region
+        without elements; one for a 0-d array."""
+        if out.ndim == 0:
+            return [(out.nbytes, partial(self.read_into, list(offsets), out))]
+        if out.size == 0:
+            return []
+        row_bytes = out[:1].nbytes
+        first, rest = offsets[0], list(offsets[1:])
+        return [((hi - lo) * row_bytes, partial(self.read_into, [first + lo, *rest], out[lo:hi]))
+                for lo, hi in self.row_pieces(offsets, out.shape, piece_bytes)]
 
     def _read_piece(self, key: str, offset: int, length: int | None, shape: tuple[int, ...],
                     inside: tuple[slice, ...], target: np.ndarray, coords: tuple[int, ...]) -> int:

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from dcp_zarr.storage.base import Storage
+
 T = TypeVar("T")
 
 BATCH_BYTES = 1 << 20
@@ -34,6 +36,14 @@ def run_jobs(jobs: Sequence[tuple[int, Callable[[], T]]], thread_count: int, bat
     sizes = [sum(jobs[i][0] for i in batch) for batch in batches]
     _BatchRunner(jobs, batches, sizes, results, max_bytes_in_flight).run(min(thread_count, len(batches)), name)
     return results
+
+
+def run_storage_jobs(storage: Storage, jobs: Sequence[tuple[int, Callable[[], T]]], thread_count: int,
+                     name: str = "dcp-zarr-io") -> list[T]:
+    """``run_jobs`` within ``storage``'s limits: the requests it keeps in flight for a caller asking for
+    ``thread_count`` threads, its batch size and its bound on bytes in flight."""
+    return run_jobs(jobs, storage.requests_in_flight(thread_count), storage.batch_bytes, name,
+                    storage.max_bytes_in_flight)
 
 
 class _BatchRunner:
