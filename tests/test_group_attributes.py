@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import pickle
 import subprocess
 import sys
 
@@ -51,22 +52,24 @@ sys.modules["torch"] = None  # `import torch` raises: proves nothing here needs 
 import zarr
 
 group = zarr.open_group(sys.argv[1], mode="r")
-print(json.dumps({"hyperparameters": dict(group["optim/param_groups/0"].attrs),
+print(json.dumps({"hyperparameters": dict(group["optim/param_groups/0"].attrs), "meta": dict(group["meta"].attrs),
                   "modules": sorted(m for m in sys.modules if m.startswith("dcp_zarr"))}))
 """
 
 
-def test_zarr_python_alone_reads_the_hyperparameters_of_a_plain_adamw_save_exactly(tmp_path):
+def test_zarr_python_alone_reads_the_hyperparameters_and_values_of_a_plain_adamw_save_exactly(tmp_path):
     model, optimizer = trained_adamw()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     path = tmp_path / "adamw.zarr"
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=ZarrWriter(path))
+    meta = {"epoch": 3, "name": "run-a", "lrs": [0.1, 0.01]}
+    dcp.save({"model": model_sd, "optim": optim_sd, "meta": meta}, storage_writer=ZarrWriter(path))
 
     done = subprocess.run([sys.executable, "-c", _READ_WITH_ZARR_ALONE, str(path)], capture_output=True, text=True,
                           timeout=120, cwd=str(tmp_path))
 
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    assert report["meta"] == meta and type(report["meta"]["epoch"]) is int
     (group,) = optim_sd["param_groups"]
     assert report["hyperparameters"] == plain(group)
     assert report["hyperparameters"]["betas"] == [0.9, 0.95] and report["hyperparameters"]["eps"] == 1e-6
@@ -108,7 +111,7 @@ def test_attributes_are_in_the_groups_own_zarr_json_and_its_consolidated_copy(tm
         {"epoch": 3}
 
 
-# ---- values plain JSON cannot hold exactly: left out, the save and its load unchanged ------------------------------
+# ---- values plain JSON cannot hold exactly: described, the save and its load unchanged ------------------------------
 
 ODD = {
     "nan": float("nan"), "inf": float("inf"), "minus_inf": float("-inf"),
@@ -122,14 +125,16 @@ EXACT = {"negative_zero": -0.0, "huge": 2**80, "text": "é\u2028\"", "none": Non
          "dunder_keys": ({"__x": 1},), "nested": ((1, 2), {"a": (3,)}, [None])}
 
 
-def test_values_plain_json_cannot_hold_are_left_out_and_the_rest_are_exact(tmp_path):
+def test_values_plain_json_cannot_hold_are_described_and_the_rest_are_exact(tmp_path):
     group = {"lr": torch.tensor(0.01), **ODD, **EXACT, "params": ["w"]}
     state = {"model": {"w": torch.ones(3)}, "optim": {"param_groups": [group]}}
     path = str(tmp_path / "odd.zarr")
     save_plain(state, path)
 
     saved = zarr.open_group(path, mode="r")["optim/param_groups/0"]
-    assert dict(saved.attrs) == {**plain(EXACT), "params": ["w"]}
+    described = saved.attrs["dcp_zarr"]["values"]
+    assert {k: v for k, v in saved.attrs.items() if k != "dcp_zarr"} == {**plain(EXACT), "params": ["w"]}
+    assert list(described) == [name for name in ODD if name != "with_tensor"]  # an array describes itself
     assert math.copysign(1.0, saved.attrs["negative_zero"]) == -1.0
     # a tensor is an array of the group, as any tensor; so is a value stored as torch.save bytes
     assert saved["lr"][...] == np.float32(0.01) and saved["with_tensor"].dtype == np.uint8
@@ -146,6 +151,52 @@ def test_a_save_with_odd_values_loads_them_exactly_from_the_manifest(tmp_path):
             continue  # equal in their own ways: tests/test_values.py and test_save_load.py
         assert type(value) is type(expected) and value == expected, name
     assert math.isnan(ckpt.read_value("meta.nan"))
+
+
+def _read_as_described(path, group, name):
+    """Follow a description's ``read`` expression with zarr, base64, io and numpy alone."""
+    import base64
+
+    root = zarr.open_group(path, mode="r")
+    description = root[group].attrs["dcp_zarr"]["values"][name]
+    return eval(description["read"], {"base64": base64, "io": io, "numpy": np, "manifest": root.attrs["dcp_zarr"]})
+
+
+def test_each_described_value_says_its_kind_size_and_an_expression_that_reads_it(tmp_path):
+    torch_saved = io.BytesIO()
+    torch.save({"step": 7}, torch_saved)
+    values = {"raw": b"\x00\xff\x01", "pickled": pickle.dumps({"position": 12}), "buffer": torch_saved,
+              "nan": float("nan"), "array": np.arange(6, dtype="<i4").reshape(2, 3), "scalar": np.float32(0.5),
+              "ids": {1, 2}, "int_keys": ({1: "a"},)}  # a tuple is one value (a dict would be a group)
+    path = str(tmp_path / "described.zarr")
+    save_plain({"meta": dict(values), "w": torch.ones(2)}, path)
+
+    described = zarr.open_group(path, mode="r")["meta"].attrs["dcp_zarr"]["values"]
+    assert {name: d["kind"] for name, d in described.items()} == {
+        "raw": "bytes", "pickled": "bytes", "buffer": "io.BytesIO", "nan": "float", "array": "numpy.ndarray",
+        "scalar": "numpy.float32", "ids": "set", "int_keys": "tuple"}
+    assert all(d["entry"] == f"meta.{name}" for name, d in described.items())
+    assert described["raw"]["nbytes"] == 3 and "content" not in described["raw"]
+    assert described["pickled"]["content"].startswith(f"pickle protocol {pickle.DEFAULT_PROTOCOL}: pickle.loads")
+    assert described["buffer"]["nbytes"] == len(torch_saved.getvalue())
+    assert "torch.load(..., weights_only=True)" in described["buffer"]["content"]
+    assert (described["array"]["dtype"], described["array"]["shape"], described["array"]["nbytes"]) == \
+        ("<i4", [2, 3], 24)
+    assert (described["nan"]["repr"], described["ids"]["len"], described["ids"]["repr"]) == ("nan", 2, "{1, 2}")
+    for name in ("raw", "pickled", "nan", "array", "scalar"):  # the standard library and numpy read them
+        value = _read_as_described(path, "meta", name)
+        assert repr(value) == repr(values[name]) and type(value) is type(values[name]), name
+    assert _read_as_described(path, "meta", "buffer").getvalue() == torch_saved.getvalue()
+    assert "decode_value" in described["ids"]["read"]  # a set's items are tagged JSON: dcp_zarr's decoder reads them
+
+
+def test_a_value_named_as_the_groups_own_attribute_is_described_with_its_value(tmp_path):
+    path = str(tmp_path / "named.zarr")
+    save_plain({"meta": {"dcp_zarr": 5, "epoch": 1}}, path)
+
+    attrs = zarr.open_group(path, mode="r")["meta"].attrs
+    assert attrs["epoch"] == 1 and attrs["dcp_zarr"]["values"]["dcp_zarr"]["repr"] == "5"
+    assert open_checkpoint(path).read_value("meta.dcp_zarr") == 5
 
 
 def test_a_root_value_named_as_the_manifest_is_left_out_and_loads_back(tmp_path):
@@ -209,6 +260,9 @@ def test_group_attributes_follow_the_state_dicts_order_and_skip_tensors_and_obje
     }
     attributes = group_attributes(entries, ["top", "g.a", "g.t", "g.o", "g.b", "h.nan"])
 
-    assert attributes == {"": {"top": "x"}, "g": {"a": [1], "b": 2}}  # h: its one value left out
+    nan = {"entry": "h.nan", "kind": "float", "repr": "nan",
+           "read": "float(manifest['entries']['h.nan']['value']['__float__'])"}
+    assert attributes == {"": {"top": "x"}, "g": {"a": [1], "b": 2}, "h": {"dcp_zarr": {"values": {"nan": nan}}}}
     assert list(attributes["g"]) == ["a", "b"]
+    assert group_attributes({"nan": ValueEntry("nan", ("nan",), "nan", {"__float__": "nan"})}) == {}  # the manifest
     assert group_attributes({"t": entries["g.t"]}) == {}
