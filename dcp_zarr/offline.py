@@ -6,7 +6,9 @@
     state = ckpt.load_full_state_dict()               # {"model": {...}, "optim": {...}}, unsharded
 
 Everything goes through the same checked paths as ``ZarrReader`` (``store_io/chunks.RegionReader``): every chunk read is
-verified against its crc32c, and non-tensor values are only ever ``torch.load``-ed with ``weights_only=True``.
+verified against its crc32c, and non-tensor values are only ever ``torch.load``-ed with ``weights_only=True``. Regions
+are read as ``ZarrReader`` reads them too: in row pieces (``RegionReader.read_jobs``) on ``store_io/scheduler``'s
+threads, within the storage's requests and bytes in flight.
 
 Opening, listing and ``read_array`` (numpy) never import torch, so ``dcp-zarr inspect``, ``verify`` and ``diff`` run
 where torch is not installed, and start in well under a second where it is. Only what returns torch objects
@@ -19,9 +21,10 @@ import difflib
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import EllipsisType
 from typing import TYPE_CHECKING
 
@@ -37,13 +40,10 @@ from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io.chunks import RegionReader
 from dcp_zarr.store_io.entry_data import stored_object_bytes, stored_value, tensor_reader
 from dcp_zarr.store_io.root_document import read_manifest
+from dcp_zarr.store_io.scheduler import run_storage_jobs
 
 if TYPE_CHECKING:
     import torch
-
-# A tensor is read in row blocks of about this many bytes, concurrently: enough requests in flight to keep an
-# object store busy, few enough that a local read is not dominated by scheduling.
-_READ_BLOCK_BYTES = 16 << 20
 
 # torch's own checkpoint directories hold this file (dcp_dir.py reads them; noticing one needs no torch).
 DCP_METADATA_FILE = ".metadata"
@@ -182,7 +182,7 @@ class Checkpoint:
         assert entry.shape is not None  # every tensor entry records its shape
         offsets, sizes, squeeze = region_box(entry.shape, region, entry.fqn)
         out = np.empty(sizes, dtype=entry.numpy_dtype)
-        if out.size or out.ndim == 0:
+        if out.size:  # a region without elements touches no chunk, nor the array's zarr.json (0-d arrays have one)
             self._read_box(entry, offsets, out)
         return out.reshape([n for n, drop in zip(sizes, squeeze) if not drop]) if any(squeeze) else out
 
@@ -213,19 +213,29 @@ class Checkpoint:
         ``prefix=("model",)`` loads only the model weights. Needs memory for all of it, like ``torch.load``.
         """
         chosen = [e for e in self.entries.values() if prefix is None or tuple(e.path[: len(prefix)]) == tuple(prefix)]
-        # Large tensors one after another (each is read in concurrent row blocks); everything else - the many
-        # small tensors and values, one round trip each on an object store - concurrently.
-        large = [e for e in chosen if e.kind == TENSOR and e.nbytes >= _READ_BLOCK_BYTES]
-        small = [e for e in chosen if not (e.kind == TENSOR and e.nbytes >= _READ_BLOCK_BYTES)]
-        values = {}
+        arrays = {e.fqn: _blank_array(e) for e in chosen if e.kind == TENSOR}
+        self._open_readers([e for e in chosen if e.fqn in arrays and arrays[e.fqn].size])
+        # Every tensor's row pieces and every value in one run, as ZarrReader reads: small reads batched, large ones
+        # in pieces, within the storage's requests and bytes in flight.
+        jobs: list[tuple[int, Callable]] = []
+        value_jobs: dict[str, int] = {}
+        for entry in chosen:
+            out = arrays.get(entry.fqn)
+            if out is None:
+                value_jobs[entry.fqn] = len(jobs)
+                jobs.append((entry.nbytes, partial(self.read_value, entry)))
+            elif out.size:  # a tensor without elements touches no chunk, nor its zarr.json
+                jobs += self.region_reader(entry).read_jobs([0] * out.ndim, out)
         with progress_bar(sum(e.nbytes for e in chosen), "loading", enabled=progress) as bar:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="dcp-zarr-offline") as pool:
-                for entry, value in zip(small, pool.map(self.read, small)):
-                    values[entry.fqn] = value
-                    bar.update(entry.nbytes)
-            for entry in large:
-                values[entry.fqn] = self.read_tensor(entry)
-                bar.update(entry.nbytes)
+            results = self._run(jobs if progress is False else _counted(jobs, bar.update))
+        values = {fqn: results[at] for fqn, at in value_jobs.items()}
+        if arrays:
+            from dcp_zarr.format.torch_arrays import numpy_as_tensor
+
+            for fqn, array in arrays.items():
+                dtype = self.entries[fqn].dtype
+                assert dtype is not None  # every tensor entry records its dtype
+                values[fqn] = numpy_as_tensor(array, dtype)  # shares the array's memory: no copy
         state: dict = {}
         for entry in chosen:
             set_by_path(state, entry.path, values[entry.fqn])
@@ -240,28 +250,19 @@ class Checkpoint:
                                                               checked=self.manifest.checked_copies.get(entry.node))
         return reader
 
+    def _open_readers(self, entries: list[Entry]) -> None:
+        """The region readers of ``entries``; where an array's zarr.json must be read (a store without consolidated
+        copies), read concurrently: one after another they would be a round trip per tensor on an object store."""
+        missing = [e for e in entries if e.fqn not in self._readers]
+        if any(e.node not in self.manifest.checked_copies for e in missing):
+            self._run([(0, partial(self.region_reader, e)) for e in missing])
+
     def _read_box(self, entry: Entry, offsets: list[int], out: np.ndarray) -> None:
-        reader = self.region_reader(entry)
-        if out.ndim == 0:
-            reader.read_into(offsets, out)
-            return
-        # Row blocks aligned to the stored (inner) chunks, so no chunk is fetched by two blocks.
-        step = reader.layout.inner_chunk_shape[0]
-        row_bytes = max(1, out[0].nbytes)
-        step *= max(1, _READ_BLOCK_BYTES // (step * row_bytes))
-        start, stop = offsets[0], offsets[0] + out.shape[0]
-        cuts = [start, *range((start // step + 1) * step, stop, step), stop]
-        blocks = [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        self._run(self.region_reader(entry).read_jobs(offsets, out))
 
-        def read_block(block):
-            a, b = block
-            reader.read_into([a, *offsets[1:]], out[a - start : b - start])
-
-        if len(blocks) == 1:
-            read_block(blocks[0])
-            return
-        with ThreadPoolExecutor(min(self.thread_count, len(blocks)), thread_name_prefix="dcp-zarr-offline") as pool:
-            list(pool.map(read_block, blocks))
+    def _run(self, jobs: Sequence[tuple[int, Callable]]) -> list:
+        """Jobs on the scheduler ZarrReader uses, within the storage's requests and bytes in flight."""
+        return run_storage_jobs(self.storage, jobs, self.thread_count, name="dcp-zarr-offline")
 
     def _stored_value(self, entry: Entry):
         return stored_value(self.storage, self.manifest.entries[entry.fqn], entry.fqn, self.safe_globals,
@@ -303,6 +304,24 @@ def refuse_a_file(local: str) -> None:
     fail with "[Errno 20] Not a directory"."""
     if os.path.isfile(local):
         raise NotACheckpointError(f"{local} is a file, not a checkpoint directory (a zarr store or a DCP directory)")
+
+
+def _blank_array(entry: Entry) -> np.ndarray:
+    assert entry.shape is not None  # every tensor entry records its shape
+    return np.empty(entry.shape, dtype=entry.numpy_dtype)
+
+
+def _counted(jobs: Sequence[tuple[int, Callable]], update: Callable[[int], object]) -> list[tuple[int, Callable]]:
+    """``jobs``, each calling ``update`` with its bytes once done (a progress bar's, from the threads in turn)."""
+    lock = threading.Lock()
+
+    def counted(nbytes: int, job: Callable):
+        result = job()
+        with lock:
+            update(nbytes)
+        return result
+
+    return [(nbytes, partial(counted, nbytes, job)) for nbytes, job in jobs]
 
 
 def set_by_path(root: dict, path: Sequence, value) -> None:
