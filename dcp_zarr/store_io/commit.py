@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 
-from dcp_zarr.errors import CheckpointExistsError, NotACheckpointError
+from dcp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError
 from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 from dcp_zarr.store_io.root_document import read_manifest
@@ -49,20 +49,27 @@ def remove_staging_dir(staging: str) -> None:
         pass
 
 
-def check_target(target: str, storage_options: dict | None, overwrite: bool, *, retry=None) -> None:
-    """Refuse before anything is written if the target holds data we must not replace."""
+def check_target(target: str, storage_options: dict | None, overwrite: bool, *, retry=None,
+                 replace_interrupted: bool = False) -> None:
+    """Refuse before anything is written if the target holds data we must not replace. ``overwrite``: a complete
+    checkpoint may be replaced; ``replace_interrupted``: so may an interrupted save (the writer's ``overwrite=True``,
+    given explicitly: nothing replaces one by default, so that a store no save finished is never lost unasked)."""
     if is_local(target):
         path = local_path(target)
         if not os.path.exists(path):
             return
         if not os.path.isdir(path):
-            raise CheckpointExistsError(f"{path} exists and is not a directory; refusing to replace it")
+            raise CheckpointExistsError(
+                f"{path} is a file, not a checkpoint directory; a save there would replace it, so it is refused. "
+                "Save to another path, or remove the file first")
         if not os.listdir(path):
             return
-    check_stored(open_storage(target, storage_options, read_only=True, retry=retry), overwrite, target)
+    check_stored(open_storage(target, storage_options, read_only=True, retry=retry), overwrite, target,
+                 replace_interrupted=replace_interrupted)
 
 
-def check_stored(storage: Storage, overwrite: bool, target: str | None = None) -> None:
+def check_stored(storage: Storage, overwrite: bool, target: str | None = None, *,
+                 replace_interrupted: bool = False) -> None:
     """``check_target`` once the storage is open (a zarr store object a writer was given is only that)."""
     target = target or storage.url
     local = isinstance(storage, LocalStorage)
@@ -76,19 +83,39 @@ def check_stored(storage: Storage, overwrite: bool, target: str | None = None) -
                 f"({', '.join(map(repr, sorted(foreign)[:3]))}); a save there would delete it, so it is refused. "
                 "Point the writer at a prefix of its own")
         return
+    if local and not storage.exists(ROOT_KEY):
+        keys = storage.first_keys(_KEYS_CHECKED)
+        if keys and all(_SAVE_KEY.search(key) for key in keys):  # groups and arrays, no commit: a save that stopped
+            if replace_interrupted:
+                return
+            raise CheckpointExistsError(interrupted_save(
+                target, local, "it has groups and arrays but no root zarr.json, which a save writes last"))
     try:
         read_manifest(storage)
+    except IncompleteCheckpointError as exc:
+        if replace_interrupted:
+            return
+        raise CheckpointExistsError(interrupted_save(target, local, str(exc))) from None
     except NotACheckpointError as exc:
         raise CheckpointExistsError(
-            f"{target} already holds data that is not a dcp_zarr checkpoint ({exc}); refusing to replace it"
+            f"{target} holds data that is not a dcp_zarr checkpoint ({exc}); a save there would replace it, so it is "
+            "refused, with overwrite=True too. Save to a new or empty path, or move that data away first"
         ) from None
     if not overwrite:
         raise CheckpointExistsError(
             f"Checkpoint already exists: {target} already holds a checkpoint; pass overwrite=True to ZarrWriter to "
             "replace it (on an object store the old checkpoint is deleted before the new one is written, which is "
             "why it is not replaced by default there; on a file system it is swapped out once the new one is "
-            "complete)"
+            "complete), or save to another path"
         )
+
+
+def interrupted_save(target: str, local: bool, why: str) -> str:
+    """What refusing to save over an interrupted dcp_zarr save says: what the store is, and the two ways on."""
+    removal = f"rm -r {local_path(target)}" if local else "delete every key under that prefix"
+    return (f"{target} holds an interrupted dcp_zarr save, not a checkpoint ({why}): its save stopped before the "
+            "commit, so nothing loads it, and a save there does not replace it unasked. Remove it "
+            f"({removal}), or save with overwrite=True (ZarrWriter(..., overwrite=True)) to replace it")
 
 
 def prepare_staging(staging: Storage) -> None:
@@ -134,7 +161,8 @@ def commit(staging: Storage, target: str, replace: bool = False) -> None:
         remove_staging_dir(source)
         raise CheckpointExistsError(
             f"Checkpoint already exists: {final} was written by someone else while this save ran; refusing to "
-            "replace it (overwrite=False)"
+            "replace it (overwrite=False), this save was discarded. Load that checkpoint, or save again with "
+            "overwrite=True to replace it"
         ) from None
     _fsync_directory(os.path.dirname(final))
     remove_staging_dir(source)

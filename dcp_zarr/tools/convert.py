@@ -57,7 +57,8 @@ def dcp_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bo
                 storage_options: dict | None = None, thread_count: int = 4) -> None:
     """Re-save a DCP directory as a zarr store with ``ZarrWriter`` (unsharded: it is read whole into memory)."""
     source = DcpCheckpoint(src)  # checks every .distcp file is there before anything is written
-    commit.check_target(os.fspath(dst), storage_options, overwrite)  # refuse now, not after a long read
+    # refuse now, not after a long read; --overwrite is explicit, so it replaces an interrupted save too
+    commit.check_target(os.fspath(dst), storage_options, overwrite, replace_interrupted=overwrite)
     state = source.load_full_state_dict()
     writer = ZarrWriter(dst, storage_options=storage_options, overwrite=overwrite, thread_count=thread_count)
     with warnings.catch_warnings():
@@ -165,14 +166,16 @@ def _check_local_output(dst: str | os.PathLike, overwrite: bool) -> str:
         return target
     if not overwrite:
         raise CheckpointExistsError(
-            f"Checkpoint already exists: {target}; pass --overwrite (overwrite=True) to replace it")
+            f"Checkpoint already exists: {target}; a conversion replaces an output only when asked: pass "
+            "--overwrite (overwrite=True) to replace it, or choose another output path")
     if os.path.isdir(target):
         # Only a directory holding nothing but a previous safetensors export is ours to replace.
         foreign = [n for n in os.listdir(target) if not (n.endswith(".safetensors") or n == SAFETENSORS_INDEX)]
         if foreign:
             raise CheckpointExistsError(
-                f"{target} is a directory holding other files ({', '.join(sorted(foreign)[:3])}); "
-                "refusing to replace it")
+                f"{target} is a directory holding other files ({', '.join(sorted(foreign)[:3])}), not a previous "
+                "safetensors export; refusing to replace it, with --overwrite too. Choose another output path, or "
+                "move those files away")
     return target
 
 
