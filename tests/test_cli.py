@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -106,6 +107,9 @@ def test_help_inspect_verify_and_diff_of_zarr_stores_run_where_torch_cannot_be_i
     assert _without_torch(tmp_path, "--help").returncode == 0
     done = _without_torch(tmp_path, "inspect", "a.zarr")
     assert done.returncode == 0, done.stderr
+    assert "bfloat16" in done.stdout and "extra.size = torch.save bytes, " in done.stdout
+    done = _without_torch(tmp_path, "inspect", "a.zarr", "--tree")
+    assert done.returncode == 0, done.stderr
     assert "bfloat16" in done.stdout and "object  " in done.stdout and "(torch.save bytes)" in done.stdout
     done = _without_torch(tmp_path, "inspect", "a.zarr", "--json")
     assert done.returncode == 0 and {e["fqn"] for e in json.loads(done.stdout)["entries"]} >= {"model.w", "extra.size"}
@@ -155,8 +159,8 @@ def test_the_looking_modules_do_not_import_torch():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context(saved, capsys):
-    code, out, _ = run(capsys, "inspect", saved[0])
+def test_inspect_tree_shows_shapes_dtypes_chunks_and_the_saving_context(saved, capsys):
+    code, out, _ = run(capsys, "inspect", saved[0], "--tree")
 
     assert code == 0
     assert "saved world size: 2, state_dict_type: sharded, meshes: 2" in out
@@ -165,7 +169,7 @@ def test_inspect_shows_the_tree_with_shapes_dtypes_chunks_and_the_saving_context
     assert "model/" in lines and "optim/" in lines
     embed = next(line for line in lines if line.strip().startswith("embed.weight"))
     assert "float32" in embed and "[17, 13]" in embed
-    assert "chunks 18x13 x1 (inner 9x13)" in embed and "DTensor(S(0))" in embed
+    assert "1 shard 18x13, chunks 9x13" in embed and "DTensor(S(0))" in embed
 
 
 @pytest.mark.slow
@@ -195,7 +199,7 @@ def _listed(out: str) -> list[str]:
 
 
 def test_inspect_sorts_names_naturally_in_the_tree_and_the_json(layered, capsys):
-    code, out, _ = run(capsys, "inspect", layered)
+    code, out, _ = run(capsys, "inspect", layered, "--tree")
 
     assert code == 0
     assert _listed(out)[:6] == ["layers.1.b", "layers.1.w", "layers.2.b", "layers.2.w", "layers.10.b", "layers.10.w"]
@@ -235,7 +239,103 @@ def test_inspect_depth_groups_names_by_their_first_components(layered, capsys):
     assert summary["groups"] == [{"name": "model", "entries": 3, "tensors": 3, "nbytes": 48}]
 
 
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """817 entries (a 100-layer model's 200 tensors, AdamW's 600 and its param group, a trainer's values), saved with
+    the optimizer's state dict nested and flattened (2,205 hyperparameter values, one per parameter)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(100)])
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    root = tmp_path_factory.mktemp("large")
+    for form in ("nested", "flat"):
+        model_sd, optim_sd = get_state_dict(model, optim,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=form == "flat"))
+        _save(root / f"{form}.zarr", {"model": model_sd, "optim": optim_sd,
+                                      "train_state": {"step": 10, "ntokens_seen": 1280},
+                                      "dataloader": {"dp_rank_0": pickle.dumps({"position": 7}), "world_size": 1},
+                                      "lr_scheduler": {"last_epoch": 10}})
+    return root
+
+
+def test_inspect_of_800_entries_fits_a_screen_with_groups_dtypes_and_values(large, capsys):
+    code, out, _ = run(capsys, "inspect", large / "nested.zarr")
+
+    lines = out.splitlines()
+    assert code == 0 and len(lines) <= 60, out
+    assert "  entries: 817 (800 tensors, 24.2 KiB; 17 other values)" in lines
+    table = lines[lines.index("") + 1:lines.index("values:") - 1]
+    assert table[0].split() == ["group", "entries", "tensors", "bytes", "dtypes"]
+    assert [row.split()[:3] for row in table[1:]] == [
+        ["dataloader", "2", "0"], ["lr_scheduler", "1", "0"], ["model", "200", "200"],
+        ["optim.param_groups", "12", "0"], ["optim.state", "600", "600"], ["train_state", "2", "0"]]
+    assert table[3].endswith("7.8 KiB  float32")
+    for line in ("  train_state.step = 10", "  train_state.ntokens_seen = 1280", "  lr_scheduler.last_epoch = 10",
+                 "  optim.param_groups.0.lr = 0.0003", "  optim.param_groups.0.betas = (0.9, 0.999)",
+                 f"  dataloader.dp_rank_0 = {len(pickle.dumps({'position': 7}))} bytes"):
+        assert line in lines, line
+    assert lines[-1].startswith("every entry: --tree; ")
+    code, out, _ = run(capsys, "inspect", large / "nested.zarr", "--tree")
+    assert code == 0 and len(out.splitlines()) > 817
+
+
+def test_inspect_merges_a_flattened_optimizers_hyperparameters_under_a_glob(large, capsys):
+    code, out, _ = run(capsys, "inspect", large / "flat.zarr")
+
+    lines = out.splitlines()
+    assert code == 0 and len(lines) <= 60, out
+    assert "  optim.param_groups.*.lr = 0.0003  (x200)" in lines
+    assert ["optim.param_groups", "2200", "0", "0", "B", "-"] in [line.split() for line in lines]
+    code, out, _ = run(capsys, "inspect", large / "flat.zarr", "--json", "--filter", "optim.param_groups.*.lr")
+    assert json.loads(out)["matched_count"] == 200  # the glob shown is one --filter takes
+
+
+def test_inspect_names_chunks_and_shards_as_zarr_python_does(tmp_path, capsys):
+    path = tmp_path / "sharded.zarr"
+    dcp.save({"w": torch.randn(64, 32), "v": torch.randn(6, 2), "s": torch.tensor(1.0)}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(path, inner_chunk_bytes=1024))  # w: one shard of 8-row chunks
+    arrays = zarr.open_group(path, mode="r")
+    w, v = arrays["w"], arrays["v"]
+    assert (w.chunks, w.shards, v.chunks, v.shards) == ((8, 32), (64, 32), (6, 2), None)
+
+    code, out, _ = run(capsys, "inspect", path, "--tree")
+    rows = {line.split()[0]: line for line in out.splitlines()[6:]}
+    assert code == 0 and rows["w"].endswith("1 shard 64x32, chunks 8x32")
+    assert rows["v"].endswith("1 chunk 6x2") and rows["s"].endswith("1 chunk (a scalar)")
+    code, out, _ = run(capsys, "inspect", path, "--json")
+    entries = {e["fqn"]: e for e in json.loads(out)["entries"]}
+    assert (entries["w"]["zarr_chunks"], entries["w"]["zarr_shards"]) == ([8, 32], [64, 32])
+    assert (entries["v"]["zarr_chunks"], entries["v"]["zarr_shards"]) == ([6, 2], None)
+
+
+def test_the_summary_keeps_the_largest_groups_when_the_first_names_alone_are_too_many():
+    from dcp_zarr.tools.summary import summary_groups
+
+    rows = [{"fqn": f"w{i}", "kind": "tensor", "nbytes": i, "dtype": "float32"} for i in range(30)]
+
+    groups = summary_groups(rows, limit=5)
+
+    assert [g["name"] for g in groups] == ["w26", "w27", "w28", "w29", "(26 others)"]
+    assert (groups[-1]["entries"], groups[-1]["nbytes"], groups[-1]["dtypes"]) == (26, sum(range(26)), ["float32"])
+
+
+def test_the_summary_shows_the_values_nearest_the_root_when_not_all_fit():
+    from dcp_zarr.tools.summary import shown_values, summary_values
+
+    rows = [{"fqn": f"optim.param_groups.0.k{i}", "kind": "value", "nbytes": 0, "value": i} for i in range(30)]
+    rows += [{"fqn": "train_state.step", "kind": "value", "nbytes": 0, "value": 10}]
+
+    shown, left_out = shown_values(summary_values(rows), limit=5)
+
+    assert [v["name"] for v in shown] == [f"optim.param_groups.0.k{i}" for i in range(3)] + ["train_state.step"]
+    assert left_out == 27
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--tree", "--depth", "2"], "argument --depth: not allowed with argument --tree"),
     (["--filter", "layers.[12"], "argument --filter: bad glob pattern: 'layers.[12' has an unclosed '['"),
     (["--filter", ""], "argument --filter: bad glob pattern: the pattern is empty"),
     (["--depth", "0"], "argument --depth: expected a positive number of name components, got '0'"),

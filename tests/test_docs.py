@@ -12,9 +12,12 @@ subcommand. Relative links between the pages must point at files (and headings) 
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
+import subprocess
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -129,6 +132,29 @@ def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch, reques
                 pytest.fail(f"the python block at {block.where} raised:\n{traceback.format_exc()}", pytrace=False)
             ran += 1
     assert ran, f"{page.relative_to(ROOT)}: every python block is skipped"
+
+
+# The modules of dcp_zarr that zarr-python imports itself, through the entry points of dcp_zarr's data types
+ZARR_ENTRY_POINT_MODULES = {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.version", "dcp_zarr.format",
+                            "dcp_zarr.format.zarr_dtypes", "dcp_zarr.format.dtype_table"}
+
+
+def test_the_cli_page_reads_a_training_checkpoint_with_zarr_python_alone(tmp_path, monkeypatch):
+    """docs/offline-and-cli.md's read_with_zarr.py, run where torch cannot be imported, against the checkpoint the
+    page's first block saves: tensors, a trainer's values and a dataloader's bytes, with zarr-python alone."""
+    setup, *rest = python_blocks(ROOT / "docs" / "offline-and-cli.md")
+    alone = next(block for block in rest if block.code.startswith("# read_with_zarr.py"))
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
+        exec(compile(setup.code, setup.where, "exec"), {"__name__": "__doc_test__"})
+
+    script = ("import sys\nsys.modules['torch'] = None  # `import torch` raises\n" + alone.code
+              + "print(sorted(m for m in sys.modules if m.startswith('dcp_zarr')))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    assert done.returncode == 0, f"{alone.where}:\n{done.stderr}"
+    assert set(ast.literal_eval(done.stdout.splitlines()[-1])) <= ZARR_ENTRY_POINT_MODULES
 
 
 def test_each_skipped_block_names_a_test_that_exists():

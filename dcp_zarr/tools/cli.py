@@ -70,7 +70,8 @@ def _inspect(args) -> int:
     from dcp_zarr.tools.inspection import format_summary, summarize
 
     summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
-    print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
+    # entries a filter picks are listed: asking for them is asking to see them
+    print(json.dumps(summary, indent=1) if args.json else format_summary(summary, tree=args.tree or bool(args.filter)))
     return OK
 
 
@@ -225,15 +226,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dcp-zarr {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("inspect", parents=[common], help="entries, shapes, dtypes, chunk layout, saving context")
+    p = commands.add_parser("inspect", parents=[common],
+                            help="a summary (groups, bytes, dtypes, values) and the saving context; every entry with "
+                                 "--tree")
     p.add_argument("path", help="checkpoint directory or URL (s3://bucket/ckpt.zarr)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="machine-readable output: every entry, whatever the view")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument("--tree", action="store_true",
+                      help="every entry: dtype, shape, bytes, chunks and shards, DTensor placements, values")
+    view.add_argument("--depth", type=_positive_int, metavar="N",
+                      help="groups of names by their first N dot-separated components, with entry counts and bytes "
+                           "(like du --max-depth)")
     p.add_argument("--filter", action="append", type=_glob, metavar="PATTERN",
                    help="list only entries whose whole name matches this shell-style glob, e.g. '*.exp_avg' "
-                        "(* matches dots too); repeatable: any of them")
-    p.add_argument("--depth", type=_positive_int, metavar="N",
-                   help="instead of every entry, groups of names by their first N dot-separated components, with "
-                        "entry counts and bytes (like du --max-depth)")
+                        "(* matches dots too), as a tree (or as --depth groups); repeatable: any of them")
     p.set_defaults(run=_inspect)
 
     p = commands.add_parser("verify", parents=[common], help="complete, every chunk present and its crc32c intact?")

@@ -1,18 +1,22 @@
-"""What ``dcp-zarr inspect`` shows: every entry with its shape, dtype, size and chunk layout, and the save's context
-(world size, meshes, state_dict_type, optimizer steps). Built from the manifest; only step scalars are read.
-Which entries are listed, in what order and how grouped (``--filter``, ``--depth``) is ``listing.py``'s."""
+"""What ``dcp-zarr inspect`` shows: the save's context (world size, meshes, state_dict_type, optimizer steps), then a
+summary that fits a screen (summary.py), the tree of every entry with its shape, dtype, size and chunk layout
+(``--tree``, or the entries ``--filter`` picks), or groups at a fixed depth (``--depth``). Built from the manifest;
+only step scalars are read. Which entries are listed, in what order and how grouped is ``listing.py``'s.
+
+Chunks and shards are named as zarr-python names them: an array's ``chunks`` are what one read decodes (the inner
+chunks of a sharded array, ``Array.chunks``), its ``shards`` the stored objects that hold several (``Array.shards``).
+The manifest's ``chunk_shape`` is the stored grid: the shards of a sharded array, the chunks of any other."""
 
 from __future__ import annotations
 
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_zarr.errors import TorchNotImportableError
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.manifest import TENSOR, ValueEntry
-from dcp_zarr.format.values import decode_value
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.tools.listing import depth_groups, matches, natural_key, node_key
+from dcp_zarr.tools.summary import shown_values, summary_groups, summary_values, value_text
 
 
 def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
@@ -55,10 +59,12 @@ def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int
                "nbytes": entry.nbytes}
         if entry.kind == TENSOR:
             assert entry.dtype_name is not None and entry.shape is not None and entry.chunk_shape is not None
+            inner = [entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None
             row.update(
                 dtype=entry.dtype_name.removeprefix("torch."), shape=list(entry.shape),
-                chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry),
-                inner_chunk_shape=[entry.inner_chunk_rows, *entry.chunk_shape[1:]] if entry.inner_chunk_rows else None,
+                chunk_shape=list(entry.chunk_shape), chunks=chunk_count(entry), inner_chunk_shape=inner,
+                # zarr-python's words: Array.chunks (what one read decodes) and Array.shards (None: unsharded)
+                zarr_chunks=inner or list(entry.chunk_shape), zarr_shards=list(entry.chunk_shape) if inner else None,
                 saved_shards=entry.saved_shards, source=entry.source)
         elif entry.kind == "value":
             stored = ckpt.manifest.entries[entry.fqn]
@@ -90,8 +96,9 @@ def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int
     }
 
 
-def format_summary(summary: dict) -> str:
-    """The human-readable tree of ``summarize``'s result."""
+def format_summary(summary: dict, *, tree: bool = False) -> str:
+    """``summarize``'s result for people: its groups with ``depth``, else every entry's tree with ``tree``, else the
+    summary of summary.py (at most 55 lines)."""
     lines = [summary["path"]]
     versions = ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
     lines.append(f"  format: dcp_zarr v{summary['format_version']}, saved by {versions}, save id {summary['save_id']}")
@@ -111,9 +118,29 @@ def format_summary(summary: dict) -> str:
     lines.append("")
     if "groups" in summary:
         lines.extend(_group_lines(summary["groups"], summary["depth"]))
-    else:
+    elif tree:
         lines.extend(_tree_lines(summary["entries"]))
+    else:
+        lines.extend(_summary_lines(summary["entries"]))
     return "\n".join(lines)
+
+
+def _summary_lines(entries: list[dict]) -> list[str]:
+    groups = summary_groups(entries)
+    width = max([len("group")] + [len(g["name"]) for g in groups])
+    lines = [f"{'group'.ljust(width)}  {'entries':>7}  {'tensors':>7}  {'bytes':>10}  dtypes"]
+    for g in groups:
+        lines.append(f"{g['name'].ljust(width)}  {g['entries']:>7}  {g['tensors']:>7}  "
+                     f"{human_bytes(g['nbytes']):>10}  {', '.join(g['dtypes']) or '-'}")
+    values = summary_values(entries)
+    if values:
+        shown, left_out = shown_values(values)
+        lines += ["", "values:"]
+        lines += [f"  {v['name']} = {v['value']}" + (f"  (x{v['count']})" if v["count"] > 1 else "") for v in shown]
+        if left_out:
+            lines.append(f"  ... and {left_out} more, deeper in the tree (--tree lists them)")
+    lines += ["", "every entry: --tree; groups of the first N name components: --depth N; some entries: --filter GLOB"]
+    return lines
 
 
 def _format_steps(steps: dict) -> str:
@@ -158,20 +185,26 @@ def _tree_lines(entries: list[dict]) -> list[str]:
 
 def _describe(row: dict) -> str:
     if row["kind"] == "value":
-        value = decode_value(row["value"])
-        text = f"BytesIO of {value.getbuffer().nbytes} bytes" if isinstance(value, io.BytesIO) else repr(value)
-        return f"value  {text if len(text) <= 60 else text[:57] + '...'}"
+        return f"value  {value_text(row)}"
     if row["kind"] == "object":
         return f"object  {human_bytes(row['nbytes'])} (torch.save bytes)"
     shape = "[" + ", ".join(map(str, row["shape"])) + "]"
-    layout = "x".join(map(str, row["chunk_shape"])) or "scalar"
-    text = f"{row['dtype']:<13} {shape:<14} {human_bytes(row['nbytes']):>10}  chunks {layout} x{row['chunks']}"
-    if row["inner_chunk_shape"]:
-        text += " (inner " + "x".join(map(str, row["inner_chunk_shape"])) + ")"
+    text = f"{row['dtype']:<13} {shape:<14} {human_bytes(row['nbytes']):>10}  {_layout(row)}"
     source = row.get("source") or {}
     if source.get("type") == "dtensor":
         text += "  DTensor(" + ", ".join(source.get("placements", [])) + ")"
     return text
+
+
+def _layout(row: dict) -> str:
+    """``2 chunks 8x4``, or ``1 shard 18x13, chunks 9x13``: zarr-python's words (module docstring)."""
+    if not row["chunk_shape"]:
+        return "1 chunk (a scalar)"
+    stored = "x".join(map(str, row["chunk_shape"]))
+    if row["inner_chunk_shape"]:
+        inner = "x".join(map(str, row["inner_chunk_shape"]))
+        return f"{_plural(row['chunks'], 'shard')} {stored}, chunks {inner}"
+    return f"{_plural(row['chunks'], 'chunk')} {stored}"
 
 
 def human_bytes(n: float) -> str:
