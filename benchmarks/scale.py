@@ -49,6 +49,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.format.manifest import Manifest
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, check_summaries
+from dcp_zarr.saving.locally_planned import LocallyPlannedSave
 
 HIDDEN, LOAD_WORLD_SIZE = 4096, 128
 _PROPS = TensorProperties(dtype=torch.bfloat16)
@@ -341,6 +342,12 @@ class FakeRank:
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         return writer
 
+    def coordinator(self, name: str) -> ZarrWriter:
+        """A coordinator's writer for the gathered Summaries: its own local plan made first, as in a save."""
+        writer = self.writer(name)
+        self.local_plan(writer, timing=False, cold=False)
+        return writer
+
     def local_plan(self, writer: ZarrWriter, timing: bool = True, cold: bool = True) -> tuple[SavePlan, dict]:
         """ZarrSavePlanner's local plan and ZarrWriter.prepare_local_plan, from cold caches if ``cold``: (the plan DCP
         gathers, times). ``timing``: collect garbage first (it costs more than planning when only bytes count)."""
@@ -358,9 +365,11 @@ class FakeRank:
         return sent, {"create_local_plan_s": planned - start, "prepare_local_plan_s": time.perf_counter() - planned}
 
     def rank_writes(self, writer: ZarrWriter, ticket) -> tuple[float, list]:
-        array_shards = writer._open(ticket.staging_location).writes_at_offsets
+        save = writer._save
+        assert isinstance(save, LocallyPlannedSave)
+        array_shards = save.settings.open(ticket.staging_location).writes_at_offsets
         start = time.perf_counter()
-        items, _ = writer._local.rank_writes(ticket, writer.inner_chunk_bytes, array_shards)
+        items, _ = save.local.rank_writes(ticket, writer.inner_chunk_bytes, array_shards)
         return time.perf_counter() - start, items
 
 
@@ -403,7 +412,7 @@ def zarr_wire(layout: str, world: int, entries: int) -> dict:
             metadata = metadata or found
         plans = _all_summaries(layout, world, summaries)
         with FakeRank(tensors[:1], layout, world, 0, work) as fake:  # the coordinator's writer needs only the group
-            replies = fake.writer("coordinator.zarr").prepare_global_plan(plans)
+            replies = fake.coordinator("coordinator.zarr").prepare_global_plan(plans)
         results = [pickled(_report(held[_representative(layout, r)])) for r in range(world)]
         one = DefaultSavePlanner().create_global_plan(save_plans(tensors[:1], "fsdp", 1))[1]
         load = pickled(ZarrReader(os.path.join(work, "none.zarr")).prepare_local_plan(
@@ -439,7 +448,7 @@ def rank_planning(layout: str, worlds: list[int], entries: int, repeats: int) ->
                 sent, found = fake.local_plan(writer)
                 plans = _all_summaries(layout, world, {r: sent.storage_data._replace(rank=r) for r in
                                                        {_representative(layout, r) for r in range(world)}})
-                ticket = fake.writer(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
+                ticket = fake.coordinator(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
                 found["rank_writes_s"], items = fake.rank_writes(writer, ticket)
                 found["total_s"], found["writes"] = sum(found.values()), len(items)
                 warm_writer = fake.writer(f"w{world}-{round_}-warm.zarr")  # the next save: caches kept

@@ -297,6 +297,8 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr import ZarrSavePlanner
     from dcp_zarr.collective.needs import needs_digest, rank_needs
     from dcp_zarr.collective.shared_reads import SharedReads
+    from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
+    from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES as INNER
     from dcp_zarr.format.chunk_layout import parent_groups
     from dcp_zarr.format.consolidated import encoded_copy, encoded_root
     from dcp_zarr.format.encoding import array_metadata, group_metadata
@@ -306,8 +308,6 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.planning.protocol import Ticket
     from dcp_zarr.reader import dcp_metadata
     from dcp_zarr.storage.base import Storage
-    from dcp_zarr.writer import DEFAULT_EXCHANGE_BYTES
-    from dcp_zarr.writer import INNER_CHUNK_TARGET_BYTES as INNER
 
     below = Storage.aggregate_below if collective else 0  # an object store's default
     puts, put_bytes, saved = Counter(), Counter(), {}

@@ -24,7 +24,7 @@ LAYERS = [
     ["placement"],  # which rank holds which box
     ["collective"],  # collective I/O: aggregated writes, reads done once
     ["planning"],  # planning a save (locally on every rank, or by DCP's coordinator) and a load's read items
-    ["async_staging"],  # the writer as DCP's AsyncStager
+    ["async_staging", "saving"],  # the writer as DCP's AsyncStager | one save, planned locally or by DCP
     ["writer", "reader"],  # DCP's StorageWriter and StorageReader
     ["optim"],  # optimizer state across key forms
     ["offline", "lifecycle"],  # reading without a process group | a training job's checkpoints

@@ -560,7 +560,7 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
     """Chunks of tensors not in host memory (CUDA) are copied on the IO threads, one job per chunk. With that path
     forced on for CPU tensors (where ``.to("cpu")`` copies nothing), the chunk regions, keys and bookkeeping must give
     the store, byte for byte, that the direct path writes."""
-    import dcp_zarr.writer as writer_module
+    import dcp_zarr.store_io.write_jobs as writer_module
 
     sd = {"big": torch.randn(4096, 300), "t": torch.randn(64, 48).t(), "bf16": torch.randn(37, 5).bfloat16(),
           "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "obj": torch.Size([2])}

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from dcp_zarr.errors import CollectiveIOError
 
+# What an aggregator holds at once, and a rank sends in one round (ZarrWriter's and ZarrReader's exchange_bytes).
+DEFAULT_EXCHANGE_BYTES = 256 << 20
 _TAG = 0x7A52  # "zR": messages of dcp_zarr's collective I/O (gloo matches tags; NCCL orders messages per pair)
 
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from dcp_zarr.errors import PlanMismatchError
+from dcp_zarr.planning.replicas import ranks_text
 
 REPORT_FQN = "__dcp_zarr_rank_report__"  # no state dict has it: node names starting "__" are refused
 
@@ -44,6 +45,18 @@ class RankReport(NamedTuple):
     values: dict  # fqn -> JSON document of each value this rank wrote
     objects: dict  # fqn -> bytes of each torch.save value this rank wrote
     checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
+
+
+def planned_locally(plans: list) -> bool:
+    """Whether the gathered plans are ``Summary`` messages (a save planned on every rank) rather than DCP's plans;
+    raises naming the ranks where some are and some are not."""
+    here = [isinstance(plan.storage_data, Summary) for plan in plans]
+    if any(here) and not all(here):
+        raise PlanMismatchError(
+            f"{ranks_text([r for r, h in enumerate(here) if h])} planned this save locally (DCP's own planner or "
+            f"ZarrSavePlanner) and {ranks_text([r for r, h in enumerate(here) if not h])} through a planner that "
+            "plans for itself: every rank must pass dcp.save a planner of the same kind. Nothing was written")
+    return bool(plans) and here[0]
 
 
 def check_summaries(summaries: list[Summary]) -> tuple[bool, frozenset[str]]:

@@ -1,0 +1,80 @@
+"""The coordinator's two moments of a save, whichever way it was planned: before anything is written (the save's id
+and its staging area), and after every rank wrote (every group's zarr.json, the root's, then the commit)."""
+
+from __future__ import annotations
+
+import uuid
+from functools import partial
+from typing import NamedTuple
+
+from dcp_zarr.format.array_spec import ArraySpec
+from dcp_zarr.format.chunk_layout import parent_groups
+from dcp_zarr.format.consolidated import encoded_copy, encoded_root
+from dcp_zarr.format.encoding import group_metadata
+from dcp_zarr.format.group_attributes import group_attributes
+from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry
+from dcp_zarr.format.optimizer_tables import tables_from_entries
+from dcp_zarr.format.sources import summarize_sources
+from dcp_zarr.saving.settings import SaveSettings
+from dcp_zarr.storage import Storage
+from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.scheduler import run_jobs
+from dcp_zarr.store_io.write_jobs import encoded_array_metadata, object_array_metadata
+from dcp_zarr.version import versions
+
+
+class Begun(NamedTuple):
+    save_id: str
+    staging_location: str
+    storage: Storage  # the staging area, prepared
+    world_size: int
+
+
+def begin(settings: SaveSettings, world_size: int) -> Begun:
+    """The coordinator's choices before anything is written: the save's id and its staging area, prepared."""
+    save_id = uuid.uuid4().hex[:12]
+    location = settings.staging_location(save_id)
+    storage = settings.open(location)
+    commit.prepare_staging(storage)
+    return Begun(save_id, location, storage, world_size)
+
+
+def commit_save(settings: SaveSettings, begun: Begun, entries: dict[str, Entry], key_order: list,
+                specs: dict[str, ArraySpec]) -> None:
+    """Every group's zarr.json, then the root's (the manifest, every node's zarr.json copied), then the commit.
+    A group's values are its attributes too, for zarr tools (format/group_attributes.py). The arrays' zarr.json
+    files were written by the ranks (RankAssignment.describes); ``specs`` makes their copies."""
+    storage = begun.storage
+    attributes = group_attributes(entries, key_order)
+    groups = {group: group_metadata(attributes.get(group))
+              for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
+    run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
+             storage.requests_in_flight(settings.thread_count), storage.batch_bytes)
+    manifest = _manifest(entries, key_order, begun)
+    copies = {group: encoded_copy(document) for group, document in groups.items()}
+    copies.update(_array_copies(entries, specs))
+    root = group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json(), **attributes.get("", {})})
+    storage.write(ROOT_KEY, [encoded_root(root, copies)])
+    commit.commit(storage, settings.path, replace=settings.replaces())
+
+
+def _array_copies(entries: dict[str, Entry], specs: dict[str, ArraySpec]) -> dict[str, str]:
+    """Node -> encoded zarr.json of every array, as the ranks wrote them, for the root's consolidated metadata."""
+    copies = {}
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorEntry):
+            copies[entry.node] = encoded_array_metadata(specs[fqn])  # an array's copy is its zarr.json
+        elif isinstance(entry, ObjectEntry):
+            copies[entry.node] = encoded_copy(object_array_metadata(fqn, entry.node, entry.nbytes))
+    return copies
+
+
+def _manifest(entries: dict[str, Entry], key_order: list, begun: Begun) -> Manifest:
+    # key_order: the saved state dict's own key order (DCP's planner_data), which numbers the params of a
+    # flattened optimizer state dict; entries come in plan order, which deduplication reshuffles.
+    summary = summarize_sources([e.source for e in entries.values() if isinstance(e, TensorEntry)])
+    # Anything in a table that JSON cannot hold fails at save: encoded_root dumps the whole manifest before the
+    # commit.
+    tables = tables_from_entries(entries, key_order)
+    return Manifest(entries=entries, save_id=begun.save_id, versions=versions(), saved_world_size=begun.world_size,
+                    state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables))

@@ -1,0 +1,91 @@
+"""One rank's write items, written: each item's data found through the planner, its jobs built
+(store_io/write_jobs.py) and run; one WriteResult per item."""
+
+from __future__ import annotations
+
+import io
+from functools import partial
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+
+from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.format.sources import SourceDescriptions
+from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
+from dcp_zarr.planning.dcp_plans import RankAssignment
+from dcp_zarr.planning.overrides import keeps_dcps
+from dcp_zarr.storage import Storage
+from dcp_zarr.store_io.write_jobs import NOT_LOOKED_UP, WriteJobs
+
+
+def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssignment, planner: SavePlanner,
+                thread_count: int, with_sources: bool = True) -> tuple[list[WriteResult], list[str]]:
+    """Write ``items`` and the zarr.json of the arrays this rank describes; (one WriteResult per item, the chunk
+    keys written). ``with_sources``: each tensor's result says how it was held (a save DCP planned: its manifest is
+    made from the results)."""
+    jobs = WriteJobs(storage)
+    for fqn in sorted(assignment.describes):
+        jobs.array_metadata(assignment.arrays[fqn])
+    describe_source = SourceDescriptions()
+    resolve = _tensor_resolver(planner)
+    lookup = getattr(planner, "lookup_object", None)
+    results: list[WriteResult] = []
+    for item in items:
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            value = NOT_LOOKED_UP if lookup is None else lookup(item.index)
+            stored, size = jobs.value(fqn, assignment.nodes[fqn], value, partial(_saved_bytes, planner, item))
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=stored))
+            continue
+        assert item.tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
+        tensor = checked_tensor(resolve(item), fqn)
+        jobs.tensor(assignment.arrays[fqn], tensor, item.tensor_data.chunk.offsets)
+        storage_data = {}
+        if with_sources:
+            storage_data["source"] = describe_source(getattr(planner, "state_dict", {}).get(fqn))
+        results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
+                                   storage_data=storage_data))
+    jobs.run(thread_count)
+    return results, jobs.chunk_keys
+
+
+def checked_tensor(value, fqn: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidEntryError(
+            f"state-dict entry {fqn!r}: expected a tensor, the planner returned {type(value).__name__}")
+    tensor = value.detach()
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise InvalidEntryError(
+            f"state-dict entry {fqn!r}: {tensor.layout} tensors are not supported; save a dense tensor")
+    return tensor
+
+
+def _saved_bytes(planner: SavePlanner, item: WriteItem) -> bytes:
+    resolved = planner.resolve_data(item)
+    assert isinstance(resolved, io.BytesIO)  # DCP's planners torch.save a BYTE_IO item into one
+    return resolved.getvalue()
+
+
+def _tensor_resolver(planner: SavePlanner):
+    """``planner.resolve_data`` for tensor items; for DCP's own resolution (DefaultSavePlanner's, ZarrSavePlanner's)
+    the state dict's tensor, or a DTensor's local one, looked up directly: DCP's lookup goes through its protocol
+    checks and, for a DTensor, an autograd Function per tensor, which a save of 800 tensors felt."""
+    own = keeps_dcps(planner, DefaultSavePlanner, ("resolve_data", "lookup_object", "transform_object"))
+    state_dict = getattr(planner, "state_dict", None) if own else None
+    if not isinstance(state_dict, dict):
+        return planner.resolve_data
+
+    def resolve(item: WriteItem):
+        value = state_dict.get(item.index.fqn)
+        if type(value) is DTensor:
+            return value._local_tensor
+        if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:
+            if says_its_own_boxes(value):  # a save DCP planned: its items are boxes this writer does not lay out
+                raise InvalidEntryError(own_boxes_refused(item.index.fqn))
+            return value
+        return planner.resolve_data(item)  # anything else (ShardedTensor shards, subclasses) DCP's way
+
+    return resolve

@@ -1,0 +1,140 @@
+"""A save planned on every rank (DCP's own planner taken over, or ``ZarrSavePlanner``): DCP carries the writer's
+messages (planning/protocol.py) in place of plans and write results.
+
+``local_plan``: the rank's part (planning/local_save.py) and its ``Summary``. ``global_plans`` (the coordinator):
+the summaries checked, the save begun, a ``Ticket`` for every rank. ``write``: the rank's chunks, its aggregated
+blocks (collective/), one ``RankReport``. ``finish`` (the coordinator): the manifest from its own plan and the
+reports, then the commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_zarr.collective.aggregated_writes import write_aggregated
+from dcp_zarr.collective.transfer import Group
+from dcp_zarr.errors import ReplicaMismatchError
+from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
+from dcp_zarr.planning import replicas
+from dcp_zarr.planning.local_save import LocalSave
+from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
+from dcp_zarr.planning.save_planner import RankState
+from dcp_zarr.saving import committing
+from dcp_zarr.saving.item_writes import checked_tensor, write_items
+from dcp_zarr.saving.settings import SaveSettings
+from dcp_zarr.storage import Storage
+from dcp_zarr.store_io import commit
+
+
+class LocallyPlannedSave:
+    def __init__(self, settings: SaveSettings, state: RankState, rank: int | None, is_coordinator: bool):
+        self.settings = settings
+        self.is_coordinator = is_coordinator
+        # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
+        self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
+                               settings.aggregate_below_bytes(), settings.exchange_bytes, settings.inner_chunk_bytes)
+        self.written_keys: list[str] = []
+        self._begun: committing.Begun | None = None  # the coordinator's, from global_plans
+        self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
+        self._own_report: RankReport | None = None  # the coordinator's own values and object sizes (not sent)
+
+    def local_plan(self) -> SavePlan:
+        # planner_data={}: what DCP's own planner, taken over, merges into its (empty) metadata
+        return SavePlan(items=[], storage_data=self.local.summary, planner_data={})
+
+    def global_plans(self, plans: list[SavePlan]) -> list[SavePlan]:
+        summaries = [plan.storage_data for plan in plans]
+        if len(plans) == 1:
+            self.local.plan_alone()
+            summaries = [self.local.summary]
+        exchange, self._detail_groups = check_summaries(summaries)
+        self._begun = begun = committing.begin(self.settings, len(plans))
+        ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups)
+        return [dataclasses.replace(plan, storage_data=ticket) for plan in plans]
+
+    def write(self, ticket: Ticket, planner: SavePlanner) -> list[WriteResult]:
+        """This rank's part, and the one WriteResult that reports it (protocol.py)."""
+        local, settings = self.local, self.settings
+        checksums = local.reported_checksums(ticket)
+        values, objects = {}, {}
+        nbytes = 0
+        if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
+            storage = settings.open(ticket.staging_location)
+            items, assignment = local.rank_writes(ticket, settings.inner_chunk_bytes, storage.writes_at_offsets)
+            aggregated_keys = self._write_aggregated(storage, planner)
+            results, chunk_keys = write_items(storage, items, assignment, planner, settings.thread_count,
+                                              with_sources=False)
+            for result in results:
+                nbytes += result.size_in_bytes
+                if "value" in result.storage_data:
+                    values[result.index.fqn] = result.storage_data["value"]
+                elif "object_nbytes" in result.storage_data:
+                    objects[result.index.fqn] = result.storage_data["object_nbytes"]
+            self.written_keys = aggregated_keys + chunk_keys
+        if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
+            self._own_report = RankReport(values, objects, {})
+            values, objects = {}, {}
+        report = RankReport(values, objects, checksums)
+        return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
+
+    def _write_aggregated(self, storage: Storage, planner: SavePlanner) -> list[str]:
+        """The blocks of the arrays aggregated in this save (collective/): every rank of the save takes part in
+        every round, on the planner's process group, which is the one DCP saves on (check_summaries): for
+        dcp.async_save, the background save's own group, whose collectives nothing else interleaves with."""
+        local, inner_chunk_bytes = self.local, self.settings.inner_chunk_bytes
+        aggregation = local.aggregation(inner_chunk_bytes)
+        if not aggregation.arrays:
+            return []
+        entries = local.global_entries()
+        specs = local.array_specs(inner_chunk_bytes, storage.writes_at_offsets, set(aggregation.arrays))
+
+        def held() -> dict:  # called inside the exchange, so that a tensor that cannot be saved fails every rank
+            return {fqn: [(box, checked_tensor(tensor, fqn)) for box, tensor in boxes]
+                    for fqn, boxes in local.held_pieces(planner, inner_chunk_bytes).items()}
+
+        return write_aggregated(aggregation, entries, specs, held, Group(local.group), storage,
+                                self.settings.thread_count, local.merged)
+
+    def finish(self, results: list[list[WriteResult]]) -> None:
+        """The manifest, from the coordinator's own plan and each rank's one report, then the commit."""
+        begun, local = self._begun, self.local
+        assert begun is not None, "finish of a save without its prepare_global_plan"
+        reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
+                                     if r.index.fqn == REPORT_FQN]
+        try:
+            replicas.compare_checksums([report.checksums for report in reports])
+        except ReplicaMismatchError:
+            commit.abandon(begun.storage)
+            raise
+        if self._detail_groups:  # nothing was written; compare_checksums names the keys, this is the backstop
+            commit.abandon(begun.storage)
+            raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(self._detail_groups)}"
+                                       "; nothing was committed")
+        own = self._own_report or RankReport({}, {}, {})
+        values = dict(own.values)
+        values.update((fqn, v) for report in reports for fqn, v in report.values.items())
+        objects = dict(own.objects)
+        objects.update((fqn, n) for report in reports for fqn, n in report.objects.items())
+        specs, saved_shards = local.saved_arrays(self.settings.inner_chunk_bytes, begun.storage.writes_at_offsets)
+        nodes = local.global_nodes()
+        entries: dict[str, Entry] = {}
+        for fqn, entry in local.global_entries().items():
+            if fqn in specs:
+                entries[fqn] = TensorEntry(
+                    fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
+                    chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
+                    requires_grad=entry.requires_grad, saved_shards=saved_shards[fqn],
+                    source=entry.source or {"type": "unknown"})
+            elif fqn in values:
+                entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])
+            else:
+                entries[fqn] = ObjectEntry(fqn, entry.path, nodes[fqn], objects[fqn])
+        committing.commit_save(self.settings, begun, entries, local.global_key_order(), specs)
+
+
+def is_summary(storage_data) -> bool:
+    return isinstance(storage_data, Summary)
