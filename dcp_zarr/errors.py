@@ -2,6 +2,39 @@
 
 import pickle
 
+__all__ = [
+    "ZarrCheckpointError",
+    "NotACheckpointError",
+    "IncompleteCheckpointError",
+    "CheckpointExistsError",
+    "InvalidKeyError",
+    "InvalidEntryError",
+    "CorruptChunkError",
+    "UnsafeFileError",
+    "UntrustedTypeError",
+    "UntrustedTypeWarning",
+    "MalformedMetadataError",
+    "MetadataTooLargeError",
+    "ReplicaMismatchError",
+    "MissingKeysError",
+    "ParamTableMismatchError",
+    "OptimizerStepError",
+    "TorchNotImportableError",
+    "CheckpointRootBusyError",
+    "StepNotFoundError",
+    "WrapperPrefixError",
+    "UnsupportedDtypeError",
+    "ObjectStoreError",
+    "ConversionError",
+    "PlanMismatchError",
+    "CollectiveIOError",
+    "UnsupportedModeError",
+    "FrameworkNotInstalledError",
+    "FrameworkVersionError",
+    "SharedPlannerError",
+    "UnverifiedTorchWarning",
+]
+
 
 class ZarrCheckpointError(Exception):
     """Base class of every error dcp_zarr raises on purpose."""
@@ -122,3 +155,14 @@ class FrameworkNotInstalledError(ZarrCheckpointError, ImportError):
 class FrameworkVersionError(ZarrCheckpointError, RuntimeError):
     """The installed framework no longer has the internals an adapter of ``dcp_zarr.integrations`` relies on; the
     message names the framework's version and the one the adapter was written against."""
+
+
+class SharedPlannerError(ZarrCheckpointError, RuntimeError):
+    """One planner object given to two ``dcp.save`` (or ``dcp.load``) calls running at once, in two threads: DCP
+    keeps a call's state dict on its planner, so the calls would mix their state. Give each call its own planner."""
+
+
+class UnverifiedTorchWarning(UserWarning):
+    """The installed torch keeps a ``dcp.save``'s or ``dcp.load``'s planner and process group elsewhere than the
+    releases dcp_zarr was verified on: the save or load follows DCP's own protocol, correct and slower. Once a
+    process for saves and once for loads."""

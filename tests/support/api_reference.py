@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import dcp_zarr
+from dcp_zarr import errors
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
@@ -91,14 +92,17 @@ def _entry(name: str, obj, module: str = "dcp_zarr") -> list[str]:
 
 
 def _errors() -> list[str]:
-    names = [n for n in dcp_zarr.__all__ if n.endswith(("Error", "Warning"))]
+    names = errors.__all__
     lines = ["## Errors and warnings", "",
              "Every error dcp_zarr raises on purpose is a `ZarrCheckpointError`, and also the standard exception it "
              "behaves like; each names the path, key, array or chunk at fault. DCP wraps what `save`/`load` raise in "
              "`CheckpointException` (a `BaseException`), with each rank's error in `.failures`.", "",
+             "All of them are in `dcp_zarr.errors` (`from dcp_zarr.errors import ReplicaMismatchError`); the ones "
+             "users catch most are in `dcp_zarr.__all__` too: "
+             + ", ".join(f"`{n}`" for n in dcp_zarr.__all__ if n.endswith(("Error", "Warning"))) + ".", "",
              "| name | also a | what it means |", "| --- | --- | --- |"]
     for name in names:
-        cls = getattr(dcp_zarr, name)
+        cls = getattr(errors, name)
         bases = ", ".join(f"`{b.__name__}`" for b in cls.__bases__ if b.__name__ != "ZarrCheckpointError") or "-"
         lines.append(f"| `{name}` | {bases} | {_doc(cls).replace(chr(10), ' ')} |")
     return lines + [""]
@@ -126,8 +130,8 @@ def render() -> str:
 
 
 def documented_names() -> set[str]:
-    return {n for _, _, names in SECTIONS for n in names} | {
-        n for n in dcp_zarr.__all__ if n.endswith(("Error", "Warning"))} | {"__version__"}
+    """The names of dcp_zarr.__all__ the page documents: each in a section, or in the errors' table."""
+    return {n for _, _, names in SECTIONS for n in names} | set(errors.__all__) | {"__version__"}
 
 
 if __name__ == "__main__":
