@@ -495,10 +495,56 @@ def test_list_shows_steps_sizes_completeness_leftovers_and_the_holder(tmp_path, 
                                                                      (9, False)]
     assert all(r["nbytes"] > 0 for r in listing["steps"][:4]) and listing["held"] is None
     assert listing["leftovers"] == [f"{STAGING_DIR}/{step_name(5)}{STAGING_MARK}dead"]
+    assert [(r["state"], r["detail"]) for r in listing["steps"]][3:] == [
+        ("complete", None),
+        ("incomplete", "no committed zarr.json: its save was interrupted, or is still running; nothing loads it. "
+                       f"Remove it once no job saves here: rm -r {tmp_path / 'step-00000009.zarr'}")]
     with CheckpointManager(tmp_path):
         assert main(["list", str(tmp_path)]) == 0
         out = capsys.readouterr().out
-    assert "a manager holds it: held by manager" in out and "incomplete (never loaded)" in out
+    lines = out.splitlines()
+    assert lines[0] == f"{tmp_path}: 5 checkpoints, 4 complete"
+    assert lines[1].startswith("  in use: a CheckpointManager holds it (held by manager ")
+    assert lines[1].endswith("); `dcp-zarr prune` refuses until that job stops")
+    assert lines[2].split() == ["1", "step-00000001.zarr", *lines[2].split()[2:4], "complete"]
+    assert lines[6].split()[-1] == "incomplete" and lines[7].strip().startswith("no committed zarr.json: ")
+    assert main(["list", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == ("  not in use: no CheckpointManager holds it now, so "
+                                                       "`dcp-zarr prune` may run")
+
+
+def test_list_flags_a_step_folder_holding_both_a_store_and_dcps_files(tmp_path, capsys):
+    """A torchtitan run switched back to DCP's own checkpointing writes .metadata and .distcp files into the step
+    folders it finds, committed zarr stores among them: listed as mixed, with what loads and how to keep one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from dcp_zarr import ZarrWriter
+    from dcp_zarr.tools.cli import main
+
+    for step in (5, 6):
+        dcp.save(state(step), storage_writer=ZarrWriter(str(tmp_path / f"step-{step}")), planner=ZarrSavePlanner())
+    dcp.save(state(6), storage_writer=FileSystemWriter(str(tmp_path / "step-6")))
+
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows[5]["state"] == "complete" and rows[5]["mixed"] is None
+    folder = tmp_path / "step-6"
+    assert rows[6]["complete"] and rows[6]["state"] == "mixed: a dcp_zarr store and DCP's files"
+    assert rows[6]["mixed"] == (
+        "holds both a committed dcp_zarr store and DCP's files (.metadata and 1 .distcp file), as a run that "
+        "switched back to DCP's own checkpointing leaves it; torchtitan's resume loads DCP's files, not the store, "
+        f"and `dcp-zarr inspect` refuses the folder. Keep one: rm {folder}/.metadata {folder}/*.distcp keeps the "
+        "zarr store")
+    assert main(["list", str(tmp_path)]) == 0
+    assert "mixed: a dcp_zarr store and DCP's files" in capsys.readouterr().out
+
+    assert main(["inspect", str(folder)]) == 2
+    assert capsys.readouterr().err == f"dcp-zarr inspect: error: {folder} {rows[6]['mixed']}\n"
+    for name in os.listdir(folder):
+        if name == ".metadata" or name.endswith(".distcp"):
+            os.remove(folder / name)
+    assert main(["inspect", str(folder)]) == 0  # the zarr store kept
 
 
 def test_prune_dry_run_deletes_nothing_and_prune_keeps_what_the_manager_would(tmp_path, capsys):
@@ -565,6 +611,11 @@ def test_list_shows_accelerates_checkpoint_folders_complete_or_interrupted(tmp_p
         ("checkpoint_8", False, "DCP checkpoints accelerate wrote itself"), ("checkpoint_9", True, None),
         ("checkpoint_10", True, None), ("checkpoint_11", False, None), ("checkpoint_12", False, None)]
     assert all(r["nbytes"] > 0 for r in listing["steps"] if r["complete"]) and listing["leftovers"] == []
+    rows = {r["store"]: r for r in listing["steps"]}
+    assert rows["checkpoint_8"]["state"] == "not dcp_zarr: DCP checkpoints accelerate wrote itself"
+    assert rows["checkpoint_12"]["detail"] == (
+        "random_states_0.pkl, which accelerate writes after every store of a save, is missing; nothing loads it. "
+        f"Remove it once no job saves here: rm -r {tmp_path / 'checkpoint_12'}")
     assert main(["list", str(tmp_path)]) == 0
     assert "checkpoint_12" in capsys.readouterr().out
 

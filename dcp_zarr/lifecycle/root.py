@@ -147,7 +147,13 @@ class CheckpointRoot:
 
     def holds_dcp_checkpoint(self, name: str) -> bool:
         """Whether ``name`` is a checkpoint DCP's FileSystemWriter wrote (its ``.metadata``)."""
-        return self._other_format(name) == _OTHER_FORMATS[".metadata"]
+        return self.other_format(name) == _OTHER_FORMATS[".metadata"]
+
+    def other_format(self, name: str) -> str | None:
+        """What other format's checkpoint ``name`` holds (a DCP checkpoint, Hugging Face safetensors), by the file
+        that format writes; None if none. A committed store's folder can hold one too: a run that switched back to
+        DCP's own checkpointing writes DCP's files into the step folders it finds."""
+        return self._other_format(name)
 
     def _other_format(self, name: str) -> str | None:
         storage = open_storage(self.location(name), self.storage_options, read_only=True)

@@ -20,6 +20,7 @@ import sys
 from dcp_zarr.errors import (
     IncompleteCheckpointError,
     MalformedMetadataError,
+    NotACheckpointError,
     TorchNotImportableError,
     ZarrCheckpointError,
 )
@@ -69,7 +70,12 @@ def _inspect(args) -> int:
     from dcp_zarr.offline import open_checkpoint
     from dcp_zarr.tools.inspection import format_summary, summarize
 
-    summary = summarize(open_checkpoint(args.path, args.storage_options), patterns=args.filter, depth=args.depth)
+    try:
+        ckpt = open_checkpoint(args.path, args.storage_options)
+    except NotACheckpointError:
+        _refuse_a_mixed_folder(args.path, args.storage_options)
+        raise
+    summary = summarize(ckpt, patterns=args.filter, depth=args.depth)
     # entries a filter picks are listed: asking for them is asking to see them
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary, tree=args.tree or bool(args.filter)))
     return OK
@@ -101,6 +107,23 @@ def _verify(args) -> int:
         text = "\n".join(lines)
     _emit_verify(args, document, text)
     return OK if report.ok else FAILED
+
+
+def _refuse_a_mixed_folder(path: str, storage_options: dict | None) -> None:
+    """A folder holding DCP's files beside a committed dcp_zarr store is refused as a DCP directory; say it holds
+    both, and how to keep one."""
+    from dcp_zarr.lifecycle.root import CheckpointRoot
+    from dcp_zarr.offline import is_dcp_directory
+    from dcp_zarr.storage import local_path
+    from dcp_zarr.tools.root_report import mixed_folder
+
+    if not is_dcp_directory(path):
+        return
+    parent, name = os.path.split(local_path(path).rstrip(os.sep))
+    root = CheckpointRoot(parent, storage_options)
+    mixed = mixed_folder(root, name) if root.is_complete(name) else None
+    if mixed:
+        raise NotACheckpointError(f"{local_path(path)} {mixed}")
 
 
 def _emit_verify(args, document: dict, text: str) -> None:

@@ -6,33 +6,91 @@ holds the root, and applies the same retention as ``CheckpointManager(keep_last=
 
 from __future__ import annotations
 
+import textwrap
+
+from dcp_zarr.lifecycle.folders import folder_state
 from dcp_zarr.lifecycle.lease import LEASE_KEY, Lease
-from dcp_zarr.lifecycle.root import STEP_NAME_FORMS, CheckpointRoot, steps_to_delete
+from dcp_zarr.lifecycle.root import STEP_NAME_FORMS, CheckpointRoot, StepStore, steps_to_delete
 from dcp_zarr.tools.inspection import human_bytes
+
+DCP_SHARD_SUFFIX = ".distcp"
+_WIDTH = 118  # the details' lines, wrapped
 
 
 def list_root(root: CheckpointRoot) -> dict:
-    stores = root.step_stores()
+    """Every step store of ``root`` with its state in words a user can act on (``state``: ``complete``,
+    ``incomplete``, ``mixed: ...`` or ``not dcp_zarr: ...``; ``detail``: what it is and what to do, None when
+    complete), its leftovers and who holds it. A committed store whose folder holds another format's checkpoint too
+    is flagged (``mixed``: the detail)."""
     lease = Lease(root)
     holder = lease.why_live(root.read_json(LEASE_KEY))
+    steps = []
+    for store in root.step_stores():
+        mixed = mixed_folder(root, store.name) if store.complete and not store.folder else None
+        row = {"step": store.step, "store": store.name, "complete": store.complete, "nbytes": root.size(store.name),
+               "other_format": store.other_format, "mixed": mixed, **_state(root, store, mixed)}
+        steps.append(row)
     return {
         "root": root.url,
         "held": holder,
-        "steps": [{"step": s.step, "store": s.name, "complete": s.complete, "nbytes": root.size(s.name),
-                   "other_format": s.other_format} for s in stores],
+        "steps": steps,
         "leftovers": root.leftovers() + [f"{kind} record of step {step}" for kind, step in root.records()],
     }
 
 
+def _state(root: CheckpointRoot, store: StepStore, mixed: str | None) -> dict:
+    """``state``, a word or two, and ``detail``: what it is and what to do (None for a complete store)."""
+    location = root.location(store.name)
+    if mixed:
+        return {"state": "mixed: a dcp_zarr store and DCP's files", "detail": f"the folder {mixed}"}
+    if store.complete:
+        return {"state": "complete", "detail": None}
+    if store.other_format:
+        return {"state": f"not dcp_zarr: {store.other_format}",
+                "detail": "listed, never pruned nor loaded by a CheckpointManager"}
+    why = (folder_state(root, store.name).why_incomplete() if store.folder
+           else "no committed zarr.json: its save was interrupted, or is still running")
+    return {"state": "incomplete", "detail": f"{why}; nothing loads it. Remove it once no job saves here: "
+                                             f"rm -r {location}"}
+
+
+def mixed_folder(root: CheckpointRoot, name: str) -> str | None:
+    """What the folder of the committed store ``name`` is when it also holds another format's checkpoint, and what
+    to do (None when it does not), as a phrase whose subject is the folder: torchtitan's resume loads DCP's files
+    where they are, so keeping the zarr store means deleting them."""
+    other = root.other_format(name)
+    if other is None:
+        return None
+    location = root.location(name)
+    if not root.holds_dcp_checkpoint(name):
+        return (f"holds both a committed dcp_zarr store and {other}; dcp_zarr reads the store, other tools the "
+                f"other files. Keep one: move the other files out of {location} to keep the store")
+    shards = sum(f.endswith(DCP_SHARD_SUFFIX) for f in root.names(name))
+    return (f"holds both a committed dcp_zarr store and DCP's files (.metadata and {shards} {DCP_SHARD_SUFFIX} "
+            f"file{'s' if shards != 1 else ''}), as a run that switched back to DCP's own checkpointing leaves it; "
+            "torchtitan's resume loads DCP's files, not the store, and `dcp-zarr inspect` refuses the folder. "
+            f"Keep one: rm {location}/.metadata {location}/*{DCP_SHARD_SUFFIX} keeps the zarr store")
+
+
 def format_root_list(listing: dict) -> str:
-    lines = [f"{listing['root']}: {'a manager holds it: ' + listing['held'] if listing['held'] else 'no live manager'}"]
-    if not listing["steps"]:
+    steps = listing["steps"]
+    complete = sum(row["complete"] for row in steps)
+    lines = [f"{listing['root']}: {len(steps)} checkpoint{'s' if len(steps) != 1 else ''}, {complete} complete"]
+    if listing["held"]:
+        lines.append(f"  in use: a CheckpointManager holds it ({listing['held']}); `dcp-zarr prune` refuses until "
+                     "that job stops")
+    else:
+        lines.append("  not in use: no CheckpointManager holds it now, so `dcp-zarr prune` may run")
+    if not steps:
         lines.append(f"  no step stores (names recognized: {', '.join(STEP_NAME_FORMS)}; point it at the folder "
                      "that holds them)")
-    for row in listing["steps"]:
-        state = ("complete" if row["complete"] else f"not a dcp_zarr store: {row['other_format']}"
-                 if row.get("other_format") else "incomplete (never loaded)")
-        lines.append(f"  {row['step']:>10}  {row['store']}  {human_bytes(row['nbytes']):>10}  {state}")
+    width = max((len(row["store"]) for row in steps), default=0)
+    for row in steps:
+        lines.append(f"  {row['step']:>10}  {row['store'].ljust(width)}  {human_bytes(row['nbytes']):>10}  "
+                     f"{row['state']}")
+        if row["detail"]:
+            lines.extend(textwrap.wrap(row["detail"], _WIDTH, initial_indent=" " * 14, subsequent_indent=" " * 14,
+                                       break_on_hyphens=False, break_long_words=False))
     if listing["leftovers"]:
         lines.append("  left by saves or deletions that stopped (a manager or `dcp-zarr prune` removes them):")
         lines.extend(f"    {name}" for name in listing["leftovers"])
