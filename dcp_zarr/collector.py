@@ -3,10 +3,10 @@ steps run on the main thread.
 
 A step of a save makes and keeps tens of objects per entry (write items, layouts, jobs, documents) until it ends;
 with thousands of entries they outlive young collections and set off full ones, each a walk over every object the
-process holds (the model, torch's modules). Measured at 5,000 small DTensors, one process, 5 saves: 1.2 full
-collections per save, 0.30-0.37 s of a 1.3 s save; with these steps paused, none, and the save 0.96-1.02 s. Training
-code between saves, allocating the same each time, then met 1.0 full collections per save instead of 2.0, so the
-work is avoided, not moved. The objects are freed by reference counting when the step ends, as before.
+process holds (the model, torch's modules): a large share of a save of thousands of small tensors. With these steps
+paused a save sets off none, and training code between saves meets fewer, not more, so the work is avoided, not
+moved (benchmarks/reports/performance.md, "The plain line and per-entry cost (issue 35), at d69d9f8"). The objects
+need no collector: reference counting frees them when the step ends.
 
 ``gc.disable`` is process-wide. A decode takes milliseconds and pauses it on any thread; a step may take seconds, so
 only the main thread pauses it for one: a save on a background thread (DCP's async saves) leaves the collector to

@@ -7,8 +7,9 @@ import json
 
 from dcp_zarr.collector import collector_paused
 
-# One encoder for every document, as json.dumps keeps for its defaults: making one per document (a zarr.json per
-# array in a save) was a fifth of the time.
+# One encoder for every document, as json.dumps keeps one for its defaults: a save encodes a zarr.json per array,
+# and making an encoder for each would add a fixed cost to every document, not small beside encoding a few hundred
+# bytes.
 _JSON_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
@@ -21,7 +22,7 @@ def decode_json(data: bytes | str):
     """``json.loads(data)`` with the cyclic garbage collector paused: decoding makes no reference cycles, and a root
     ``zarr.json`` is thousands of dicts and lists (20 a tensor), most freed right after it is read (consolidated.py
     keeps text). Collected while the decoder still held them, they would be promoted to the oldest generation and
-    set off a full collection of the whole process: 0.1-0.12 s with torch loaded, in 9 of 10 loads of 800 tensors
-    (benchmarks/reports/planning.md)."""
+    set off a full collection of the whole process, torch's objects included, in most loads of hundreds of tensors
+    (what a full collection costs: benchmarks/reports/performance.md, "Many entries, files and requests")."""
     with collector_paused():
         return json.loads(data)

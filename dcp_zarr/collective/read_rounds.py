@@ -19,8 +19,8 @@ from dcp_zarr.storage import Storage
 from dcp_zarr.store_io.chunks import RegionReader
 from dcp_zarr.store_io.scheduler import run_jobs
 
-# Parts smaller than this share one message per pair of ranks in a round (a message of its own costs gloo about
-# 50-100 us; a copy of 64 KiB in and out of the shared message, a few).
+# Parts smaller than this share one message per pair of ranks in a round: a message of its own has a fixed cost in
+# gloo that outweighs copying a part this small in and out of the shared message.
 PACKED_BELOW = 64 << 10
 
 # dest key -> (the tensor its region of the array is loaded into, that region: offsets and sizes in the array)

@@ -9,7 +9,8 @@ From the ``Need`` of every rank (needs.py), alike on every rank, each need is re
 * ``CHUNKS``: a DTensor whose boxes are small (under the reader's ``read_once_below``) is read a stored chunk at
   a time, each chunk by one rank of the world (balanced by bytes), which sends every rank its piece of it: one
   request per stored chunk instead of one per piece;
-* ``DIRECT``: boxes that are large and held by one rank each are read by that rank, as before.
+* ``DIRECT``: boxes that are large and held by one rank each are read by that rank alone: no other rank needs them,
+  and at their size a request each costs little.
 
 Units larger than the round budget are cut into row blocks (at the stored layout's chunk or inner-chunk rows), so a
 reader holds at most about the budget at once. A receiver receives straight into its state dict's tensor where the

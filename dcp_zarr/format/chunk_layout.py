@@ -19,9 +19,10 @@ from typing import NamedTuple
 from dcp_zarr.errors import InvalidKeyError
 
 # Chunk keys of the arrays a save writes: zarr v3's default encoding with the "." separator (``c.0.1``), so a
-# chunk is a file in its array's directory. Format 1 and 2 stores used "/" (``c/0/1``): a directory per chunk row and
-# (2 + ranks) directories per array, each a slow file-system operation (benchmarks/file_ops.py: ~0.3 ms on a
-# virtual disk). Readers take the separator from each array's zarr.json, so both kinds load.
+# chunk is a file in its array's directory. "/" (``c/0/1``, what format 1 and 2 stores hold) makes a directory per
+# chunk row and (2 + ranks) directories per array, each a slow file-system operation
+# (benchmarks/reports/performance.md, "Many entries, files and requests"). Readers take the separator from each
+# array's zarr.json, so stores of either kind load.
 CHUNK_KEY_SEPARATOR = "."
 LEGACY_CHUNK_KEY_SEPARATOR = "/"
 CHUNK_KEY_SEPARATORS = (CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR)
@@ -50,7 +51,7 @@ def check_node_name(name: str, key: object) -> str:
     if name.lower() == "zarr.json":
         raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} collides with zarr's own keys")
     size = len(name.encode("utf-8", "surrogatepass"))
-    if size > _MAX_NAME_BYTES:  # refused now, or the save would fail halfway with ENAMETOOLONG
+    if size > _MAX_NAME_BYTES:  # refused before anything is written: the save would fail halfway with ENAMETOOLONG
         raise InvalidKeyError(f"state-dict key {key!r}: component {name!r} is {size} bytes; file systems allow "
                               f"{_MAX_NAME_BYTES} per name")
     return name

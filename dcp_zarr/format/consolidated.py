@@ -3,7 +3,8 @@
 
 zarr-python and xarray then open every array of a checkpoint from one read, and ``ZarrReader`` checks each array
 against its copy instead of fetching the array's own ``zarr.json``: one GET per tensor per rank on an object store
-(42% of a 2-rank load's requests, benchmarks/reports/performance.md), an open and read per tensor on a file system.
+(a large share of a load's requests: benchmarks/reports/performance.md, "Many entries, files and requests"), an
+open and read per tensor on a file system.
 Each node's own ``zarr.json`` is still written, with the same content, for readers that do not know the extension
 (TensorStore; zarr v3 itself does not specify it, so it is marked ``must_understand: false``); ``dcp-zarr verify``
 checks that the two agree.
@@ -34,9 +35,9 @@ def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
     (``json_text``).
 
     The copies come encoded, each made and encoded in turn, because decoded they would all be alive at once: about
-    twenty dicts and lists per array, 17,000 for 800 tensors, whose allocation sets off the garbage collector's full
-    collections of the whole process (0.2 s each with torch loaded, in the coordinator's commit; measured in
-    benchmarks/reports/performance.md)."""
+    twenty dicts and lists per array, thousands for a model, whose allocation sets off the garbage collector's full
+    collections of the whole process, each a walk over every object torch and the model hold, in the coordinator's
+    commit (benchmarks/reports/performance.md, "Many entries, files and requests": "Fewer objects per save")."""
     if not root or KEY in root:
         raise ValueError(f"the root document must be a non-empty group document without {KEY}")
     head = json_text(root)[:-1]  # without its closing brace
@@ -46,8 +47,9 @@ def encoded_root(root: dict, copies: dict[str, str]) -> bytes:
 
 def copies_of(root: dict, where: str) -> dict[str, dict]:
     """Node path -> ``zarr.json`` document of every node the root's consolidated metadata holds (decoded); empty when
-    it has none (stores saved before it was written: their arrays' own ``zarr.json`` is read instead). Each document
-    is checked where it is used, as the node's own would be. ``where`` names the root document in errors."""
+    it has none (stores saved by dcp_zarr versions that did not write it: their arrays' own ``zarr.json`` is read
+    instead). Each document is checked where it is used, as the node's own would be. ``where`` names the root
+    document in errors."""
     field = root.get(KEY)
     if field is None:
         return {}
@@ -70,9 +72,10 @@ class NodeDocuments(Mapping[str, dict]):
     as its JSON text), each a fresh dict when looked up.
 
     A load does not look them up: it uses their checks, made as the manifest is read (``Manifest.checked_copies``).
-    Decoded and kept, they would be about twenty dicts and lists per array for as long as a load runs (17,000 for 800
-    tensors), which the garbage collector promotes to its oldest generation and then scans in a full collection of
-    the process: 0.1-0.12 s with torch loaded, in most loads of 800 tensors (benchmarks/reports/planning.md)."""
+    Decoded and kept, they would be about twenty dicts and lists per array for as long as a load runs (thousands for
+    a model), which the garbage collector promotes to its oldest generation and then scans in a full collection of
+    the process, torch's objects included, in most loads of hundreds of tensors (what a full collection costs:
+    benchmarks/reports/performance.md, "Many entries, files and requests")."""
 
     def __init__(self, paths: tuple[str, ...] = (), data: bytes = b"", where: str = ""):
         self._paths = frozenset(paths)

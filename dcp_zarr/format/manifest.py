@@ -243,7 +243,7 @@ def _entry_from_json(fqn: str, raw, version: int, url: str) -> Entry:
             return _tensor_from_json(fqn, path, node, raw, version)
         if raw["kind"] == VALUE:
             value = raw["value"]
-            decode_value(value)  # a malformed value is refused now, not when (or wherever) it is loaded
+            decode_value(value)  # a malformed value is refused with the manifest, not when (or wherever) it is loaded
             return ValueEntry(fqn, path, node, value)
         nbytes = raw["nbytes"]
         if type(nbytes) is not int or nbytes < 0:
@@ -315,8 +315,8 @@ def stored_numpy_dtype(name) -> np.dtype:
 
 def _count_format1_boxes(boxes, shape: tuple[int, ...]) -> int:
     """The non-empty boxes of a format-1 entry, each checked to lie inside ``shape``, and their volumes to add up to
-    the tensor's. Loads read the global array, not the boxes, so this is a consistency check (linear), not the
-    proof of exact coverage that format 1's readers used to make with a quadratic overlap test."""
+    the tensor's. Loads read the global array, not the boxes, so a consistency check (linear) is enough: a proof of
+    exact coverage would need an overlap test quadratic in the boxes, and every check here stays linear."""
     if not isinstance(boxes, list):
         raise ValueError("saved_chunks is not a list")
     volume, count = 0, 0

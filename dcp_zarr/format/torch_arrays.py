@@ -1,5 +1,5 @@
-"""Torch dtypes <-> Zarr v3 data types, bit-exact (the table itself, and the zarr types for bfloat16 and float8,
-are in the torch-free zarr_dtypes.py)."""
+"""Torch dtypes <-> Zarr v3 data types, bit-exact (the table itself is in the torch-free dtype_table.py, the zarr
+types for bfloat16 and float8 in zarr_dtypes.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,7 @@ import numpy as np
 import torch
 
 from dcp_zarr.errors import UnsupportedDtypeError
-from dcp_zarr.format.zarr_dtypes import (  # importing it registers the zarr data types
-    STORED_DTYPES,
-    BFloat16,  # noqa: F401  (where they used to live)
-    Float8E4M3FN,  # noqa: F401
-    Float8E5M2,  # noqa: F401
-)
+from dcp_zarr.format.zarr_dtypes import STORED_DTYPES  # importing it registers the zarr data types
 
 # ---- torch <-> numpy <-> zarr ------------------------------------------------------------------------------------
 

@@ -4,8 +4,9 @@ Named as TensorStore names them, which TensorStore reads and writes. zarr-python
 ``zarr.data_type`` entry points this package declares, so any program that has dcp-zarr installed opens these
 arrays without importing dcp_zarr. That is why this module imports neither torch nor the rest of dcp_zarr: zarr
 loads it while it resolves an array's data type. (The one exception, ``dtype_table``, imports only numpy and
-ml_dtypes. It holds the table of stored dtypes, re-exported here, apart from zarr: importing zarr costs a quarter
-of a second, and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
+ml_dtypes. It holds the table of stored dtypes, re-exported here, apart from zarr: importing zarr is a noticeable
+part of a command's start-up (``cli_startup.py`` measured it: benchmarks/README.md, "Measured with tools no longer
+kept"), and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from zarr.dtype import ZDType, data_type_registry
 
-from dcp_zarr.format.dtype_table import STORED_DTYPES  # noqa: F401 (re-exported)
+from dcp_zarr.format.dtype_table import STORED_DTYPES  # noqa: F401 (re-exported: torch_arrays.py imports it from here)
 
 # mypy checks both branches of these imports against the one zarr installed, where one of them is missing; the
 # unused-ignore code keeps the ignore valid on a zarr where that import exists.

@@ -3,8 +3,9 @@ computes, without its index tensors.
 
 torch builds, for every sharded dim, a tensor of the global indices the rank holds (``torch.arange`` of the piece,
 or for ``_StridedShard`` an index tensor split and listed): O(piece) per array, and for FSDP2-over-TP's
-``_StridedShard`` about 15 ms an array at 8,192 ranks (measured: benchmarks/reports/planning.md), which is what made
-DCP's ``create_local_plan`` grow 19x from 8 to 8,192 ranks. Here the indices held along a dim are kept as runs
+``_StridedShard`` a cost that grows with the world size, enough to make DCP's ``create_local_plan`` an order of
+magnitude slower at thousands of ranks than at eight (benchmarks/reports/planning.md, "One rank's planning, 8 vs
+8,192 ranks, 2,000 tensors"). Here the indices held along a dim are kept as runs
 ``(start, length)``; a ``Shard`` keeps a torch.chunk piece of them, a ``_StridedShard(split_factor=k)`` a
 torch.chunk piece of each of k torch.chunk pieces. O(runs) a dim. ``tests/test_local_layouts.py`` checks the boxes
 against torch's on every coordinate of many meshes and uneven sizes.

@@ -129,9 +129,8 @@ def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[
 def describing_ranks(plans: list[SavePlan], specs: dict[str, ArraySpec]) -> dict[str, int]:
     """fqn -> the one rank that writes the array's ``zarr.json``: of the ranks holding part of the array, the one
     that describes fewest arrays so far. Sharded arrays are held by every rank, and the first holder of each (rank
-    0) would write all their metadata: with 800 row-sharded arrays on 2 ranks, one IO thread each, rank 0's
-    write_data took 0.45-0.68 s against rank 1's 0.34-0.41 s (when it also wrote their shard indexes, which now go
-    with each shard's last rows)."""
+    0) would write all their metadata, making every save wait on rank 0's ``write_data``
+    (benchmarks/reports/performance.md, "Many entries, files and requests": "Balanced metadata, fewer opens")."""
     holders: dict[str, list[int]] = defaultdict(list)
     for rank, plan in enumerate(plans):
         for item in plan.items:

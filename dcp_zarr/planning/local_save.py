@@ -2,8 +2,9 @@
 
 ``LocalSave`` is made in ``ZarrWriter.prepare_local_plan`` from the planner's ``RankState``: the rank's entries,
 their nodes (checked), its ``Summary`` (what DCP gathers in place of the plan) and the checksums of its replicated
-entries. In ``write_data`` it turns the coordinator's ``Ticket`` into what the existing write path takes (the items
-this rank writes and a ``RankAssignment``); on the coordinator it then gives ``finish`` every array's spec.
+entries. In ``write_data`` it turns the coordinator's ``Ticket`` into what the write path takes, as for a save DCP
+plans (the items this rank writes and a ``RankAssignment``); on the coordinator it then gives ``finish`` every
+array's spec.
 """
 
 from __future__ import annotations

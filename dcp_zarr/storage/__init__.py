@@ -56,11 +56,12 @@ def as_retrying(retry: RetryPolicy | Retrying | None) -> Retrying:
 
 
 def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
-    """Two botocore defaults changed for ``s3://``, each unless the caller set it in ``config_kwargs``:
+    """Two botocore defaults overridden for ``s3://``, each unless the caller set it in ``config_kwargs``:
 
     * the HTTP connection pool (default 10) caps the requests in flight: make room for ``REQUESTS_IN_FLIGHT``;
-    * botocore's own retries (5 attempts, backing off up to 20 s) would multiply dcp_zarr's (retry.py), and made a
-      refused endpoint take 7-8 s per call before dcp_zarr saw the error: one attempt, so retry.py is the one layer.
+    * botocore's own retries (5 attempts, backing off up to 20 s) would multiply dcp_zarr's (retry.py), and keep a
+      refused endpoint's error from dcp_zarr for seconds per call (docs/crash-safety.md, "Object-store retries"):
+      one attempt, so retry.py is the one layer.
     """
     if not url.startswith(("s3://", "s3a://")):
         return storage_options

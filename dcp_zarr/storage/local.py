@@ -25,11 +25,11 @@ class LocalStorage(Storage):
         self.root = os.path.abspath(root)
         self.url = self.root
         # Ranks already write one shard file per array here (layout.array_shard_layout). On one machine's own file
-        # system the exchange costs more than their writes, at every piece size measured (4 KiB to 1 MiB pieces at
-        # 4 ranks, tmpfs: saves 0.67-0.95x as fast aggregated, benchmarks/reports/storage-traffic.md): never
-        # aggregated. On a shared one (Lustre, GPFS, NFS, ...), many writers' small unaligned writes to one file are
-        # what it serves worst: pieces under SHARED_AGGREGATE_BELOW are aggregated (not measured here: no such file
-        # system is reachable from this project's machines).
+        # system the exchange never paid for a save at any piece size measured (benchmarks/reports/storage-traffic.md,
+        # "Where collective I/O pays on a local file system: the defaults"): never aggregated. On a shared one
+        # (Lustre, GPFS, NFS, ...), many writers' small unaligned writes to one file are what it serves worst: pieces
+        # under SHARED_AGGREGATE_BELOW are aggregated (not measured here: no such file system is reachable from this
+        # project's machines).
         self.aggregate_below = SHARED_AGGREGATE_BELOW if is_shared(self.root) else 0
         self.sync_files = sync_files
         self._directories: set[str] = set()  # made already: one mkdir per directory, not one per file written
@@ -87,8 +87,9 @@ class LocalStorage(Storage):
 
     def _check_directory(self, directory: str, key: str) -> None:
         """No directory between the root and ``key`` is a symbolic link: one ``lstat`` per directory not checked
-        before, about one per array (a ``realpath`` per array directory, an lstat per path component, took 13% of
-        a profiled load of 800 tensors)."""
+        before, about one per array (a ``realpath`` per array directory, an lstat per path component, is a visible
+        share of a load of hundreds of tensors: benchmarks/reports/performance.md, "Many entries, files and
+        requests")."""
         unchecked = []
         while directory != self.root and directory not in self._safe_directories:
             unchecked.append(directory)
@@ -161,8 +162,9 @@ class LocalStorage(Storage):
     def flush(self) -> None:
         """Make every file and directory written under this root durable, with one ``syncfs`` call.
 
-        A checkpoint of thousands of small tensors is thousands of files; an fsync for each (10,000 for 5,000
-        tensors) made such a save about 3x slower than FileSystemWriter's on disk, where one syncfs is one flush.
+        A checkpoint of thousands of small tensors is thousands of files: an fsync for each would be a flush per file,
+        where FileSystemWriter, writing a few files, flushes a few; one syncfs flushes them all at once
+        (docs/crash-safety.md, "Durability").
         """
         if self.sync_files and os.path.isdir(self.root):
             _syncfs(self.root)

@@ -12,8 +12,8 @@ from dcp_zarr.storage.base import Storage, checked_key
 from dcp_zarr.storage.retry import Retrying, call_with_retry
 
 # Requests an object store keeps in flight per rank, at least: each waits mostly on the network (tens of ms a
-# round trip), not on a core, so the thread count asked for (sized for CPUs) would leave latency unhidden.
-# benchmarks/s3_latency.py measured it.
+# round trip), not on a core, so the thread count asked for (sized for CPUs) would leave latency unhidden
+# (benchmarks/reports/performance.md, "Many entries, files and requests": "Round trips on object stores").
 REQUESTS_IN_FLIGHT = 32
 
 

@@ -1,8 +1,8 @@
 """Running many IO jobs on a few threads: large jobs one by one, small ones batched.
 
-A checkpoint of 5,000 small tensors is 5,000 chunk writes; a Future per write cost more than the writes themselves
-(threading primitives dominated the profile), so jobs under ``batch_bytes`` run as one batch, and the threads take
-the batches in turn from one list, with no Future per batch either.
+A checkpoint of thousands of small tensors is thousands of chunk writes; a Future per write costs more than the
+writes themselves (threading primitives dominate a profile of such a save), so jobs under ``batch_bytes`` run as one
+batch, and the threads take the batches in turn from one list, with no Future per batch either.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def run_storage_jobs(storage: Storage, jobs: Sequence[tuple[int, Callable[[], T]
 
 class _BatchRunner:
     """Threads that each take the next batch in order (within the byte budget, if any) until none is left or one
-    has failed. No Future or work item per batch: those of an 800-tensor save's 600 batches were 5,000 objects
-    alive at once, enough to bring on the garbage collector's full collections of the whole process (0.2 s each
-    with torch loaded; benchmarks/reports/performance.md)."""
+    has failed. No Future or work item per batch: a save of hundreds of tensors has hundreds of batches, and their
+    thousands of objects alive at once would bring on the garbage collector's full collections of the whole process
+    (benchmarks/reports/performance.md, "Many entries, files and requests": "Fewer objects per save")."""
 
     def __init__(self, jobs, batches: list[list[int]], sizes: list[int], results: list, budget: int | None):
         self.jobs, self.batches, self.sizes, self.results, self.budget = jobs, batches, sizes, results, budget

@@ -71,7 +71,7 @@ class WriteJobs:
                 pass
         data = saved_bytes()
         untrusted = untrusted_types(data)
-        if untrusted:  # it saves, but would fail at load without options: say so now, while the run can change it
+        if untrusted:  # it saves, but would fail at load without options: say so at save, while the run can change it
             kind = "" if value is NOT_LOOKED_UP else f" ({type(value).__module__}.{type(value).__qualname__})"
             warnings.warn(UntrustedTypeWarning(
                 f"state-dict value {fqn!r}{kind} is stored as torch.save bytes holding types that "
