@@ -303,10 +303,10 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.format.consolidated import encoded_copy, encoded_root
     from dcp_zarr.format.encoding import array_metadata, group_metadata
     from dcp_zarr.format.manifest import Manifest, TensorEntry
+    from dcp_zarr.loading.metadata import dcp_metadata
     from dcp_zarr.placement.holdings import group_rank_of
     from dcp_zarr.planning.local_save import LocalSave
     from dcp_zarr.planning.protocol import Ticket
-    from dcp_zarr.reader import dcp_metadata
     from dcp_zarr.storage.base import Storage
 
     below = Storage.aggregate_below if collective else 0  # an object store's default

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dcp_zarr.reader
+import dcp_zarr.loading.rank_reads
 import dcp_zarr.saving.committing
 import dcp_zarr.store_io.write_jobs
 from dcp_zarr import ZarrReader, ZarrWriter
 from dcp_zarr.collector import collector_paused, step_with_collector_paused
+from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.store_io.write_jobs import WriteJobs
 
 
@@ -99,7 +100,7 @@ def test_a_child_forked_during_a_pause_has_its_collector_back(collector_on):
 
 def _record_transfers(monkeypatch) -> list[tuple[str, bool]]:
     seen: list[tuple[str, bool]] = []
-    for cls, method in ((WriteJobs, "run"), (ZarrReader, "_read_directly")):
+    for cls, method in ((WriteJobs, "run"), (RankReads, "read_directly")):
         real = getattr(cls, method)
 
         def recording(self, *args, _real=real, _name=method, **kwargs):
@@ -118,33 +119,34 @@ def test_transfers_pause_the_collector_for_a_local_path_only(tmp_path, monkeypat
     state = {"w": torch.rand(4, 3)}
     dcp.save(state, storage_writer=ZarrWriter(tmp_path / "local"))
     dcp.load({"w": torch.zeros(4, 3)}, storage_reader=ZarrReader(tmp_path / "local"))
-    assert seen == [("run", False), ("_read_directly", False)]
+    assert seen == [("run", False), ("read_directly", False)]
     seen.clear()
     store = MemoryStore()
     dcp.save(state, storage_writer=ZarrWriter(store=store))
     loaded = {"w": torch.zeros(4, 3)}
     dcp.load(loaded, storage_reader=ZarrReader(store=store))
-    assert seen == [("run", True), ("_read_directly", True)]
+    assert seen == [("run", True), ("read_directly", True)]
     assert torch.equal(loaded["w"], state["w"])
 
 
 def test_save_and_load_write_and_read_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
     """The decorators sit where the entries' work is done: every batch of jobs of the writer and reader runs paused."""
     seen: list[tuple[str, bool]] = []
-    for module in (dcp_zarr.store_io.write_jobs, dcp_zarr.saving.committing, dcp_zarr.reader):
-        real = module.run_jobs
+    for module, runner in ((dcp_zarr.store_io.write_jobs, "run_jobs"), (dcp_zarr.saving.committing, "run_jobs"),
+                           (dcp_zarr.loading.rank_reads, "run_storage_jobs")):
+        real = getattr(module, runner)
 
         def recording(*args, _real=real, _name=module.__name__, **kwargs):
             seen.append((_name, gc.isenabled()))
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(module, "run_jobs", recording)
+        monkeypatch.setattr(module, runner, recording)
     state = {f"layer{i}.weight": torch.rand(3, 5) for i in range(20)}
     dcp.save(state, storage_writer=ZarrWriter(tmp_path / "ck"))
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, storage_reader=ZarrReader(tmp_path / "ck"))
     assert {name for name, _ in seen} == {"dcp_zarr.store_io.write_jobs", "dcp_zarr.saving.committing",
-                                          "dcp_zarr.reader"}
+                                          "dcp_zarr.loading.rank_reads"}
     assert [on for _, on in seen if on] == []
     assert gc.isenabled()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())

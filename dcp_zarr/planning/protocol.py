@@ -1,4 +1,7 @@
-"""The messages of a locally planned save, each O(1) in the tensors a rank holds, and the coordinator's checks.
+"""The messages DCP carries for ZarrWriter and ZarrReader in place of plans, each O(1) in the tensors a rank holds,
+and the coordinator's checks.
+
+A save planned locally:
 
 1. Each rank's plan, gathered by DCP: a ``Summary`` (its rank, the world it sees, the digest of its entries, one
    digest of the replica checksums per group of ranks that hold the same boxes, and the writer's options that decide
@@ -8,6 +11,9 @@
    the checksums of each key instead of writing).
 3. Each rank's write result, gathered by DCP: one ``WriteResult`` holding a ``RankReport`` (the values and object
    sizes it wrote, and checksums only when asked for), instead of one per item.
+
+A load: each rank's ``LoadSummary`` (its place in the reader's process group) and the coordinator's ``LoadTicket``
+(whether the ranks share reads); each rank keeps its read items.
 """
 
 from __future__ import annotations
@@ -45,6 +51,21 @@ class RankReport(NamedTuple):
     values: dict  # fqn -> JSON document of each value this rank wrote
     objects: dict  # fqn -> bytes of each torch.save value this rank wrote
     checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
+
+
+class LoadSummary(NamedTuple):
+    """A rank's load plan as DCP gathers it: its rank and world in the reader's process group, nothing per item (the
+    rank keeps its read items)."""
+
+    rank: int
+    world_size: int
+
+
+class LoadTicket(NamedTuple):
+    """The coordinator's answer to a load's summaries: whether the ranks share reads (every rank of the load is the
+    same rank of the reader's process group)."""
+
+    together: bool
 
 
 def planned_locally(plans: list) -> bool:
