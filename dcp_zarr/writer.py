@@ -21,7 +21,7 @@ from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 from dcp_zarr.planning import replicas, save_call
-from dcp_zarr.planning.protocol import Ticket, planned_locally
+from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState
 from dcp_zarr.saving.dcp_planned import DcpPlannedSave
 from dcp_zarr.saving.locally_planned import LocallyPlannedSave
@@ -166,10 +166,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         start, self._starting = self._starting or _Start(False, None), None
         if isinstance(plan.planner_data, RankState):  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
-            save = LocallyPlannedSave(self._settings(), plan.planner_data, start.rank, start.is_coordinator)
-            self._save = save
-            return save.local_plan()
-        self._save = DcpPlannedSave(self._settings(), start.is_coordinator)
+            self._save = LocallyPlannedSave(self._settings(), plan.planner_data, start.rank, start.is_coordinator)
+        else:
+            self._save = DcpPlannedSave(self._settings(), start.is_coordinator)
         return self._save.local_plan(plan)
 
     @step_with_collector_paused
@@ -190,12 +189,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         future: Future[list[WriteResult]] = Future()
         try:
             with paused_on_main_thread(save.settings.pauses_collector()):  # collector.py says why
-                if isinstance(save, LocallyPlannedSave):
-                    ticket = plan.storage_data
-                    assert isinstance(ticket, Ticket), f"a save planned locally was sent {type(ticket).__name__}"
-                    results = save.write(ticket, planner)
-                else:
-                    results = save.write(plan, planner)
+                results = save.write(plan, planner)
             self.written_keys = save.written_keys
         finally:
             if not save.is_coordinator:  # the coordinator's finish still needs it
@@ -207,10 +201,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save, self._save = self._save, None  # it holds the planner, and so the state dict: not kept past the save
         assert save is not None, "finish of a save without its prepare_global_plan"
-        if isinstance(save, LocallyPlannedSave):
-            save.finish(results)
-        else:
-            save.finish(metadata, results)
+        save.finish(metadata, results)
 
     def _settings(self) -> SaveSettings:
         return SaveSettings(

@@ -213,10 +213,10 @@ def test_writers_whose_options_differ_across_ranks_are_refused_before_anything_i
 
 def _aggregator_of_w(world_size: int) -> int:
     from dcp_zarr.collective.aggregation import plan_aggregation
-    from dcp_zarr.placement.holdings import DTENSOR, Entry, Mesh, MeshSlice
+    from dcp_zarr.placement.holdings import DTENSOR, Holding, Mesh, MeshSlice
 
     mesh = MeshSlice.of_root(Mesh.of((world_size,), range(world_size)))
-    entry = Entry("w", ("w",), "tensor", torch.float32, (8, 3), False, DTENSOR, mesh, (Shard(0),))
+    entry = Holding("w", ("w",), "tensor", torch.float32, (8, 3), False, DTENSOR, mesh, (Shard(0),))
     return plan_aggregation({"w": entry}, world_size, ALWAYS, 1 << 20, 256 << 20).arrays["w"].aggregators[0]
 
 

@@ -19,7 +19,7 @@ from dcp_zarr.collective.transfer import Group, aligned, as_message, padded
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.placement.boxes import Box
-from dcp_zarr.placement.holdings import Entry, Merged
+from dcp_zarr.placement.holdings import Holding, Merged
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io.chunks import write_chunk
 from dcp_zarr.store_io.scheduler import run_jobs
@@ -27,7 +27,7 @@ from dcp_zarr.store_io.scheduler import run_jobs
 Held = dict[str, list[tuple[Box, torch.Tensor]]]  # fqn -> this rank's non-empty boxes of it, with their data
 
 
-def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs: dict[str, ArraySpec],
+def write_aggregated(aggregation: Aggregation, entries: dict[str, Holding], specs: dict[str, ArraySpec],
                      held: Callable[[], Held], group: Group, storage: Storage, thread_count: int,
                      merged: Merged | None = None) -> list[str]:
     """Run every round of the save's aggregation on this rank; returns the chunk keys it wrote. Every rank calls
@@ -92,7 +92,7 @@ def write_aggregated(aggregation: Aggregation, entries: dict[str, Entry], specs:
     return written
 
 
-def _write_blocks(units, aggregation: Aggregation, entries: dict[str, Entry], specs: dict[str, ArraySpec],
+def _write_blocks(units, aggregation: Aggregation, entries: dict[str, Holding], specs: dict[str, ArraySpec],
                   own: Held, incoming, receives, storage: Storage, thread_count: int) -> list[str]:
     """Assemble the blocks this rank aggregates in this round, from the parts received and its own, and write each
     as one chunk; returns their keys."""
@@ -137,7 +137,7 @@ def _place(block: torch.Tensor, first_row: int, part: Box, values: torch.Tensor)
     block[region].copy_(values)
 
 
-def _nbytes(entry: Entry, part: Box) -> int:
+def _nbytes(entry: Holding, part: Box) -> int:
     assert entry.dtype is not None
     count = 1
     for n in part[1]:

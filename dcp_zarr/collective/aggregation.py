@@ -26,7 +26,7 @@ from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.placement.box_writers import balanced, box_holders
 from dcp_zarr.placement.boxes import Box, dtensor_local_box
 from dcp_zarr.placement.chunk_grids import box_at, dtensor_layout, shards_along
-from dcp_zarr.placement.holdings import BOX, DTENSOR, SHARDS, TENSOR, Entry, Merged
+from dcp_zarr.placement.holdings import BOX, DTENSOR, SHARDS, TENSOR, Holding, Merged
 
 
 class AggregatedArray(NamedTuple):
@@ -70,7 +70,7 @@ def aggregated_layout(shape: tuple[int, ...], itemsize: int, inner_chunk_bytes: 
     return ChunkLayout(shape, (rows, *shape[1:]), inner)
 
 
-def plan_aggregation(entries: dict[str, Entry], world_size: int, below: int, inner_chunk_bytes: int,
+def plan_aggregation(entries: dict[str, Holding], world_size: int, below: int, inner_chunk_bytes: int,
                      block_bytes: int, merged: Merged | None = None) -> Aggregation:
     """The arrays of ``entries`` to aggregate and the rounds of their blocks; ``merged``: the plan of an exchange
     (planning/exchange.py), when the ranks differed."""
@@ -103,7 +103,7 @@ def plan_aggregation(entries: dict[str, Entry], world_size: int, below: int, inn
     return Aggregation(arrays, pack_rounds(units, block_bytes))
 
 
-def _largest_piece(entry: Entry, itemsize: int, boxes: dict[str, list[Box]] | None) -> tuple[int, int] | None:
+def _largest_piece(entry: Holding, itemsize: int, boxes: dict[str, list[Box]] | None) -> tuple[int, int] | None:
     """(bytes of the largest piece, count of non-empty pieces), or None for holdings not aggregated."""
     if boxes is not None and entry.fqn in boxes:  # an exchange knows them
         held = [sizes for _, sizes in boxes[entry.fqn] if all(sizes)]
@@ -121,7 +121,7 @@ def _largest_piece(entry: Entry, itemsize: int, boxes: dict[str, list[Box]] | No
     return (max((math.prod(s) for s in held), default=0) * itemsize, len(held))
 
 
-def pieces(entry: Entry, merged: Merged | None = None) -> list[Piece]:
+def pieces(entry: Holding, merged: Merged | None = None) -> list[Piece]:
     """Every distinct non-empty box of an aggregated array with the rank sending it: for the aggregators."""
     if merged is not None and entry.fqn in merged.boxes:
         return [Piece(o, s, merged.writers[MetadataIndex(entry.fqn, o)]) for o, s in merged.boxes[entry.fqn]
@@ -144,7 +144,7 @@ def pieces(entry: Entry, merged: Merged | None = None) -> list[Piece]:
     return list(found.values())
 
 
-def own_pieces(entry: Entry, rank: int, held: Sequence[Box], merged: Merged | None = None) -> list[Box]:
+def own_pieces(entry: Holding, rank: int, held: Sequence[Box], merged: Merged | None = None) -> list[Box]:
     """The boxes of ``held`` (this rank's non-empty boxes of an aggregated array) that this rank sends."""
     if merged is not None:
         return [b for b in held if merged.writers[MetadataIndex(entry.fqn, b[0])] == rank]

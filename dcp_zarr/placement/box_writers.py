@@ -22,7 +22,7 @@ from typing import NamedTuple, TypeVar
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.placement.chunk_grids import shards_along
-from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Entry, MeshSlice
+from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Holding, MeshSlice
 
 Key = TypeVar("Key", str, MetadataIndex, tuple)
 
@@ -56,7 +56,7 @@ def box_holders(mesh: MeshSlice, placements: tuple, rank: int) -> tuple[int, ...
     return tuple(sorted(holders))
 
 
-def replica_group(entry: Entry, rank: int) -> str:
+def replica_group(entry: Holding, rank: int) -> str:
     """A name for the ranks holding ``rank``'s box of ``entry`` (the same on each of them)."""
     if entry.holding == EVERY_RANK:
         return "every rank"
@@ -85,7 +85,7 @@ class Decisions(NamedTuple):
     describes: frozenset[str]
 
 
-def rank_decisions(entries: dict[str, Entry], rank: int, world_size: int, box_nbytes: dict[str, int],
+def rank_decisions(entries: dict[str, Holding], rank: int, world_size: int, box_nbytes: dict[str, int],
                    coordinator: bool) -> Decisions:
     """This rank's writes among its ``entries`` (the structure every rank agreed on). ``box_nbytes``: the bytes of
     this rank's box of each tensor entry; ``coordinator``: whether this rank is DCP's coordinator, which writes every

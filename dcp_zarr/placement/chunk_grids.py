@@ -21,10 +21,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, inner_rows_for_chunk
 from dcp_zarr.placement.boxes import Box, dtensor_local_box, index_at, torch_chunk_piece, torch_chunks
-from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, Entry
+from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, Holding
 
 
-def entry_layout(entry: Entry, itemsize: int, inner_chunk_bytes: int, array_shards: bool,
+def entry_layout(entry: Holding, itemsize: int, inner_chunk_bytes: int, array_shards: bool,
                  boxes: Sequence[Box] | None = None) -> tuple[ChunkLayout, int]:
     """(the array's layout, how many non-empty boxes are saved). ``boxes``: every distinct box, where only an
     exchange knows them (exchange.py); else they follow from the entry."""
@@ -192,7 +192,7 @@ def shards_along(placement) -> bool:
     return placement.is_shard() or isinstance(placement, _StridedShard)  # _StridedShard is no Shard in torch 2.13
 
 
-def dtensor_box(entry: Entry, rank: int) -> Box:
+def dtensor_box(entry: Holding, rank: int) -> Box:
     """The box ``rank`` holds of a DTENSOR entry."""
     assert entry.mesh is not None  # every DTENSOR entry has one
     return box_at(entry.size, entry.mesh.shape, entry.placements, entry.mesh.coordinate(rank))

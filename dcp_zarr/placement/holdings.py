@@ -1,6 +1,6 @@
 """What one rank holds, described so that every rank holding the same entry describes it the same way.
 
-An ``Entry`` is one state-dict key as this rank sees it, with how the key is held across ranks:
+A ``Holding`` is one state-dict key as this rank sees it, with how the key is held across ranks:
 
 * ``EVERY_RANK``: a plain tensor or a non-tensor value, which every rank of the save is taken to hold whole (the
   digests check that they do);
@@ -162,7 +162,7 @@ def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coordinate))
 
 
-class Entry(NamedTuple):
+class Holding(NamedTuple):
     """One state-dict key on one rank (NamedTuple: thousands are built per save, and pickled on an exchange)."""
 
     fqn: str
@@ -187,13 +187,13 @@ class Entry(NamedTuple):
         return count * self.dtype.itemsize
 
 
-def signature(entry: Entry) -> tuple:
+def signature(entry: Holding) -> tuple:
     """What every rank holding ``entry`` must see alike (a BOX entry's boxes make it differ by design)."""
     return (entry.fqn, entry.path, entry.kind, str(entry.dtype), entry.size, entry.requires_grad, entry.holding,
             entry.mesh.token if entry.mesh else "", tuple(str(p) for p in entry.placements), entry.boxes)
 
 
-def structure_digest(entries: Iterable[Entry]) -> str:
+def structure_digest(entries: Iterable[Holding]) -> str:
     """One digest of a rank's entries, in key order: equal on two ranks exactly when their signatures are."""
     digest = hashlib.blake2b(digest_size=16)
     for entry in sorted(entries, key=lambda e: e.fqn):
@@ -203,7 +203,7 @@ def structure_digest(entries: Iterable[Entry]) -> str:
 
 
 def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, rank: int,
-                 group_rank: Callable[[int], int]) -> tuple[dict[str, Entry], dict[str, list[WriteItem]]]:
+                 group_rank: Callable[[int], int]) -> tuple[dict[str, Holding], dict[str, list[WriteItem]]]:
     """This rank's entries, and its items by key. ``group_rank`` maps a global rank (a mesh's) to DCP's group."""
     items_by_fqn: dict[str, list[WriteItem]] = {}
     for item in items:
@@ -217,7 +217,7 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
         path = tuple(mappings.get(fqn, (fqn,)))
         first = held[0]
         if first.type == WriteItemType.BYTE_IO:
-            entries[fqn] = Entry(fqn, path, VALUE, None, (), False, EVERY_RANK)
+            entries[fqn] = Holding(fqn, path, VALUE, None, (), False, EVERY_RANK)
             continue
         data = first.tensor_data
         assert data is not None  # DCP sets it on every item that is not BYTE_IO
@@ -229,17 +229,17 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
             mesh = meshes.get(value.device_mesh)
             if mesh is None:
                 mesh = meshes[value.device_mesh] = mesh_slice(value.device_mesh, roots, group_rank)
-            entries[fqn] = Entry(*common, DTENSOR, mesh, tuple(value.placements), source=source)
+            entries[fqn] = Holding(*common, DTENSOR, mesh, tuple(value.placements), source=source)
         elif sharded_type is not None and isinstance(value, sharded_type):
             shards = tuple(sorted((tuple(s.shard_offsets), tuple(s.shard_sizes), group_rank(s.placement.rank()))
                                   for s in value.metadata().shards_metadata))
-            entries[fqn] = Entry(*common, SHARDS, boxes=shards, source=source)
+            entries[fqn] = Holding(*common, SHARDS, boxes=shards, source=source)
         elif len(held) == 1 and not any(data.chunk.offsets) and tuple(data.chunk.sizes) == size:
-            entries[fqn] = Entry(*common, EVERY_RANK, source=source)
+            entries[fqn] = Holding(*common, EVERY_RANK, source=source)
         else:
             boxes = tuple(sorted((tuple(i.tensor_data.chunk.offsets), tuple(i.tensor_data.chunk.sizes), rank)
                                  for i in held if i.tensor_data is not None))
-            entries[fqn] = Entry(*common, BOX, boxes=boxes, source=source)
+            entries[fqn] = Holding(*common, BOX, boxes=boxes, source=source)
     return entries, items_by_fqn
 
 
@@ -281,7 +281,7 @@ class Merged(NamedTuple):
     """The plan of a save whose ranks differ, the same on every rank: every tensor and value as the boxes the ranks
     hold, each distinct box written by one of its holders."""
 
-    entries: dict[str, Entry]  # one holder's entry per key (the lowest rank's), in the coordinator's key order
+    entries: dict[str, Holding]  # one holder's entry per key (the lowest rank's), in the coordinator's key order
     boxes: dict[str, list[Box]]  # every distinct box of each tensor whose grid follows from its boxes (not DTensors)
     writers: dict[MetadataIndex, int]  # (key, box offsets) -> the rank writing it
     describers: dict[str, int]  # key -> the rank writing its array's zarr.json (the writer of its first box)

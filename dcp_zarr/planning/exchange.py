@@ -23,17 +23,17 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.errors import PlanMismatchError, ReplicaMismatchError
 from dcp_zarr.placement.chunk_grids import Box, dtensor_box
-from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Entry, Merged, signature
+from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Holding, Merged, signature
 from dcp_zarr.planning.replicas import mismatch_message, ranks_text
 
 _LISTED = 20
 
 
-def exchange_entries(mine: dict[str, Entry], rank: int, world_size: int, group) -> list[dict[str, Entry]]:
+def exchange_entries(mine: dict[str, Holding], rank: int, world_size: int, group) -> list[dict[str, Holding]]:
     """Every rank's entries, from the coordinator's (sent once) and each rank's differences from them."""
     coordinator = [mine if rank == 0 else None]
     dist.broadcast_object_list(coordinator, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    base: dict[str, Entry] = coordinator[0]  # type: ignore[assignment]
+    base: dict[str, Holding] = coordinator[0]  # type: ignore[assignment]
     differences = ({fqn: e for fqn, e in mine.items() if fqn not in base or signature(base[fqn]) != signature(e)},
                    [fqn for fqn in base if fqn not in mine])
     gathered: list = [None] * world_size
@@ -46,17 +46,17 @@ def exchange_entries(mine: dict[str, Entry], rank: int, world_size: int, group) 
     return every
 
 
-def merge(every: list[dict[str, Entry]], keep_first_replica: bool = False) -> Merged:
+def merge(every: list[dict[str, Holding]], keep_first_replica: bool = False) -> Merged:
     """The plan of every rank's entries. ``keep_first_replica`` (``check_replicas="none"``): a plain tensor or value
     whose holders disagree in kind, shape or dtype is saved as the lowest rank holding it has it, as DCP's planning
     keeps one rank's copy, instead of being refused."""
-    held: dict[str, list[tuple[int, Entry]]] = defaultdict(list)
+    held: dict[str, list[tuple[int, Holding]]] = defaultdict(list)
     for rank, entries in enumerate(every):
         for fqn, entry in entries.items():
             held[fqn].append((rank, entry))
     problems: list[str] = []
     replicas_only = True  # every key refused is a plain tensor or value that each of its holders saves whole
-    merged: dict[str, Entry] = {}
+    merged: dict[str, Holding] = {}
     box_holders: dict[MetadataIndex, list[int]] = defaultdict(list)
     sizes: dict[MetadataIndex, int] = {}
     boxes: dict[str, list[Box]] = {}
@@ -119,7 +119,7 @@ def merge(every: list[dict[str, Entry]], keep_first_replica: bool = False) -> Me
     return Merged(merged, boxes, writers, describers)
 
 
-def _missing_holders(entry: Entry, ranks: list[int]) -> str:
+def _missing_holders(entry: Holding, ranks: list[int]) -> str:
     """What is wrong when ranks that must hold the key lack it (a DTensor's mesh, a ShardedTensor's shards)."""
     present = set(ranks)
     if entry.holding == DTENSOR:
@@ -136,7 +136,7 @@ def _missing_holders(entry: Entry, ranks: list[int]) -> str:
     return ""
 
 
-def _comparable(entry: Entry) -> tuple:
+def _comparable(entry: Holding) -> tuple:
     """What must agree between holders: all of the signature, but that plain tensors and boxes both plan as boxes
     (a rank holding the whole tensor and ranks holding parts of it)."""
     holding = "boxes" if entry.holding in (EVERY_RANK, BOX) else entry.holding
@@ -144,7 +144,7 @@ def _comparable(entry: Entry) -> tuple:
     return kept + (entry.boxes,) if entry.holding == SHARDS else kept
 
 
-def _boxes(entry: Entry, rank: int) -> list[Box]:
+def _boxes(entry: Holding, rank: int) -> list[Box]:
     """The boxes ``rank`` holds of its ``entry``."""
     if entry.holding == DTENSOR:
         return [dtensor_box(entry, rank)]
@@ -163,7 +163,7 @@ def _overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
     return None
 
 
-def _describe(holders: list[tuple[int, Entry]], ranks: list[int]) -> str:
+def _describe(holders: list[tuple[int, Holding]], ranks: list[int]) -> str:
     entry = next(e for r, e in holders if r == ranks[0])
     if entry.kind != TENSOR:
         return "a non-tensor value"

@@ -29,7 +29,7 @@ from dcp_zarr.placement.holdings import (
     DTENSOR,
     EVERY_RANK,
     TENSOR,
-    Entry,
+    Holding,
     Merged,
     group_rank_of,
     rank_entries,
@@ -217,7 +217,7 @@ class LocalSave:
         writes = frozenset(index for index, rank in merged.writers.items() if rank == self.rank)
         return Decisions(writes, frozenset(fqn for fqn, rank in merged.describers.items() if rank == self.rank))
 
-    def global_entries(self) -> dict[str, Entry]:
+    def global_entries(self) -> dict[str, Holding]:
         """Every entry of the save (the coordinator's own, unless an exchange merged every rank's)."""
         return self.merged.entries if self.merged is not None else self.entries
 
@@ -249,7 +249,7 @@ class LocalSave:
             specs[fqn] = array_spec(fqn, nodes[fqn], entry.dtype, shared.setdefault(layout, layout))
         return specs
 
-    def layout(self, entry: Entry, inner_chunk_bytes: int, array_shards: bool) -> tuple[ChunkLayout, int]:
+    def layout(self, entry: Holding, inner_chunk_bytes: int, array_shards: bool) -> tuple[ChunkLayout, int]:
         """(the array's layout, its count of non-empty boxes saved)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -21,7 +21,7 @@ from dcp_zarr.errors import ReplicaMismatchError
 from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.local_save import LocalSave
-from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Summary, Ticket, check_summaries
+from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Ticket, check_summaries
 from dcp_zarr.planning.save_planner import RankState
 from dcp_zarr.saving import committing
 from dcp_zarr.saving.item_writes import checked_tensor, write_items
@@ -42,7 +42,8 @@ class LocallyPlannedSave:
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_report: RankReport | None = None  # the coordinator's own values and object sizes (not sent)
 
-    def local_plan(self) -> SavePlan:
+    def local_plan(self, plan: SavePlan) -> SavePlan:
+        """What DCP gathers in place of ``plan`` (whose planner_data made this save): the rank's Summary."""
         # planner_data={}: what DCP's own planner, taken over, merges into its (empty) metadata
         return SavePlan(items=[], storage_data=self.local.summary, planner_data={})
 
@@ -56,8 +57,10 @@ class LocallyPlannedSave:
         ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups)
         return [dataclasses.replace(plan, storage_data=ticket) for plan in plans]
 
-    def write(self, ticket: Ticket, planner: SavePlanner) -> list[WriteResult]:
+    def write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """This rank's part, and the one WriteResult that reports it (protocol.py)."""
+        ticket = plan.storage_data
+        assert isinstance(ticket, Ticket), f"a save planned locally was sent {type(ticket).__name__}"
         local, settings = self.local, self.settings
         checksums = local.reported_checksums(ticket)
         values, objects = {}, {}
@@ -99,8 +102,9 @@ class LocallyPlannedSave:
         return write_aggregated(aggregation, entries, specs, held, Group(local.group), storage,
                                 self.settings.thread_count, local.merged)
 
-    def finish(self, results: list[list[WriteResult]]) -> None:
-        """The manifest, from the coordinator's own plan and each rank's one report, then the commit."""
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The manifest, from the coordinator's own plan and each rank's one report, then the commit (``metadata``,
+        DCP's, is empty: the manifest is the checkpoint's metadata)."""
         begun, local = self._begun, self.local
         assert begun is not None, "finish of a save without its prepare_global_plan"
         reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
@@ -134,7 +138,3 @@ class LocallyPlannedSave:
             else:
                 entries[fqn] = ObjectEntry(fqn, entry.path, nodes[fqn], objects[fqn])
         committing.commit_save(self.settings, begun, entries, local.global_key_order(), specs)
-
-
-def is_summary(storage_data) -> bool:
-    return isinstance(storage_data, Summary)
