@@ -16,6 +16,7 @@ import importlib
 import importlib.metadata
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -175,6 +176,24 @@ def test_every_step_folder_is_a_committed_zarr_store_not_a_dcp_directory(trained
             assert open_checkpoint(store).saved_world_size == 2
         lm_head = zarr.open_group(store, mode="r")["lm_head.weight"][:]  # any zarr reader, without dcp_zarr
         assert torch.equal(torch.from_numpy(lm_head), store_state(root, run, steps[-1])["lm_head.weight"])
+
+
+def test_zarr_python_alone_reads_the_trainers_values_and_inspect_fits_a_screen(trained):
+    root, _ = trained
+    store = root / "sync" / "checkpoint" / "step-3"
+    group = zarr.open_group(store, mode="r")  # torchtitan's Stateful values: attributes of their groups
+    saved = open_checkpoint(store)
+    assert group["train_state"].attrs["step"] == 3 and type(group["train_state"].attrs["step"]) is int
+    assert dict(group["train_state"].attrs) == {"step": 3,
+                                                "ntokens_seen": saved.read_value("train_state.ntokens_seen")}
+    assert group["lr_scheduler"].attrs["last_epoch"] == saved.read_value("lr_scheduler.last_epoch") == 3
+    assert group["dataloader"].attrs["consumed"] == saved.read_value("dataloader.consumed")
+
+    done = subprocess.run([sys.executable, "-m", "dcp_zarr", "inspect", str(store)], capture_output=True, text=True,
+                          timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) <= 60, done.stdout + done.stderr
+    assert "  train_state.step = 3" in lines
 
 
 def test_the_steps_differ_so_loading_the_wrong_one_would_show(trained):

@@ -38,7 +38,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.fsdp import StateDictType
 
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
-from dcp_zarr.integrations.framework import import_framework, installed_version, missing_attributes, require_internals
+from dcp_zarr.integrations.framework import (
+    import_framework,
+    installed_version,
+    missing_attributes,
+    refuse_unless_committed,
+    require_internals,
+)
 from dcp_zarr.lifecycle.folders import FolderState, checkpoint_folders
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.offline import is_dcp_directory
@@ -151,6 +157,11 @@ def _save(state_dict: dict, path: str) -> None:
 
 
 def _load(state_dict: dict, path: str) -> None:
+    folder = Path(path).parent
+    refuse_unless_committed(
+        path, "ZarrAccelerator.load_state",
+        f"load_state({str(folder)!r}) names it: pass a checkpoint_N that `dcp-zarr list {folder.parent}` shows "
+        "complete, or call load_state() without a path to resume from the newest complete one")
     # ZarrLoadPlanner: optimizer state in whatever key form it was saved
     dcp.load(state_dict, storage_reader=ZarrReader(path), planner=ZarrLoadPlanner())
 

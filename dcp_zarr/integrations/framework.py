@@ -1,14 +1,27 @@
 """What every adapter of ``dcp_zarr.integrations`` does first: import its framework, or say how to install it, and
-check that the framework still has the internals the adapter relies on, naming both versions when it does not."""
+check that the framework still has the internals the adapter relies on, naming both versions when it does not; and
+what each does before a load: refuse a path that holds no committed store in words that name the framework's way on
+(``refuse_unless_committed``), rather than DCP's wrapper around the reader's error."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 from collections.abc import Iterable
 from types import ModuleType
 
-from dcp_zarr.errors import FrameworkNotInstalledError, FrameworkVersionError
+from dcp_zarr.errors import (
+    FrameworkNotInstalledError,
+    FrameworkVersionError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+)
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.storage import open_storage
+from dcp_zarr.store_io.commit import stopped_save
+
+_LISTED = 3  # names of foreign files an error shows
 
 
 def import_framework(module: str, distribution: str, written_for: str, adapter: str) -> ModuleType:
@@ -43,3 +56,29 @@ def require_internals(distribution: str, written_for: str, adapter: str, missing
 def missing_attributes(owner: object, names: Iterable[str], where: str) -> list[str]:
     """``where.name`` for each of ``names`` that ``owner`` lacks."""
     return [f"{where}.{name}" for name in names if not hasattr(owner, name)]
+
+
+def refuse_unless_committed(path: str | os.PathLike, who: str, instead: str) -> None:
+    """Return if the local ``path`` holds a committed dcp_zarr store; else raise ``IncompleteCheckpointError`` (an
+    interrupted save) or ``NotACheckpointError`` (missing, empty, a file, anything else) saying, after ``who`` (the
+    adapter's method), what is there, that nothing was loaded, and ``instead``: the framework's next step."""
+    location = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(location)
+    if not os.path.exists(location):
+        what = "does not exist"
+    elif not os.path.isdir(location):
+        what = "is a file, not a checkpoint directory"
+    elif CheckpointRoot(parent).is_complete(name):
+        return
+    elif not os.listdir(location):
+        what = "is an empty directory"
+    else:
+        why = stopped_save(open_storage(location, read_only=True))
+        if why:
+            raise IncompleteCheckpointError(
+                f"{who}: {location} holds an interrupted dcp_zarr save, not a checkpoint ({why}): its save stopped "
+                f"before the commit, so nothing loads it. Nothing was loaded. {instead}")
+        files = sorted(os.listdir(location))
+        what = (f"holds no dcp_zarr checkpoint (no committed root zarr.json; it holds "
+                f"{', '.join(files[:_LISTED])}{', ...' if len(files) > _LISTED else ''})")
+    raise NotACheckpointError(f"{who}: {location} {what}. Nothing was loaded. {instead}")

@@ -43,7 +43,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr.format.manifest import ROOT_KEY
-from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
+from dcp_zarr.integrations.framework import (
+    import_framework,
+    missing_attributes,
+    refuse_unless_committed,
+    require_internals,
+)
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
@@ -205,9 +210,13 @@ def _load_stand_in(lightning_load: Callable[[dict[str, Any], Path], None]) -> Ca
         routed = _route.get()
         if routed is None or is_dcp_directory(path):  # written by Lightning's own strategy: read as it would
             return lightning_load(state, path)
+        routed.loaded.append(Path(path))  # handed to dcp_zarr: its errors are the ones to show
+        refuse_unless_committed(
+            path, "dcp_zarr's Lightning strategy (load_checkpoint)",
+            f"Pass another ckpt_path (`dcp-zarr list {Path(path).parent}` shows which checkpoints there are complete), "
+            "or remove this one")
         # ZarrLoadPlanner: optimizer state in whichever key form it was saved
         dcp.load(state, storage_reader=ZarrReader(path), planner=ZarrLoadPlanner())
-        routed.loaded.append(Path(path))
 
     return load
 

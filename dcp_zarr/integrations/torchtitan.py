@@ -8,7 +8,8 @@ retention, resume, the HF export) with three of its methods overridden, each whe
 * ``dcp_save``: a training checkpoint (``step-N``) is a zarr store written by ``ZarrWriter``, planned by
   ``ZarrSavePlanner`` on the group torchtitan saves on, in each async mode; an HF export is torchtitan's own.
 * ``dcp_load``: a ``step-N`` store, or ``initial_load_path``, is read by ``ZarrReader``; a DCP directory (it holds
-  ``.metadata``: saved before the switch) and HF loads are torchtitan's own.
+  ``.metadata``: saved before the switch) and HF loads are torchtitan's own. A path without a committed store is
+  refused before DCP starts, naming the config line to change.
 * ``_find_load_step``: a ``step-N`` folder holding a committed dcp_zarr store counts, besides torchtitan's own.
   torchtitan counts only folders holding DCP's ``.metadata`` or an HF index: without this a resume starts afresh.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from types import ModuleType
@@ -29,7 +31,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from dcp_zarr.integrations.framework import import_framework, missing_attributes, require_internals
+from dcp_zarr.errors import CheckpointExistsError
+from dcp_zarr.integrations.framework import (
+    import_framework,
+    missing_attributes,
+    refuse_unless_committed,
+    require_internals,
+)
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
@@ -116,6 +124,12 @@ class ZarrCheckpointManager(_CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
         if to_hf:  # the HF export: safetensors through torchtitan's adapter and writer
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if _filesystem.isfile(_filesystem.join(checkpoint_id, ".metadata")):
+            raise CheckpointExistsError(
+                f"ZarrCheckpointManager.dcp_save: {checkpoint_id} holds a checkpoint torchtitan's own manager saved "
+                "(DCP's .metadata and .distcp files), which a zarr store is not saved over: this save was refused "
+                f"and nothing was written. Remove it (rm -r {checkpoint_id}) to save this step as a zarr store; "
+                "until then a resume loads it as it is, through torchtitan's own reader")
         writer = ZarrWriter(checkpoint_id)
         if async_mode == _AsyncMode.DISABLED:
             result = dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
@@ -137,11 +151,25 @@ class ZarrCheckpointManager(_CheckpointManager):
         if from_hf or _filesystem.isfile(_filesystem.join(checkpoint_id, ".metadata")):
             # HF safetensors, or a DCP directory (saved by torchtitan's own manager): torchtitan's own load
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        refuse_unless_committed(checkpoint_id, "ZarrCheckpointManager.dcp_load", self._load_instead(checkpoint_id))
         dcp.load(state_dict, storage_reader=ZarrReader(checkpoint_id), planner=ZarrLoadPlanner())
         # As torchtitan's dcp_load: the model's entries are flattened into state_dict, so its wrapper takes them
         # back (tensors its state_dict hooks made afresh were loaded into copies).
         if _titan.MODEL in self.states:
             self.states[_titan.MODEL].load_state_dict(state_dict)
+
+    def _load_instead(self, checkpoint_id: str) -> str:
+        """What to do instead of loading ``checkpoint_id``, which holds no committed store: a ``step-N`` of the
+        checkpoint folder is loaded because ``load_step`` names it (a resume takes only committed ones); any other
+        path is ``initial_load_path``."""
+        folder, name = os.path.split(os.path.abspath(checkpoint_id))
+        step = _STEP_FOLDER.match(name)
+        if step and folder == os.path.abspath(self.folder):
+            return (f"checkpoint.load_step={int(step.group(1))} names it: set load_step to a step that `dcp-zarr list "
+                    f"{self.folder}` shows complete, or to -1 (the newest complete one), or remove it "
+                    f"(rm -r {checkpoint_id})")
+        return ("checkpoint.initial_load_path names it: point it at a committed dcp_zarr store, a DCP directory "
+                "(.metadata) or, with checkpoint.initial_load_in_hf, Hugging Face safetensors")
 
     def _find_load_step(self, folder: str = "") -> int:
         folder = folder or self.folder

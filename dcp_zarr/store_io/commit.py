@@ -17,7 +17,12 @@ import os
 import re
 import shutil
 
-from dcp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.errors import (
+    CheckpointExistsError,
+    IncompleteCheckpointError,
+    MalformedMetadataError,
+    NotACheckpointError,
+)
 from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.storage import LocalStorage, Storage, is_local, local_path, open_storage
 from dcp_zarr.store_io.root_document import read_manifest
@@ -84,12 +89,11 @@ def check_stored(storage: Storage, overwrite: bool, target: str | None = None, *
                 "Point the writer at a prefix of its own")
         return
     if local and not storage.exists(ROOT_KEY):
-        keys = storage.first_keys(_KEYS_CHECKED)
-        if keys and all(_SAVE_KEY.search(key) for key in keys):  # groups and arrays, no commit: a save that stopped
-            if replace_interrupted:
-                return
-            raise CheckpointExistsError(interrupted_save(
-                target, local, "it has groups and arrays but no root zarr.json, which a save writes last"))
+        why = stopped_save(storage)
+        if why and replace_interrupted:
+            return
+        if why:
+            raise CheckpointExistsError(interrupted_save(target, local, why))
     try:
         read_manifest(storage)
     except IncompleteCheckpointError as exc:
@@ -108,6 +112,23 @@ def check_stored(storage: Storage, overwrite: bool, target: str | None = None, *
             "why it is not replaced by default there; on a file system it is swapped out once the new one is "
             "complete), or save to another path"
         )
+
+
+def stopped_save(storage: Storage) -> str | None:
+    """Why ``storage`` holds a dcp_zarr save that stopped before its commit (a root ``zarr.json`` whose manifest is
+    not complete, or groups and arrays without one), or None if it holds no such thing."""
+    if storage.exists(ROOT_KEY):
+        try:
+            read_manifest(storage)
+        except IncompleteCheckpointError as exc:
+            return str(exc)
+        except (NotACheckpointError, MalformedMetadataError):
+            return None
+        return None
+    keys = storage.first_keys(_KEYS_CHECKED)
+    if keys and all(_SAVE_KEY.search(key) for key in keys):
+        return "it has groups and arrays but no root zarr.json, which a save writes last"
+    return None
 
 
 def interrupted_save(target: str, local: bool, why: str) -> str:
