@@ -1,5 +1,5 @@
 """The line users write, ``dcp.save(sd, storage_writer=ZarrWriter(p))``, is planned locally: ZarrWriter takes over
-DCP's own planner in the ``dcp.save`` under way (dcp_zarr/planning/save_call.py), so it writes the store
+DCP's own planner in the ``dcp.save`` under way (dcp_zarr/planning/dcp_internals.py), so it writes the store
 ``ZarrSavePlanner`` writes and DCP's collectives carry the same digests (test_wire_bytes.py counts them). A planner
 that plans for itself keeps DCP's protocol; where torch no longer keeps its planner where we look, the save follows
 DCP's planning: correct, slower, never wrong."""
@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
-from dcp_zarr.planning import save_call
+from dcp_zarr.planning import dcp_internals
+from dcp_zarr.planning.save_planner import rank_plan
 from dcp_zarr.testing.planners import DCPsPlanning
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
@@ -29,8 +30,9 @@ from tests.support.stores import tree_digest
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # The torch releases on which DCP was seen to keep ``planner``, ``distW`` and ``storage_writer`` in
-# ``_save_state_dict``'s ``local_step``, where save_call.py looks: the plain line's fast path is expected there.
-FAST_PATH_VERIFIED = ((2, 13), (2, 14), (2, 15))
+# ``_save_state_dict``'s ``local_step``, where dcp_internals.py looks: the plain line's fast path is expected there.
+FAST_PATH_VERIFIED = dcp_internals.VERIFIED_TORCH
+TAKEN_OVER = {"create_local_plan", "create_global_plan", "finish_plan"}
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -38,10 +40,10 @@ def test_the_plain_line_takes_the_fast_path_on_every_torch_release_verified(tmp_
     """On the releases of FAST_PATH_VERIFIED, DCP's frames are found and the plain line plans locally (DCP's metadata
     comes back empty). On another release this fails the day torch moves them, saying so: the plain line then falls
     back to DCP's planning (correct, slower: test_where_the_planner_is_not_found_the_save_follows_dcps_planning), and
-    save_call.py needs another look before the release joins FAST_PATH_VERIFIED."""
+    dcp_internals.py needs another look before the release joins its VERIFIED_TORCH."""
     found = []
-    lookup = save_call.dcp_save_call
-    monkeypatch.setattr(save_call, "dcp_save_call", lambda: found.append(lookup()) or found[-1])
+    lookup = dcp_internals.dcp_save_call
+    monkeypatch.setattr(dcp_internals, "dcp_save_call", lambda: found.append(lookup()) or found[-1])
     planner = DefaultSavePlanner()
     writers = [ZarrWriter(str(tmp_path / "a.zarr")), ZarrWriter(str(tmp_path / "b.zarr"))]
     metadata = [dcp.save({"w": torch.ones(3)}, storage_writer=writers[0], planner=planner),
@@ -50,12 +52,12 @@ def test_the_plain_line_takes_the_fast_path_on_every_torch_release_verified(tmp_
     verified = ", ".join(f"{major}.{minor}" for major, minor in FAST_PATH_VERIFIED)
     assert fast or TORCH_RELEASE in FAST_PATH_VERIFIED, (
         f"torch {torch.__version__} (not one of the releases verified: {verified}) keeps DCP's planner elsewhere: "
-        f"the plain line follows DCP's planning, correct and slower; save_call.py needs another look")
+        f"the plain line follows DCP's planning, correct and slower; dcp_internals.py needs another look")
     assert fast, f"torch {torch.__version__} was verified to take the fast path, and takes DCP's planning: {found}"
     (given, made) = found
     assert given is not None and given.planner is planner and given.group is None and given.writer is writers[0]
     assert made is not None and type(made.planner) is DefaultSavePlanner and made.writer is writers[1]
-    assert vars(planner).keys().isdisjoint(save_call._TAKEN_OVER), "given back after the save"
+    assert vars(planner).keys().isdisjoint(TAKEN_OVER), "given back after the save"
 
 
 def test_the_plain_line_returns_no_metadata_as_the_planner_does(tmp_path):
@@ -81,10 +83,11 @@ def test_a_planner_that_plans_for_itself_keeps_dcps_protocol(tmp_path):
     metadata = dcp.save({"w": torch.ones(5)}, storage_writer=ZarrWriter(str(tmp_path / "s.zarr")),
                         planner=DCPsPlanning())
     assert set(metadata.state_dict_metadata) == {"w"}
-    assert save_call.is_dcps_own(DefaultSavePlanner()) and not save_call.is_dcps_own(DCPsPlanning())
+    assert dcp_internals.is_dcps_save_planner(DefaultSavePlanner())
+    assert not dcp_internals.is_dcps_save_planner(DCPsPlanning())
     override = DefaultSavePlanner()
     override.transform_object = lambda item, obj: obj  # an instance's own hook counts too
-    assert not save_call.is_dcps_own(override)
+    assert not dcp_internals.is_dcps_save_planner(override)
 
 
 def test_a_planner_left_taken_over_by_a_failed_save_serves_another_writer_as_dcps(tmp_path):
@@ -92,7 +95,8 @@ def test_a_planner_left_taken_over_by_a_failed_save_serves_another_writer_as_dcp
     the same planner and another writer must still get DCP's planning, not the writer's pass-through."""
     planner = DefaultSavePlanner()
     planner.set_up_planner({"w": torch.ones(2)}, is_coordinator=True)
-    save_call.take_over(save_call.SaveCall(planner, None, ZarrWriter(str(tmp_path / "never.zarr"))))
+    dcp_internals.take_over_save(dcp_internals.SaveCall(planner, None, ZarrWriter(str(tmp_path / "never.zarr"))),
+                                 rank_plan)
     fs = str(tmp_path / "fs")
     metadata = dcp.save({"w": torch.full((2,), 7.0)}, storage_writer=dcp.FileSystemWriter(fs), planner=planner)
     assert set(metadata.state_dict_metadata) == {"w"} and "create_global_plan" not in vars(planner)
@@ -180,24 +184,32 @@ def test_one_layout_whoever_plans(tmp_path, layout, world_size):
     assert_state_equal(run_ranks(load_fresh, 2, "fsdp2", ZarrReader(paths[0]))[0], state)
 
 
-def save_plain_where_torch_moved_things(rank, world_size, path, monkeypatched):
-    if monkeypatched:
-        save_call.dcp_save_call = lambda: None  # as if torch kept its planner elsewhere
+def save_plain_where_torch_moved_things(rank, world_size, path, moved):
+    import warnings
+
+    from dcp_zarr.errors import UnverifiedTorchWarning
+
+    if moved:  # as if torch kept its planner in a function of another name
+        dcp_internals._SAVE = dcp_internals._SAVE._replace(step="moved_local_step")
     model, optim = build("fsdp2", world_size)
     train_steps(model, optim, 1)
     msd, osd = get_state_dict(model, optim)
-    metadata = dcp.save({"model": msd, "optim": osd}, storage_writer=ZarrWriter(path))
-    return full_state(model, optim), len(metadata.state_dict_metadata)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metadata = dcp.save({"model": msd, "optim": osd}, storage_writer=ZarrWriter(path))
+    said = sum(issubclass(w.category, UnverifiedTorchWarning) for w in caught)
+    return full_state(model, optim), len(metadata.state_dict_metadata), said
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_where_the_planner_is_not_found_the_save_follows_dcps_planning(tmp_path):
     fallback, found = str(tmp_path / "fallback.zarr"), str(tmp_path / "found.zarr")
-    (state, entries), _ = run_ranks(save_plain_where_torch_moved_things, 2, fallback, True)
+    (state, entries, said), _ = run_ranks(save_plain_where_torch_moved_things, 2, fallback, True)
     assert entries > 0, "DCP planned it: its metadata lists every entry"
-    (_, none), _ = run_ranks(save_plain_where_torch_moved_things, 2, found, False)
-    assert none == 0
+    assert said == 1, "and the rank said so"
+    (_, none, unsaid), _ = run_ranks(save_plain_where_torch_moved_things, 2, found, False)
+    assert none == 0 and unsaid == 0
     assert_state_equal(open_checkpoint(fallback).load_full_state_dict(), state)
     assert _without_save_ids(fallback) == _without_save_ids(found), "the same store either way"
 

@@ -1,14 +1,8 @@
-"""Whether a planner's methods are DCP's own: what lets dcp_zarr take its planning over, or find the tensors it
-resolves without DCP's per-item lookups. A subclass or an instance attribute that overrides one keeps DCP's way."""
+"""The name writer.py and saving/item_writes.py call while the writer is rewritten; whether a planner's methods are
+DCP's is decided in ``dcp_internals.py``. To be removed once they call ``dcp_internals`` directly."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dcp_zarr.planning.dcp_internals import keeps_dcps
 
-
-def keeps_dcps(planner, base: type, names: Iterable[str]) -> bool:
-    """``planner`` is a ``base`` whose class and instance override none of the methods ``names``."""
-    if not isinstance(planner, base):
-        return False
-    cls = type(planner)
-    return all(getattr(cls, name) is getattr(base, name) and name not in vars(planner) for name in names)
+__all__ = ["keeps_dcps"]

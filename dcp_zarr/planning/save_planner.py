@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, own_boxes_refused, says_its_own_boxes
+from dcp_zarr.planning.dcp_internals import SAVE_PLANNER_STATE, create_write_items
 from dcp_zarr.planning.protocol import Ticket
 
 
@@ -32,7 +32,7 @@ class RankState(NamedTuple):
     items: list[WriteItem]
     state_dict: dict
     mappings: dict
-    planner: DefaultSavePlanner  # a ZarrSavePlanner, or DCP's own planner taken over (save_call.py)
+    planner: DefaultSavePlanner  # a ZarrSavePlanner, or DCP's own planner taken over (dcp_internals.py)
     group: dist.ProcessGroup | None  # the one dcp.save runs on (None: the default group)
 
     def __reduce__(self):
@@ -67,14 +67,12 @@ class ZarrSavePlanner(DefaultSavePlanner):
         state = dict(self.__dict__)
         state["process_group"] = None
         state["mappings"] = {}
-        for per_save in ("state_dict", "plan", "metadata", "global_plan", "_pending_local_plan"):
+        for per_save in SAVE_PLANNER_STATE:
             state.pop(per_save, None)
         return state
 
     def create_local_plan(self) -> SavePlan:
-        items = local_write_items(self.state_dict)  # this rank's items (its boxes), as DCP makes them
-        self.plan = SavePlan(items=[], planner_data=RankState(items, self.state_dict, dict(self.mappings), self,
-                                                              self.process_group))
+        self.plan = rank_plan(self, self.process_group)
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -91,11 +89,19 @@ class ZarrSavePlanner(DefaultSavePlanner):
         return new_plan
 
 
+def rank_plan(planner: DefaultSavePlanner, group: dist.ProcessGroup | None) -> SavePlan:
+    """This rank's plan for the writer, from the planner's state dict as set up for the save: no items for DCP to
+    gather, and a ``RankState`` holding them (each box computed here) for the writer."""
+    items = local_write_items(planner.state_dict)
+    return SavePlan(items=[], planner_data=RankState(items, planner.state_dict, dict(planner.mappings), planner, group))
+
+
 @step_with_collector_paused
 def local_write_items(state_dict: dict) -> list[WriteItem]:
     """The items of DCP's ``create_default_local_save_plan``, each DTensor's box computed in arithmetic (boxes.py)
     instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses
-    with their own ``__create_write_items__``, Partial placements) through DCP's own ``_create_write_items``."""
+    with their own ``__create_write_items__``, Partial placements) through DCP's own function
+    (``dcp_internals.create_write_items``)."""
     items: list[WriteItem] = []
     meshes: dict[int, tuple] = {}  # boxes.mesh_place's
     for fqn, value in state_dict.items():
@@ -109,7 +115,7 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
             if item is not None:
                 items.append(item)
                 continue
-        items += _create_write_items(fqn, value)
+        items += create_write_items(fqn, value)
     return items
 
 
