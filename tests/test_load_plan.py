@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from dcp_zarr import ZarrLoadPlanner, ZarrReader, ZarrWriter
-from dcp_zarr.collective import load_call
-from dcp_zarr.planning import load_plan
+from dcp_zarr.planning import dcp_internals, load_plan
 from dcp_zarr.planning.load_plan import local_read_items
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
@@ -120,8 +119,8 @@ def test_keys_flattened_as_torch_2_3_did_are_left_to_dcps_own_check():
     """Saved keys not asked for: DCP checks whether they are the state dict's keys in torch 2.3's flattening
     (a dict without tensors kept whole), and then plans in that form itself."""
     original = {"w": torch.zeros(1), "meta": {"milestones": [10, 20]}}
-    assert load_plan._may_be_of_torch_2_3(original, {"meta"})  # torch 2.3 saved it whole; now "meta.milestones"
-    assert not load_plan._may_be_of_torch_2_3(original, {"optim.state.w.step"})
+    assert dcp_internals._may_be_of_torch_2_3(original, {"meta"})  # torch 2.3 saved it whole; now "meta.milestones"
+    assert not dcp_internals._may_be_of_torch_2_3(original, {"optim.state.w.step"})
 
 
 def _count_dcps_planning(monkeypatch) -> list:
@@ -175,8 +174,7 @@ def test_where_the_planner_is_not_found_dcp_plans_the_load(tmp_path, monkeypatch
     path = str(tmp_path / "s.zarr")
     dcp.save({"w": torch.ones(4)}, storage_writer=ZarrWriter(path))
     calls = _count_dcps_planning(monkeypatch)
-    monkeypatch.setattr(load_call, "dcp_load_planner", lambda: None)
-    monkeypatch.setattr("dcp_zarr.reader.dcp_load_planner", lambda: None)  # as if torch kept it elsewhere
+    monkeypatch.setattr(dcp_internals, "dcp_load_planner", lambda: None)  # as if torch kept it elsewhere
     target = {"w": torch.zeros(4)}
     dcp.load(target, storage_reader=ZarrReader(path))
     assert len(calls) == 1 and torch.equal(target["w"], torch.ones(4))
@@ -260,7 +258,7 @@ def test_a_take_over_left_by_a_load_that_failed_plans_the_next_one_as_dcp():
     first = Metadata({"w": _whole((8,))})
     planner = DefaultLoadPlanner()
     planner.set_up_planner(state, first)
-    assert load_plan.take_over(planner, first)
+    assert dcp_internals.take_over_load(planner, first, local_read_items)
     saved_in_two = Metadata({"w": TensorStorageMetadata(TensorProperties(), torch.Size((8,)), [
         ChunkStorageMetadata(torch.Size((0,)), torch.Size((4,))),
         ChunkStorageMetadata(torch.Size((4,)), torch.Size((4,)))])})

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
-from dcp_zarr.collective.load_call import dcp_load_wrapper
+from dcp_zarr.planning.dcp_internals import dcp_load_wrapper
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.testing.shardings import in_layout
 from tests.support.compare import assert_state_equal
@@ -107,7 +107,7 @@ def load_deciding_apart(rank, world_size, path, coordinator_shares):
 @pytest.mark.parametrize("coordinator_shares", [True, False])
 def test_ranks_that_decide_apart_whether_to_share_still_load(saved, coordinator_shares):
     # The coordinator decides for every rank whether the root is read once; the reads are shared only where every
-    # rank would. Before, the ranks waited in different collectives until run_ranks' timeout.
+    # rank would. Otherwise the ranks would wait in different collectives until run_ranks' timeout.
     results = run_ranks(load_deciding_apart, 3, saved, coordinator_shares, timeout=60)
     for loaded, _, _ in results:
         assert_state_equal(loaded, full_tensors())

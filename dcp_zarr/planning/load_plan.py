@@ -10,10 +10,9 @@ item from the one overlap there is: the same ReadItems DCP makes, checked item f
 meshes (``tests/test_load_plan.py``). Anything else (ShardedTensors, tensor subclasses, placements boxes.py cannot
 say, another metadata's chunks, and every error DCP raises) goes through DCP's own function, entry by entry.
 
-DCP's own planner is taken over for one call only: the reader's ``set_up_storage_reader``, which DCP calls right
-before ``planner.create_local_plan()`` in the same ``local_step``, gives that planner an instance attribute
-``create_local_plan`` that removes itself and plans as DCP's would. A planner whose planning is not DCP's (a
-subclass overriding ``set_up_planner`` or ``create_local_plan``) is left alone.
+DCP's own planner is taken over for one call only (``dcp_internals.take_over_load``, from the reader's
+``set_up_storage_reader``): its next ``create_local_plan`` plans with ``local_read_items``. A planner whose planning is
+not DCP's (a subclass overriding ``set_up_planner`` or ``create_local_plan``) is left alone.
 """
 
 from __future__ import annotations
@@ -21,24 +20,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.checkpoint import _version, default_planner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_read_items
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, says_its_own_boxes
-from dcp_zarr.planning.overrides import keeps_dcps
+from dcp_zarr.planning.dcp_internals import create_read_items, load_lookup_is_dcps
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_HERE = object()  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to read
-# DCP's methods a load planner must not override to be taken over: what it is set up with and what it plans.
-_DCPS_OWN = ("set_up_planner", "create_local_plan")
-# ... and to have its destinations found here: how it finds the tensor a read item is read into.
-_DCPS_LOOKUP = ("resolve_tensor", "lookup_tensor", "transform_tensor")
 
 
 @step_with_collector_paused
@@ -57,7 +49,7 @@ def read_items_of(fqn: str, value, metadata: Metadata, strict: bool, meshes: dic
     if md is None and not strict:
         return []  # not in the checkpoint, and allowed to be missing: DCP's rule
     if isinstance(md, BytesStorageMetadata) and not isinstance(value, DTensor):
-        return _create_read_items(fqn, md, value)  # a value: one item, as DCP makes it
+        return create_read_items(fqn, md, value)  # a value: one item, as DCP makes it
     box = _local_box(value, md, meshes) if isinstance(md, TensorStorageMetadata) and _is_whole(md) else None
     if box is _NOT_HERE:
         return []
@@ -114,58 +106,12 @@ def _item_against_whole(fqn: str, md: TensorStorageMetadata, offsets: tuple[int,
                     lengths=torch.Size(lengths))
 
 
-def is_dcps_own(planner) -> bool:
-    """A ``DefaultLoadPlanner`` whose set-up and planning are DCP's (any ``allow_partial_load``, flattening)."""
-    return keeps_dcps(planner, DefaultLoadPlanner, _DCPS_OWN)
-
-
-def take_over(planner, metadata: Metadata) -> bool:
-    """Make the next ``planner.create_local_plan()`` plan in arithmetic, once, if ``planner`` is DCP's own and set
-    up with ``metadata``; whether it was taken over."""
-    give_back(planner)
-    if not is_dcps_own(planner) or planner.metadata is not metadata:
-        return False
-
-    def create_local_plan() -> LoadPlan:
-        give_back(planner)
-        if planner.metadata is not metadata:  # set up again since (a load that failed after set_up_storage_reader)
-            return planner.create_local_plan()
-        unasked = metadata.state_dict_metadata.keys() - planner.state_dict.keys()
-        if planner.flatten_state_dict and unasked and _may_be_of_torch_2_3(planner.original_state_dict, unasked):
-            return planner.create_local_plan()  # DCP's own: it switches the planner to torch 2.3's key form
-        return LoadPlan(local_read_items(planner.state_dict, metadata, not planner.allow_partial_load))
-
-    vars(create_local_plan)["taken_over_by_dcp_zarr"] = True
-    planner.create_local_plan = create_local_plan
-    return True
-
-
-def _may_be_of_torch_2_3(original_state_dict: dict, unasked: set[str]) -> bool:
-    """DCP's check before it plans a load that leaves saved keys out (a model alone from a training checkpoint):
-    whether some of them are keys of the state dict flattened as torch 2.3 did, and so the checkpoint is of that
-    form. True also where torch no longer has the switch this asks it with: DCP's own planning then decides."""
-    if getattr(_version, "_derived_version", "gone") is not None:
-        return True
-    _version._derived_version = "2_3"
-    try:
-        old_keys, _ = flatten_state_dict(original_state_dict)
-    finally:
-        _version._derived_version = None
-    return not old_keys.keys().isdisjoint(unasked)
-
-
-def give_back(planner) -> None:
-    """Remove what ``take_over`` set (only that: a planner's own instance attributes stay)."""
-    if getattr(vars(planner).get("create_local_plan"), "taken_over_by_dcp_zarr", False):
-        del vars(planner)["create_local_plan"]
-
-
 def destinations(planner) -> Callable[[ReadItem], torch.Tensor]:
     """``item -> planner.resolve_tensor(item).detach()``: the tensor a read item is read into. Where the planner's
     lookup is DCP's own, a DTensor's local tensor or a plain tensor is found without DCP's per-item lookups and
     ``to_local``'s autograd Function (a twentieth of a load of 800 tensors); narrowed as DCP's ``transform_tensor``
     would narrow it, which returns the tensor itself for a whole local shard."""
-    if not keeps_dcps(planner, DefaultLoadPlanner, _DCPS_LOOKUP):
+    if not load_lookup_is_dcps(planner):
         return lambda item: planner.resolve_tensor(item).detach()
     state_dict = planner.state_dict
 
