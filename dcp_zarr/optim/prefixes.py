@@ -19,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 # The name logic is torch-free (wrapper_names.py); it is re-exported here, where the planners that use it live.
@@ -34,6 +32,7 @@ from dcp_zarr.optim.wrapper_names import (  # noqa: F401
     wrapper_renames,
     wrappers_in,
 )
+from dcp_zarr.planning.dcp_internals import flatten_state_dict, set_element
 
 if TYPE_CHECKING:  # what the mixin is mixed into, so mypy checks its super() calls; at run time a plain mixin
     _PlannerBase = DefaultLoadPlanner

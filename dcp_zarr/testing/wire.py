@@ -20,7 +20,6 @@ import functools
 import inspect
 import os
 import pickle
-import sys
 import threading
 from collections import defaultdict
 from collections.abc import Iterator
@@ -87,6 +86,12 @@ def _pickled_size(obj: Any) -> int | None:
         return None
 
 
+def _caller() -> Any:
+    """The frame that called the function calling this (a counted collective's caller)."""
+    frame = inspect.currentframe()
+    return None if frame is None or frame.f_back is None else frame.f_back.f_back
+
+
 def _frames(frame, depth: int = 40) -> Iterator[Any]:
     while frame is not None and depth:
         yield frame
@@ -140,7 +145,7 @@ class WireCounter:
                 return original(*args, **kwargs)
             nbytes = tensor_bytes(list(args)) + tensor_bytes(list(kwargs.values()))
             payload = any((f.f_code.co_name, os.path.basename(f.f_code.co_filename)) in PAYLOAD_SITES
-                          for f in _frames(sys._getframe(1)))
+                          for f in _frames(_caller()))
             with self.lock:
                 entry = (self.payload if payload else self.by_collective)[name]
                 entry[0], entry[1] = entry[0] + 1, entry[1] + nbytes
@@ -165,7 +170,7 @@ class WireCounter:
             arguments = signature.bind_partial(*args, **kwargs).arguments
             sent = arguments.get(SENT.get(name, ""))
             callers = [f"{'/'.join(f.f_code.co_filename.split(os.sep)[-2:])}:{f.f_code.co_name}"
-                       for f in _frames(sys._getframe(1))
+                       for f in _frames(_caller())
                        if f.f_code.co_filename not in (c10d.__file__, __file__)
                        and not f.f_code.co_filename.endswith("c10d_logger.py")][:2]
             record = {"name": name, "caller": " < ".join(callers), "sent": describe(sent),
