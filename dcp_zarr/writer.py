@@ -20,9 +20,9 @@ from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
 from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
-from dcp_zarr.planning import replicas, save_call
+from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.protocol import planned_locally
-from dcp_zarr.planning.save_planner import RankState
+from dcp_zarr.planning.save_planner import RankState, rank_plan
 from dcp_zarr.saving.dcp_planned import DcpPlannedSave
 from dcp_zarr.saving.locally_planned import LocallyPlannedSave
 from dcp_zarr.saving.settings import SaveSettings
@@ -136,6 +136,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
 
     def storage_meta(self) -> StorageMeta | None:
         self.save_started()  # the first call in a save without checkpoint_id=
+        # DCP sets its planner up next: refused here if another thread's dcp.save uses it, so that save keeps its
+        # state dict
+        dcp_internals.check_save_planner_unshared()
         # save_id: chosen by the coordinator after this is asked (it is in the manifest)
         return StorageMeta(checkpoint_id=self._settings().target(), save_id=None)
 
@@ -152,15 +155,17 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self.written_keys = []
         settings = self._settings()
         if is_coordinator and self.store is not None:
-            commit.check_stored(settings.open(""), settings.replaces())
+            # overwrite=True, said explicitly, also replaces an interrupted save; nothing does by default
+            commit.check_stored(settings.open(""), settings.replaces(), replace_interrupted=self.overwrite is True)
         elif is_coordinator:
-            commit.check_target(self.path, self.storage_options, settings.replaces(), retry=self._retrying)
+            commit.check_target(self.path, self.storage_options, settings.replaces(), retry=self._retrying,
+                                replace_interrupted=self.overwrite is True)
         # DCP's own planner (planner=None, or a DefaultSavePlanner that plans as DCP does) plans this save locally,
         # as ZarrSavePlanner would: dcp.save(sd, storage_writer=ZarrWriter(p)) is the line users write. DCP asks
         # it for its plan next.
-        call = save_call.dcp_save_call()
+        call = dcp_internals.dcp_save_call()
         if call is not None:
-            save_call.take_over(call)
+            dcp_internals.take_over_save(call, rank_plan)
 
     @step_with_collector_paused
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

@@ -497,8 +497,6 @@ def test_only_an_explicit_overwrite_lets_a_save_replace_an_interrupted_one(tmp_p
     commit_module.check_target(target, None, True, replace_interrupted=True)
 
 
-@pytest.mark.xfail(strict=True, reason="ZarrWriter does not yet pass replace_interrupted=(overwrite is True) to "
-                                       "commit.check_target / check_stored (writer.py); remove this mark with it")
 def test_overwrite_true_replaces_an_interrupted_save(tmp_path):
     target = str(tmp_path / "ckpt.zarr")
     _interrupt(target, "no root zarr.json")

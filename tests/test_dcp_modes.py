@@ -158,7 +158,9 @@ def test_list_recognizes_framework_step_folders_and_tells_other_formats_apart(tm
         (40, "step-40", True)]
     assert listing["steps"][0]["other_format"] == "a DCP checkpoint (FileSystemWriter)"
     assert cli_main(["list", str(tmp_path)]) == 0
-    assert "not a dcp_zarr store: a DCP checkpoint" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not dcp_zarr: a DCP checkpoint (FileSystemWriter)" in out
+    assert "never pruned nor loaded by a CheckpointManager" in out
 
 
 def test_prune_keeps_the_newest_framework_steps_and_never_touches_other_formats(tmp_path, capsys):

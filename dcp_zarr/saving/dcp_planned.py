@@ -19,7 +19,7 @@ from dcp_zarr.errors import ReplicaMismatchError
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name
-from dcp_zarr.planning import plan_cache, replicas
+from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
 from dcp_zarr.saving import committing
 from dcp_zarr.saving.item_writes import write_items
@@ -38,7 +38,7 @@ class DcpPlannedSave:
         self._nodes: dict[str, str] = {}
 
     def local_plan(self, plan: SavePlan) -> SavePlan:
-        items = plan.items if plan.usable or plan.items else plan_cache.cached_local_plan().items
+        items = plan.items if plan.usable or plan.items else dcp_internals.cached_local_plan().items
         for item in items:
             if item.type != WriteItemType.BYTE_IO:
                 assert item.tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
@@ -51,8 +51,8 @@ class DcpPlannedSave:
     def global_plans(self, plans: list[SavePlan]) -> list[SavePlan]:
         settings = self.settings
         local_plans = plans
-        if plan_cache.uses_cache(plans):  # a caching planner's deltas: the plans are in its cache
-            local_plans, plans = plan_cache.cached_plans()
+        if dcp_internals.uses_plan_cache(plans):  # a caching planner's deltas: the plans are in its cache
+            local_plans, plans = dcp_internals.cached_plans()
         checks = replicas.plan_checks(local_plans, settings.check_replicas, settings.replica_check_bytes)
         self._nodes = nodes = node_paths(plans)
         self._begun = begun = committing.begin(settings, len(plans))

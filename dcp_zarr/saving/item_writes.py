@@ -7,7 +7,6 @@ import io
 from functools import partial
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
@@ -15,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.format.sources import SourceDescriptions
 from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
+from dcp_zarr.planning.dcp_internals import save_lookup_is_dcps
 from dcp_zarr.planning.dcp_plans import RankAssignment
-from dcp_zarr.planning.overrides import keeps_dcps
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io.write_jobs import NOT_LOOKED_UP, WriteJobs
 
@@ -73,8 +72,7 @@ def _tensor_resolver(planner: SavePlanner):
     """``planner.resolve_data`` for tensor items; for DCP's own resolution (DefaultSavePlanner's, ZarrSavePlanner's)
     the state dict's tensor, or a DTensor's local one, looked up directly: DCP's lookup goes through its protocol
     checks and, for a DTensor, an autograd Function per tensor, which a save of 800 tensors felt."""
-    own = keeps_dcps(planner, DefaultSavePlanner, ("resolve_data", "lookup_object", "transform_object"))
-    state_dict = getattr(planner, "state_dict", None) if own else None
+    state_dict = getattr(planner, "state_dict", None) if save_lookup_is_dcps(planner) else None
     if not isinstance(state_dict, dict):
         return planner.resolve_data
 

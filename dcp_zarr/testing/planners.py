@@ -1,5 +1,5 @@
 """Planners that keep DCP's own planning for a save through ZarrWriter: ZarrWriter takes over DCP's own planner
-(dcp_zarr/planning/save_call.py), so a test of the path DCP plans passes one of these."""
+(dcp_zarr/planning/dcp_internals.py), so a test of the path DCP plans passes one of these."""
 
 from __future__ import annotations
 
