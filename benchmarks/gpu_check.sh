@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path in one command, on a machine with CUDA and no network (benchmarks/README.md, "GPU check"): 1. installs
-# .whl/*.whl into a private target (the project is never pip-installed), 2. (a) tests/test_cuda_path.py, 3. (b-d)
+# .whl/*.whl into a private target (the project is never pip-installed), 2. (a) tests/save_load/test_cuda_path.py, 3. (b-d)
 # python -m benchmarks.gpu_bench. --install-wheels installs on a --dry-run too. The commit is stamped from
 # GPU_CHECK_COMMIT (the device machine's copy of the tree has no .git). The benchmark runs even when the tests fail, so
 # that one lent GPU slot shows both; the exit status is non-zero if either failed.
@@ -53,14 +53,14 @@ if sys.argv[1] == "0" and not torch.cuda.is_available():
     sys.exit("gpu_check: torch.cuda.is_available() is False here; use --dry-run on a machine without CUDA")
 PY
 status=0
-step "(a) tests/test_cuda_path.py"  # 2.
+step "(a) tests/save_load/test_cuda_path.py"  # 2.
 # --noconftest: the suite's conftest imports moto, which that machine lacks
-"$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/test_cuda_path.py 2>&1 | tee "$OUT/cuda_tests.log"
+"$PY" -m pytest -q -rs --noconftest -p no:cacheprovider tests/save_load/test_cuda_path.py 2>&1 | tee "$OUT/cuda_tests.log"
 tests_rc=${PIPESTATUS[0]}
 if [ "$tests_rc" -ne 0 ]; then
-  echo "gpu_check: tests/test_cuda_path.py failed (pytest exit $tests_rc; $OUT/cuda_tests.log)" >&2; status=1
+  echo "gpu_check: tests/save_load/test_cuda_path.py failed (pytest exit $tests_rc; $OUT/cuda_tests.log)" >&2; status=1
 elif [ "$DRY" = 0 ] && grep -q "skipped" "$OUT/cuda_tests.log"; then
-  echo "gpu_check: tests/test_cuda_path.py skipped tests on a CUDA machine ($OUT/cuda_tests.log)" >&2; status=1
+  echo "gpu_check: tests/save_load/test_cuda_path.py skipped tests on a CUDA machine ($OUT/cuda_tests.log)" >&2; status=1
 fi
 step "(b-d) python -m benchmarks.gpu_bench"  # 3.
 dry=(); [ "$DRY" = 1 ] && dry=(--dry-run)

@@ -50,7 +50,7 @@ def zygote() -> Zygote:
 def store_copy(tmp_path):
     """``store_copy(source, name="copy.zarr")``: a private copy of a store under this test's tmp_path, to damage.
 
-    Symlinks are copied as links, so a store that holds one (tests/test_hostile_stores.py) keeps it.
+    Symlinks are copied as links, so a store that holds one (tests/store_io/test_hostile_stores.py) keeps it.
     """
     def copy(source, name: str = "copy.zarr") -> Path:
         target = tmp_path / name

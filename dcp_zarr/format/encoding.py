@@ -8,7 +8,7 @@ Every array uses one of two codec chains, both readable by zarr-python and Tenso
 
 Writing the bytes ourselves lets a rank hand tensor memory straight to ``writev`` (no copy) and skip zarr's
 per-chunk pipeline, a fixed cost per chunk that a checkpoint of thousands of chunks multiplies;
-``tests/test_zarr_interop.py`` proves the result is what zarr and TensorStore read.
+``tests/format/test_zarr_interop.py`` proves the result is what zarr and TensorStore read.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ or for ``_StridedShard`` an index tensor split and listed): O(piece) per array, 
 magnitude slower at thousands of ranks than at eight (benchmarks/reports/planning.md, "One rank's planning, 8 vs
 8,192 ranks, 2,000 tensors"). Here the indices held along a dim are kept as runs
 ``(start, length)``; a ``Shard`` keeps a torch.chunk piece of them, a ``_StridedShard(split_factor=k)`` a
-torch.chunk piece of each of k torch.chunk pieces. O(runs) a dim. ``tests/test_local_layouts.py`` checks the boxes
-against torch's on every coordinate of many meshes and uneven sizes.
+torch.chunk piece of each of k torch.chunk pieces. O(runs) a dim. ``tests/planning/test_local_layouts.py`` checks the
+boxes against torch's on every coordinate of many meshes and uneven sizes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Everything dcp_zarr reads or sets inside ``torch.distributed.checkpoint`` (DCP), in one place: the frames of a
 ``dcp.save`` or ``dcp.load`` under way, the planner methods taken over for one call and given back, and DCP's private
-names. Verified on the torch releases of ``VERIFIED_TORCH``; ``tests/test_dcp_internals.py`` and
-``tests/test_plain_save.py`` fail, saying which, the day torch keeps them elsewhere.
+names. Verified on the torch releases of ``VERIFIED_TORCH``; ``tests/planning/test_dcp_internals.py`` and
+``tests/planning/test_plain_save.py`` fail, saying which, the day torch keeps them elsewhere.
 
 DCP tells a storage writer or reader nothing of the call it serves, nor hands it the planner before the plans are
 gathered. Both are in the call: ``local_step`` of ``_save_state_dict`` holds DCP's ``planner``, its ``_DistWrapper``

@@ -7,8 +7,8 @@ item for a tensor is its own box against that chunk. DCP's ``create_default_loca
 saved chunks: a fifth of a load of 800 FSDP2 tensors, two fifths of one of 5,000 small ones
 (benchmarks/reports/performance.md). Here the box comes from ``placement/boxes.py`` (the save's arithmetic), and the
 item from the one overlap there is: the same ReadItems DCP makes, checked item for item on every rank of several
-meshes (``tests/test_load_plan.py``). Anything else (ShardedTensors, tensor subclasses, placements boxes.py cannot
-say, another metadata's chunks, and every error DCP raises) goes through DCP's own function, entry by entry.
+meshes (``tests/planning/test_load_plan.py``). Anything else (ShardedTensors, tensor subclasses, placements boxes.py
+cannot say, another metadata's chunks, and every error DCP raises) goes through DCP's own function, entry by entry.
 
 DCP's own planner is taken over for one call only (``dcp_internals.take_over_load``, from the reader's
 ``set_up_storage_reader``): its next ``create_local_plan`` plans with ``local_read_items``. A planner whose planning is

@@ -1,5 +1,5 @@
 """docs/api.md, made from the public names' signatures and docstrings: ``python -m tests.support.api_reference``
-writes it, tests/test_api_reference.py fails when it differs from what the code says now."""
+writes it, tests/project/test_api_reference.py fails when it differs from what the code says now."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def _errors() -> list[str]:
 def render() -> str:
     lines = ["# API reference", "",
              "<!-- Made by `python -m tests.support.api_reference` from the signatures and docstrings; "
-             "tests/test_api_reference.py fails when it is out of date. -->", "",
+             "tests/project/test_api_reference.py fails when it is out of date. -->", "",
              "The public face of dcp-zarr: what `from dcp_zarr import ...` offers (`dcp_zarr.__all__`), and the "
              "adapters of `dcp_zarr.integrations`. Everything else is implementation ([design](design.md)).", ""]
     for title, about, names in SECTIONS:

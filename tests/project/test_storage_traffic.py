@@ -22,7 +22,7 @@ from tests.support.ranks import run_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.s3,
               pytest.mark.usefixtures("aws_environment")]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 4
 ARRAYS = 48
 SHAPE = (96, 40)  # fp32: 15 KB an array, about 4 KB a rank

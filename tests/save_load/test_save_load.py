@@ -263,7 +263,7 @@ def test_a_value_needing_safe_globals_warns_at_save_and_fails_at_load_as_an_untr
         load({"extra": {"config": None}, "x": torch.zeros(2)}, path)
     cause, _traceback = info.value.failures[0]
     assert isinstance(cause, UntrustedTypeError) and not isinstance(cause, MalformedMetadataError)
-    assert "tests.test_save_load.RunConfig" in str(cause) and "safe_globals" in str(cause)
+    assert "tests.save_load.test_save_load.RunConfig" in str(cause) and "safe_globals" in str(cause)
     back = load({"extra": {"config": None}, "x": torch.zeros(2)}, path, safe_globals=[RunConfig])
     assert back["extra"]["config"] == RunConfig("alpha")
 

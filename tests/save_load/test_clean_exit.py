@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_resume.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_resume.py"
 RUNS = 6
 
 

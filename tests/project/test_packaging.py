@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 # What the library imports at run time (dcp_zarr/, not its tests or adapters)
 LIBRARY_NEEDS = {"torch", "zarr", "numcodecs", "fsspec", "ml-dtypes", "crc32c", "numpy"}

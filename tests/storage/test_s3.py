@@ -153,7 +153,7 @@ def test_memory_urls_work_in_one_process():
 @pytest.mark.slow
 def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
     # Port 9 (discard) on localhost: connections are refused at once. The README's "quick answer" options (a small
-    # connect timeout, botocore's own retries kept at 3); tests/test_unreachable_endpoints.py has the defaults.
+    # connect timeout, botocore's own retries kept at 3); tests/storage/test_unreachable_endpoints.py has the defaults.
     options = {"endpoint_url": "http://127.0.0.1:9", "key": "x", "secret": "x",
                "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3}}}
     start = time.monotonic()

@@ -148,7 +148,7 @@ def test_a_save_with_odd_values_loads_them_exactly_from_the_manifest(tmp_path):
     for name, expected in {**ODD, **EXACT}.items():
         value = ckpt.read_value(f"meta.{name}")
         if name in ("nan", "nan_inside", "buffer", "numpy_array", "with_tensor"):
-            continue  # equal in their own ways: tests/test_values.py and test_save_load.py
+            continue  # equal in their own ways: tests/format/test_values.py and test_save_load.py
         assert type(value) is type(expected) and value == expected, name
     assert math.isnan(ckpt.read_value("meta.nan"))
 

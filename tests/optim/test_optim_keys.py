@@ -3,7 +3,7 @@
 The tables are found in real torch state dicts (``optimizer.state_dict()``, ``get_optimizer_state_dict`` nested
 and flattened) of the unsharded ToyModel, whose ``embed`` is frozen and ``spare`` never gets a gradient, so two of
 its 19 params have no optimizer state. Loads here run ``dcp.load`` without a process group (DCP's single-process
-mode); tests/test_optimizer_state.py does the same with FSDP2 across processes.
+mode); tests/optim/test_optimizer_state.py does the same with FSDP2 across processes.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from tests.support.stores import edit_root_manifest, root_manifest
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 FORMAT1 = os.path.join(DATA, "format1-fsdp2-3ranks")  # tests/data/make_format1.py, at format 1
 FORMAT2 = os.path.join(DATA, "format2-fsdp2-3ranks")  # tests/data/make_format2.py, at format 2
 

@@ -117,7 +117,7 @@ def test_the_cost_benchmark_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "benchmarks.checkpoint_throughput", "--quick", "--repeats", "1", "--kinds",
                            ",".join(kinds), "--target", str(tmp_path), "--out", str(tmp_path / "r.json")],
-                          cwd=Path(__file__).resolve().parents[1], env={**env, "OMP_NUM_THREADS": "1"},
+                          cwd=Path(__file__).resolve().parents[2], env={**env, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "r.json").read_text())

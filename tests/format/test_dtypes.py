@@ -224,7 +224,7 @@ def test_importing_twice_keeps_the_data_types_registered():
         "a = zarr.create_array(store={}, shape=(2,), dtype=d.numpy_dtype(torch.bfloat16));"
         "assert a.metadata.data_type.to_json(3) == 'bfloat16'"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", script], check=True, cwd=root)
 
 

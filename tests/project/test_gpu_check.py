@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
 
 
@@ -84,7 +84,7 @@ def test_the_dry_run_writes_the_markdown_table_and_runs_the_cuda_tests_as_skippe
     assert all(f"- {name}: " in table for name in result["targets_met"])
     log = (out / "cuda_tests.log").read_text()
     assert "skipped" in log and "failed" not in log and "no CUDA device" in log, log[-2000:]
-    assert "(a) tests/test_cuda_path.py" in stdout and "(b-d) python -m benchmarks.gpu_bench" in stdout
+    assert "(a) tests/save_load/test_cuda_path.py" in stdout and "(b-d) python -m benchmarks.gpu_bench" in stdout
 
 
 @pytest.mark.slow

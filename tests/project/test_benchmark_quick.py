@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

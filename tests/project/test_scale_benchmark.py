@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_scale_run_writes_its_tables_and_results(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "dcp_zarr"
+PACKAGE = Path(__file__).resolve().parents[2] / "dcp_zarr"
 
 # Bottom to top. Units of one layer are siblings: neither imports the other.
 LAYERS = [
