@@ -65,8 +65,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
             checkpoint survives until the new one is complete, as on a local or shared file system (the new store is
             swapped in by one rename), so that a job resuming from an earlier step can save that step again, as with
             DCP's ``FileSystemWriter``; on object stores, which have no rename and where replacing means deleting the
-            old checkpoint first, it is refused. ``True``: replaced everywhere (on object stores, deleted first).
-            ``False``: never replaced.
+            old checkpoint first, it is refused. ``True``: replaced everywhere (on object stores, deleted first),
+            and so is an interrupted save's store, which nothing else replaces. ``False``: never replaced.
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
         cache_staged_state_dict: keep ``dcp.async_save``'s staging buffers for the next save with this writer
             (``checkpoint_id=`` per save, each after the previous one's future resolved); ``close()`` frees them.
