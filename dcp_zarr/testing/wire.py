@@ -52,7 +52,7 @@ FUNCTIONAL_COLLECTIVES = (
     "reduce_scatter_tensor_autograd", "all_reduce_coalesced", "all_gather_into_tensor_coalesced",
     "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "permute_tensor",
 )  # fmt: skip
-PAYLOAD_SITES = {("exchange", "transfer.py"), ("_manifest_read_once", "reader.py")}  # data, counted apart
+PAYLOAD_SITES = {("exchange", "transfer.py"), ("manifest_read_once", "root_once.py")}  # data, counted apart
 
 def tensor_bytes(value: Any) -> int:
     """Bytes of every tensor in ``value`` (a tensor, a P2POp, or lists and tuples of them, nested)."""
