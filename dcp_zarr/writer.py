@@ -20,6 +20,7 @@ from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
 from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState, rank_plan
@@ -82,6 +83,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
             request); 0: never.
         exchange_bytes: the bytes of blocks an aggregator holds at once, and of parts a rank sends in one round,
             when pieces are aggregated; also the largest block written as one object.
+        compression: lossless compression of floating-point arrays, as zarr v3's standard ``blosc`` codec (zarr
+            tools read them without dcp_zarr): None (the default) stores every array as it is; ``"zstd"``,
+            ``"lz4"`` or True (zstd) compress at level 1; a ``dcp_zarr.Compression`` sets the level, the smallest
+            array compressed and the ratio a sample must reach (docs/compression.md).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
@@ -89,7 +94,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
                  inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
                  cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
-                 aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
+                 aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES,
+                 compression: str | bool | Compression | None = None):
         if check_replicas not in replicas.CHECK_MODES:
             raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
         self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
@@ -111,6 +117,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
         self.aggregate_below = aggregate_below
         self.exchange_bytes = exchange_bytes
+        self.compression = Compression.of(compression)
         # One for every storage this writer opens: whether the store has answered yet decides whether a refused
         # connection is retried (retry.py).
         self._retrying = Retrying(retry)
@@ -213,4 +220,5 @@ class ZarrWriter(StorageWriter, WriterStaging):
             path=self.path, store=self.store, storage_options=self.storage_options, thread_count=self.thread_count,
             sync_files=self.sync_files, overwrite=self.overwrite, inner_chunk_bytes=self.inner_chunk_bytes,
             check_replicas=self.check_replicas, replica_check_bytes=self.replica_check_bytes,
-            aggregate_below=self.aggregate_below, exchange_bytes=self.exchange_bytes, retrying=self._retrying)
+            aggregate_below=self.aggregate_below, exchange_bytes=self.exchange_bytes, retrying=self._retrying,
+            compression=self.compression)

@@ -119,7 +119,8 @@ def _write_blocks(units, aggregation: Aggregation, entries: dict[str, Holding], 
                 _place(assembled, first, part, _region(tensor, box, part))
         key = f"{specs[fqn].node}/{array.layout.chunk_key((block,) + (0,) * (len(entry.size) - 1))}"
         keys.append(key)
-        jobs.append((unit.nbytes, partial(write_chunk, storage, key, tensor_as_numpy(assembled), array.layout)))
+        # the spec's layout is the aggregation's, with the array's codec where it is compressed
+        jobs.append((unit.nbytes, partial(write_chunk, storage, key, tensor_as_numpy(assembled), specs[fqn].layout)))
     run_jobs(jobs, storage.requests_in_flight(thread_count), storage.batch_bytes, name="dcp-zarr-aggregate",
              max_bytes_in_flight=storage.max_bytes_in_flight)
     return keys

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from dcp_zarr.errors import InvalidKeyError
+from dcp_zarr.format.compression import BloscCodec
 
 # Chunk keys of the arrays a save writes: zarr v3's default encoding with the "." separator (``c.0.1``), so a
 # chunk is a file in its array's directory. "/" (``c/0/1``, what format 1 and 2 stores hold) makes a directory per
@@ -84,13 +85,15 @@ class ChunkLayout(NamedTuple):
 
     ``inner_rows`` > 0 means the outer chunks are shards of zarr's ``sharding_indexed`` codec, each split into inner
     chunks of ``inner_rows`` rows along dim 0 (full extent along the other dims), so readers can fetch parts.
-    ``separator`` is the chunk key encoding's (``CHUNK_KEY_SEPARATORS``).
+    ``separator`` is the chunk key encoding's (``CHUNK_KEY_SEPARATORS``). ``codec``: the compression of each
+    (inner) chunk, or None; a compressed array is always sharded, so the shard indexes give every stored size.
     """
 
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     inner_rows: int = 0
     separator: str = CHUNK_KEY_SEPARATOR
+    codec: BloscCodec | None = None
 
     @property
     def sharded(self) -> bool:
@@ -106,8 +109,21 @@ class ChunkLayout(NamedTuple):
 
     @property
     def spans_array(self) -> bool:
-        """One shard holds the whole array (``array_shard_layout``): ranks write its inner chunks at offsets."""
+        """One shard holds the whole array (``array_shard_layout``)."""
         return self.sharded and all(map(operator.le, self.shape, self.chunk_shape))
+
+    @property
+    def fixed_offsets(self) -> bool:
+        """Every inner chunk of its one shard is stored at its full size, at an offset known before it is written,
+        so ranks write their inner chunks into the shard at those offsets; not so for compressed ones."""
+        return self.spans_array and self.codec is None
+
+    def compressed(self, codec: BloscCodec | None) -> ChunkLayout:
+        """This layout with ``codec``: sharded (one inner chunk per chunk where it was not), so that the shard
+        indexes record each compressed chunk's size."""
+        if codec is None or not self.chunk_shape:  # a 0-d array is one element: stored as it is
+            return self
+        return self._replace(inner_rows=self.inner_rows or self.chunk_shape[0], codec=codec)
 
     @property
     def grid_shape(self) -> tuple[int, ...]:

@@ -4,7 +4,9 @@ Every array uses one of two codec chains, both readable by zarr-python and Tenso
 
 * plain:   ``bytes`` (little endian) -> ``crc32c``: the chunk's C-order bytes followed by their 4-byte crc32c;
 * sharded: ``sharding_indexed`` whose inner chunks use the plain chain, index at the end (16 bytes per inner chunk,
-  offset and length as little-endian uint64, then the index's own crc32c).
+  offset and length as little-endian uint64, then the index's own crc32c);
+* compressed (``ChunkLayout.codec``, always sharded): inner chunks ``bytes`` -> ``blosc`` -> ``crc32c``, the crc32c of
+  the compressed bytes (format/compression.py).
 
 Writing the bytes ourselves lets a rank hand tensor memory straight to ``writev`` (no copy) and skip zarr's
 per-chunk pipeline, a fixed cost per chunk that a checkpoint of thousands of chunks multiplies;
@@ -21,6 +23,7 @@ import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.format.chunk_layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
+from dcp_zarr.format.compression import BLOSC_OVERHEAD, BloscCodec
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -58,6 +61,16 @@ def encode_chunk(data: np.ndarray, layout: ChunkLayout) -> list:
     return _shard(rows, layout)
 
 
+def _compressed(rows: np.ndarray, full_rows: int, codec: BloscCodec) -> list:
+    """A compressed inner chunk: its rows padded to ``full_rows`` (zeros), compressed, then their crc32c."""
+    if rows.shape[0] != full_rows:
+        padded = np.zeros((full_rows, *rows.shape[1:]), dtype=rows.dtype)
+        padded[: rows.shape[0]] = rows
+        rows = padded
+    stored = codec.encode(np.ascontiguousarray(rows))
+    return [stored, checksum(stored)]
+
+
 def _row_bytes(rows: np.ndarray) -> int:
     return math.prod(rows.shape[1:]) * rows.itemsize
 
@@ -73,8 +86,10 @@ def _plain(rows: np.ndarray, full_rows: int | None) -> list:
     return [payload, crc.to_bytes(CHECKSUM_BYTES, "little")]
 
 
-def _inner_chunks(rows: np.ndarray, inner: int) -> list[list]:
+def _inner_chunks(rows: np.ndarray, inner: int, codec: BloscCodec | None = None) -> list[list]:
     """The buffers of each inner chunk holding ``rows``, in order, the last one padded to ``inner`` rows."""
+    if codec is not None:
+        return [_compressed(rows[start: start + inner], inner, codec) for start in range(0, rows.shape[0], inner)]
     return [_plain(rows[start: start + inner], inner) for start in range(0, rows.shape[0], inner)]
 
 
@@ -83,7 +98,7 @@ def _shard(rows: np.ndarray, layout: ChunkLayout) -> list:
     index = np.full((layout.inner_chunks_per_chunk, 2), MISSING, dtype="<u8")
     buffers: list = []
     offset = 0
-    for i, parts in enumerate(_inner_chunks(rows, layout.inner_rows)):
+    for i, parts in enumerate(_inner_chunks(rows, layout.inner_rows, layout.codec)):
         size = sum(len(p) for p in parts)
         index[i] = (offset, size)
         offset += size
@@ -94,13 +109,16 @@ def _shard(rows: np.ndarray, layout: ChunkLayout) -> list:
 
 
 def inner_chunk_stored_bytes(layout: ChunkLayout, itemsize: int) -> int:
-    """The stored size of every inner chunk of a sharded layout: its payload at full size, then its crc32c."""
-    return math.prod(layout.inner_chunk_shape) * itemsize + CHECKSUM_BYTES
+    """The stored size of every inner chunk of a sharded layout: its payload at full size, then its crc32c (for a
+    compressed layout, the most it can be: blosc adds at most its header to data that does not compress)."""
+    overhead = BLOSC_OVERHEAD if layout.codec is not None else 0
+    return math.prod(layout.inner_chunk_shape) * itemsize + overhead + CHECKSUM_BYTES
 
 
 def encode_inner_chunks(rows: np.ndarray, layout: ChunkLayout) -> list:
     """Buffers of consecutive inner chunks holding ``rows`` (whole inner chunks of a shard spanning the array, the
     last one padded if the array ends inside it), each with its crc32c: what goes at the first one's offset."""
+    assert layout.fixed_offsets, "compressed inner chunks have no offsets known in advance"
     return [buffer for parts in _inner_chunks(chunk_rows(rows, layout), layout.inner_rows) for buffer in parts]
 
 
@@ -122,6 +140,19 @@ def _full_shard_index(count: int, size: int) -> tuple[bytes, bytes]:
 
 def shard_index_bytes(layout: ChunkLayout) -> int:
     return layout.inner_chunks_per_chunk * INDEX_ENTRY_BYTES + CHECKSUM_BYTES
+
+
+def verify_stored(buffer, layout: ChunkLayout, itemsize: int, where: str) -> None:
+    """Check one stored inner chunk (or chunk) of ``layout``: its crc32c and, compressed, that it decompresses to
+    its full size; CorruptChunkError naming ``where`` otherwise (``verify`` reads a store through this)."""
+    payload = verify_plain(buffer, where)
+    expected = math.prod(layout.inner_chunk_shape) * itemsize
+    if layout.codec is None:
+        if len(payload) != expected:
+            raise CorruptChunkError(f"{where}: chunk holds {len(payload) + CHECKSUM_BYTES} bytes, expected "
+                                    f"{expected + CHECKSUM_BYTES}")
+        return
+    layout.codec.decode_into(payload, memoryview(bytearray(expected)), where)
 
 
 def verify_plain(buffer, where: str) -> memoryview:
@@ -161,7 +192,8 @@ def _bytes_codec(itemsize: int) -> dict:
 def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attributes: dict | None = None, *,
                    node: str = "") -> dict:
     """The zarr.json document of the array at ``node`` with this layout (zarr v3 core spec)."""
-    plain_codecs = [_bytes_codec(itemsize), {"name": "crc32c"}]
+    compression = [layout.codec.to_json()] if layout.codec is not None else []
+    plain_codecs = [_bytes_codec(itemsize), *compression, {"name": "crc32c"}]
     if layout.sharded:
         codecs = [{
             "name": "sharding_indexed",
@@ -202,6 +234,9 @@ def layout_from_array_metadata(meta: dict, where: str) -> ChunkLayout:
         inner_rows = 0
         if codecs and codecs[0]["name"] == "sharding_indexed":
             inner_rows = int(codecs[0]["configuration"]["chunk_shape"][0])
+            codecs = codecs[0]["configuration"]["codecs"]
+        blosc = [c for c in codecs if isinstance(c, dict) and c.get("name") == "blosc"]
+        codec = BloscCodec.from_json(blosc[0], where) if len(blosc) == 1 else None
         separator = meta["chunk_key_encoding"]["configuration"]["separator"]
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise MalformedMetadataError(f"{where}: zarr.json is malformed ({exc!r})") from exc
@@ -212,4 +247,6 @@ def layout_from_array_metadata(meta: dict, where: str) -> ChunkLayout:
     if separator not in CHUNK_KEY_SEPARATORS:
         raise MalformedMetadataError(f"{where}: zarr.json has chunk key separator {separator!r}, not one of "
                                      f"{' or '.join(map(repr, CHUNK_KEY_SEPARATORS))}")
-    return ChunkLayout(shape, chunk_shape, inner_rows, separator)
+    if codec is not None and not inner_rows:
+        raise MalformedMetadataError(f"{where}: a compressed array is sharded when dcp_zarr writes it")
+    return ChunkLayout(shape, chunk_shape, inner_rows, separator, codec)

@@ -38,6 +38,7 @@ from dcp_zarr.format.chunk_layout import (
     check_node_name,
     chunk_key,
 )
+from dcp_zarr.format.compression import BloscCodec
 from dcp_zarr.format.consolidated import NodeDocuments, copies_of
 from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.optimizer_tables import OptimizerTable
@@ -46,7 +47,10 @@ from dcp_zarr.json_documents import decode_json
 
 FORMAT_NAME = "dcp_zarr"
 FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: compressed arrays (format/compression.py), written only by a save that compresses some: earlier readers would
+# refuse such an array by its codecs anyway, and refuse the store by its version instead, before reading anything
+COMPRESSED_FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST_ATTRIBUTE = "dcp_zarr"
 ROOT_KEY = "zarr.json"
 # A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
@@ -75,13 +79,17 @@ class TensorEntry:
     requires_grad: bool = False
     saved_shards: int = 1  # non-empty boxes the saving ranks held (what `inspect` reports)
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...} (sources.py)
+    codec: BloscCodec | None = None  # its chunks' compression (format 5), or None: stored as they are
     kind: ClassVar[str] = TENSOR
 
     def to_json(self) -> dict:
-        return {"path": list(self.path), "kind": TENSOR, "node": self.node, "dtype": self.dtype,
-                "shape": list(self.shape), "chunk_shape": list(self.chunk_shape or self.shape),
-                "inner_chunk_rows": self.inner_chunk_rows, "requires_grad": self.requires_grad,
-                "saved_shards": self.saved_shards, "source": self.source}
+        document = {"path": list(self.path), "kind": TENSOR, "node": self.node, "dtype": self.dtype,
+                    "shape": list(self.shape), "chunk_shape": list(self.chunk_shape or self.shape),
+                    "inner_chunk_rows": self.inner_chunk_rows, "requires_grad": self.requires_grad,
+                    "saved_shards": self.saved_shards, "source": self.source}
+        if self.codec is not None:
+            document["codec"] = self.codec.to_json()
+        return document
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,8 +309,16 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
         saved_shards = raw.get("saved_shards", 1)
         if type(saved_shards) is not int or saved_shards < 0:
             raise ValueError(f"saved_shards {saved_shards!r} is not a non-negative integer")
+    codec = raw.get("codec")
+    if codec is not None:
+        if version < COMPRESSED_FORMAT_VERSION:
+            raise ValueError(f"codec {codec!r} in a format-{version} store, which holds no compressed arrays")
+        try:
+            codec = BloscCodec.from_json(codec, "codec")
+        except MalformedMetadataError as exc:
+            raise ValueError(str(exc)) from None
     return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,
-                       source)
+                       source, codec)
 
 
 def stored_numpy_dtype(name) -> np.dtype:
@@ -372,7 +388,8 @@ def _manifest_of_root(data: bytes, url: str) -> Manifest:
             assert isinstance(entry, TensorEntry)
             try:
                 checked[entry.node] = checked_layout(copy, f"{url}: array {entry.node!r}", fqn, entry.shape,
-                                                     entry.chunk_shape, entry.inner_chunk_rows, entry.dtype)
+                                                     entry.chunk_shape, entry.inner_chunk_rows, entry.dtype,
+                                                     entry.codec)
             except MalformedMetadataError as exc:
                 checked[entry.node] = str(exc)
     return dataclasses.replace(manifest, node_documents=NodeDocuments(tuple(copies), data, where),

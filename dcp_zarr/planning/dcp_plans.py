@@ -6,6 +6,7 @@ rank), so the boxes it sees are exactly what will be written, each by one rank.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from dcp_zarr.errors import InvalidKeyError
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name, zarr_dtype_name
 
 
@@ -69,9 +71,12 @@ def _check_prefixes(owners: dict[str, str]) -> None:
 
 
 def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int,
-                          array_shards: bool = False) -> dict[str, ArraySpec]:
+                          array_shards: bool = False, compression: Compression | None = None) -> dict[str, ArraySpec]:
     """One ArraySpec per tensor; with ``array_shards`` (a backend that writes at offsets: local files), an array that
-    several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``)."""
+    several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``). With
+    ``compression``, every candidate array is compressed: a save DCP plans carries no samples of the data
+    (planning/compression_sample.py serves saves planned locally), and blosc stores blocks that do not compress as
+    they are."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO
@@ -93,8 +98,12 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
         np_dtype = numpy_dtype(data.properties.dtype)
         saved = [(c.offsets, c.sizes) for c in boxes[fqn]]
         layout = chunk_layout_for_boxes(tuple(data.size), saved, np_dtype.itemsize, inner_chunk_bytes)
-        if array_shards:
+        nbytes = math.prod(data.size) * np_dtype.itemsize
+        codec = (compression.codec(np_dtype.itemsize)
+                 if compression is not None and compression.compresses(str(data.properties.dtype), nbytes) else None)
+        if array_shards and codec is None:
             layout = array_shard_layout(layout, saved) or layout
+        layout = layout.compressed(codec)
         layout = layouts.setdefault(layout, layout)
         specs[fqn] = array_spec(fqn, nodes[fqn], data.properties.dtype, layout)
     return specs

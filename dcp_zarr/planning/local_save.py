@@ -14,6 +14,7 @@ import math
 import threading
 from collections import OrderedDict, defaultdict
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -22,7 +23,8 @@ from dcp_zarr.collective.aggregation import Aggregation, plan_aggregation
 from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import ChunkLayout
-from dcp_zarr.format.torch_arrays import numpy_dtype
+from dcp_zarr.format.compression import BloscCodec, Compression
+from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name
 from dcp_zarr.placement.box_writers import Decisions, box_holders, rank_decisions, replica_group
 from dcp_zarr.placement.chunk_grids import entry_layout
 from dcp_zarr.placement.holdings import (
@@ -36,6 +38,7 @@ from dcp_zarr.placement.holdings import (
     structure_digest,
 )
 from dcp_zarr.planning import replicas
+from dcp_zarr.planning.compression_sample import poorly_compressed
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_spec, checked_node_paths
 from dcp_zarr.planning.exchange import exchange_entries, merge
 from dcp_zarr.planning.protocol import Summary, Ticket
@@ -47,7 +50,7 @@ class LocalSave:
 
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
                  replica_check_bytes: int, aggregate_below: int = 0, exchange_bytes: int = 256 << 20,
-                 inner_chunk_bytes: int | None = None):
+                 inner_chunk_bytes: int | None = None, compression: Compression | None = None):
         group = state.group
         self.group = group
         distributed = dist.is_available() and dist.is_initialized()
@@ -68,8 +71,15 @@ class LocalSave:
         self.check_replicas = check_replicas
         self.checksums = self._replica_checksums(check_replicas, replica_check_bytes)
         group_digests = tuple(sorted((group_name, _digest_of(sums)) for group_name, sums in self.checksums.items()))
-        options = (inner_chunk_bytes, aggregate_below, exchange_bytes)  # protocol.SAVE_OPTIONS, checked alike
-        self.summary = Summary(self.rank, self.world_size, digest, group_digests, options)
+        self.compression = compression
+        # compressed arrays: every candidate but those some rank's sample found not to compress (the Ticket's)
+        self.stored_plain: frozenset[str] = frozenset()
+        options = (inner_chunk_bytes, aggregate_below, exchange_bytes,  # protocol.SAVE_OPTIONS, checked alike
+                   None if compression is None else compression.key())
+        poor = frozenset() if compression is None else poorly_compressed(
+            ((fqn, e.dtype, e.nbytes) for fqn, e in self.entries.items() if e.kind == TENSOR and e.dtype is not None),
+            self._local_tensor, compression)
+        self.summary = Summary(self.rank, self.world_size, digest, group_digests, options, poor)
         self.merged: Merged | None = None  # the plan of an exchange (ranks that differ)
         self._merged_nodes: dict[str, str] | None = None
         # collective/: arrays held in pieces smaller than this are written by aggregators, in rounds of at most
@@ -94,6 +104,15 @@ class LocalSave:
                 "they would be saved incomplete. Save them on every rank of their mesh, or save a full state dict")
         self.world_size, self.rank = 1, 0
         self.summary = self.summary._replace(rank=0, world_size=1)
+
+    def _local_tensor(self, fqn: str) -> torch.Tensor | None:
+        """This rank's data of a tensor entry (its first non-empty box), for a compression sample."""
+        for item in self.items.get(fqn, ()):
+            data = item.tensor_data
+            if data is not None and all(data.chunk.sizes):
+                value = self.planner.resolve_data(item)
+                return value if isinstance(value, torch.Tensor) else None
+        return None
 
     # -- replicas ----------------------------------------------------------------------------------------------------
 
@@ -132,6 +151,7 @@ class LocalSave:
                     ) -> tuple[list[WriteItem], RankAssignment]:
         """The items this rank writes and its RankAssignment, as DCP's coordinator path would have sent them (the
         arrays its aggregators write left out: ``aggregation``)."""
+        self.stored_plain = ticket.stored_plain
         if ticket.exchange:
             self.merged = merge(exchange_entries(self.entries, self.rank, self.world_size, self.group),
                                 keep_first_replica=self.check_replicas == replicas.NONE)
@@ -142,7 +162,7 @@ class LocalSave:
         else:
             # The structure every rank agreed on decides the plan: reused while it stays the same (the digest)
             key = ("rank", self.summary.digest, self.rank, self.coordinator, self.world_size, inner_chunk_bytes,
-                   array_shards, self.aggregate_below, self.exchange_bytes)
+                   array_shards, self.aggregate_below, self.exchange_bytes, self.compression, self.stored_plain)
             reused = _recent_plans.get(key)
             if reused is None:
                 box_nbytes = {fqn: _item_nbytes(items[0]) for fqn, items in self.items.items()}
@@ -204,7 +224,7 @@ class LocalSave:
         """(fqn -> ArraySpec, fqn -> non-empty boxes saved) of every array of the save, for the coordinator's
         manifest; reused while the structure stays the same."""
         key = ("save", self.summary.digest, inner_chunk_bytes, array_shards, self.world_size, self.aggregate_below,
-               self.exchange_bytes)
+               self.exchange_bytes, self.compression, self.stored_plain)
         reused = None if self.merged is not None else _recent_plans.get(key)
         if reused is None:
             specs = self.array_specs(inner_chunk_bytes, array_shards)
@@ -253,9 +273,21 @@ class LocalSave:
         """(the array's layout, its count of non-empty boxes saved)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
-        layout, count = entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards, boxes)
+        codec = self.codec(entry)
+        # compressed inner chunks have no sizes known in advance, so ranks cannot write them into one shard file
+        layout, count = entry_layout(entry, entry.dtype.itemsize, inner_chunk_bytes, array_shards and codec is None,
+                                     boxes)
         aggregated = self.aggregation(inner_chunk_bytes).arrays.get(entry.fqn)
-        return (layout if aggregated is None else aggregated.layout), count
+        return (layout if aggregated is None else aggregated.layout).compressed(codec), count
+
+    def codec(self, entry: Holding) -> BloscCodec | None:
+        """The codec of a tensor entry's array: with compression, for candidates no rank's sample refused."""
+        compression = self.compression
+        if compression is None or entry.dtype is None or entry.fqn in self.stored_plain:
+            return None
+        if not compression.compresses(torch_dtype_name(entry.dtype), entry.nbytes):
+            return None
+        return compression.codec(entry.dtype.itemsize)
 
 
 class _RecentPlans:

@@ -34,10 +34,13 @@ class Summary(NamedTuple):
     replica_digests: tuple[tuple[str, str], ...]  # (replica group, digest of its keys' checksums)
     # ZarrWriter's options that decide who writes what (SAVE_OPTIONS, in order). A default may differ between ranks
     # (aggregate_below follows the mount type each rank sees): ranks that disagree would write different layouts.
-    options: tuple[int | None, ...] = ()
+    options: tuple[int | str | None, ...] = ()
+    # With compression, the floating-point arrays whose sample of this rank's part did not compress enough
+    # (planning/compression_sample.py): usually none, so the message stays small.
+    poorly_compressed: frozenset[str] = frozenset()
 
 
-SAVE_OPTIONS = ("inner_chunk_bytes", "aggregate_below", "exchange_bytes")
+SAVE_OPTIONS = ("inner_chunk_bytes", "aggregate_below", "exchange_bytes", "compression")
 
 
 class Ticket(NamedTuple):
@@ -45,6 +48,7 @@ class Ticket(NamedTuple):
     staging_location: str
     exchange: bool  # the digests differed: exchange.py runs before anything is written
     detail_groups: frozenset[str]  # replica groups whose checksums differed: report them, write nothing
+    stored_plain: frozenset[str] = frozenset()  # arrays some rank's sample found not to compress: not compressed
 
 
 class RankReport(NamedTuple):
@@ -104,14 +108,14 @@ def check_summaries(summaries: list[Summary]) -> tuple[bool, frozenset[str]]:
 
 def _check_options(summaries: list[Summary]) -> None:
     """Raises naming each option the ranks disagree on, and which ranks have which value."""
-    ranks_of: dict[tuple[int | None, ...], list[int]] = defaultdict(list)
+    ranks_of: dict[tuple[int | str | None, ...], list[int]] = defaultdict(list)
     for rank, summary in enumerate(summaries):
         ranks_of[summary.options].append(rank)
     if len(ranks_of) < 2:
         return
     found = []
     for i, name in enumerate(SAVE_OPTIONS):
-        values: dict[int | None, list[int]] = defaultdict(list)
+        values: dict[int | str | None, list[int]] = defaultdict(list)
         for options, ranks in ranks_of.items():
             values[options[i] if i < len(options) else None] += ranks
         if len(values) > 1:

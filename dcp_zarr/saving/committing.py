@@ -12,7 +12,16 @@ from dcp_zarr.format.chunk_layout import parent_groups
 from dcp_zarr.format.consolidated import encoded_copy, encoded_root
 from dcp_zarr.format.encoding import group_metadata
 from dcp_zarr.format.group_attributes import group_attributes
-from dcp_zarr.format.manifest import MANIFEST_ATTRIBUTE, ROOT_KEY, Entry, Manifest, ObjectEntry, TensorEntry
+from dcp_zarr.format.manifest import (
+    COMPRESSED_FORMAT_VERSION,
+    FORMAT_VERSION,
+    MANIFEST_ATTRIBUTE,
+    ROOT_KEY,
+    Entry,
+    Manifest,
+    ObjectEntry,
+    TensorEntry,
+)
 from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import summarize_sources
 from dcp_zarr.saving.settings import SaveSettings
@@ -76,5 +85,7 @@ def _manifest(entries: dict[str, Entry], key_order: list, begun: Begun) -> Manif
     # Anything in a table that JSON cannot hold fails at save: encoded_root dumps the whole manifest before the
     # commit.
     tables = tables_from_entries(entries, key_order)
+    compressed = any(isinstance(e, TensorEntry) and e.codec is not None for e in entries.values())
     return Manifest(entries=entries, save_id=begun.save_id, versions=versions(), saved_world_size=begun.world_size,
-                    state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables))
+                    state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables),
+                    format_version=COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION)

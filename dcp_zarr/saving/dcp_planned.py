@@ -59,7 +59,8 @@ class DcpPlannedSave:
         # One shard file per array, filled by several ranks, needs a backend that writes parts of a file (local
         # files do; an object is written whole, by one writer).
         self._specs = array_specs_for_plans(plans, nodes, settings.inner_chunk_bytes,
-                                            array_shards=begun.storage.writes_at_offsets)
+                                            array_shards=begun.storage.writes_at_offsets,
+                                            compression=settings.compression)
         # usable=True: a caching planner then takes these plans, this save's, not the ones it cached
         return [dataclasses.replace(plan, storage_data=assignment, usable=True)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, begun.staging_location,
@@ -107,5 +108,5 @@ def _entry_from_metadata(fqn: str, path: tuple, spec: ArraySpec, md: TensorStora
         chunk_shape=spec.layout.chunk_shape, inner_chunk_rows=spec.layout.inner_rows,
         requires_grad=bool(md.properties.requires_grad),
         saved_shards=sum(1 for c in md.chunks if all(c.sizes)),
-        source=sources[0] if sources else {"type": "unknown"},
+        source=sources[0] if sources else {"type": "unknown"}, codec=spec.layout.codec,
     )

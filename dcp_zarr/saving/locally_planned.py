@@ -36,7 +36,8 @@ class LocallyPlannedSave:
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
         self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
-                               settings.aggregate_below_bytes(), settings.exchange_bytes, settings.inner_chunk_bytes)
+                               settings.aggregate_below_bytes(), settings.exchange_bytes, settings.inner_chunk_bytes,
+                               settings.compression)
         self.written_keys: list[str] = []
         self._begun: committing.Begun | None = None  # the coordinator's, from global_plans
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
@@ -54,7 +55,9 @@ class LocallyPlannedSave:
             summaries = [self.local.summary]
         exchange, self._detail_groups = check_summaries(summaries)
         self._begun = begun = committing.begin(self.settings, len(plans))
-        ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups)
+        stored_plain = frozenset().union(*(summary.poorly_compressed for summary in summaries))
+        self.local.stored_plain = stored_plain
+        ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups, stored_plain)
         return [dataclasses.replace(plan, storage_data=ticket) for plan in plans]
 
     def write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -132,7 +135,7 @@ class LocallyPlannedSave:
                     fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
                     chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
                     requires_grad=entry.requires_grad, saved_shards=saved_shards[fqn],
-                    source=entry.source or {"type": "unknown"})
+                    source=entry.source or {"type": "unknown"}, codec=specs[fqn].layout.codec)
             elif fqn in values:
                 entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])
             else:

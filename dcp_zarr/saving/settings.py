@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying
 from dcp_zarr.store_io import commit
@@ -24,6 +25,7 @@ class SaveSettings:
     aggregate_below: int | None
     exchange_bytes: int
     retrying: Retrying  # one for every storage the writer opens: whether the store has answered yet (retry.py)
+    compression: Compression | None = None
 
     def open(self, location: str) -> Storage:
         if self.store is not None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError
 from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.format.compression import BLOSC_OVERHEAD
 from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
@@ -23,6 +24,7 @@ from dcp_zarr.format.encoding import (
     full_shard_index,
     inner_chunk_stored_bytes,
     shard_index_bytes,
+    verify_plain,
 )
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.base import StoredValue
@@ -83,7 +85,7 @@ def write_inner_chunks(storage: Storage, key: str, data: np.ndarray, first_inner
     """Encode whole inner chunks of an array-spanning shard and write them where they lie in its file; with
     ``with_index`` (the run holding the shard's last inner chunk) the shard's index too, which comes right after
     that chunk: one write, not a second open and write of the file."""
-    buffers = encode_inner_chunks(data, layout)
+    buffers = encode_inner_chunks(data, layout)  # uncompressed only (ChunkLayout.fixed_offsets)
     if with_index:
         buffers += full_shard_index(layout, data.itemsize)
     storage.write_at(key, first_inner * inner_chunk_stored_bytes(layout, data.itemsize), buffers)
@@ -193,6 +195,8 @@ class RegionReader:
         A piece that is exactly its ``target`` (whole, C-contiguous) is read straight into the target's memory;
         others into a scratch buffer first.
         """
+        if self.layout.codec is not None:
+            return self._read_compressed_run(value, pieces)
         buffers: list[memoryview] = []
         scratch: list[tuple[np.ndarray, memoryview, bytearray, bool]] = []
         for piece in pieces:
@@ -221,6 +225,39 @@ class RegionReader:
             if not whole:
                 piece.target[...] = payload[piece.inside]
         return sum(len(b) for b in buffers)
+
+    def _read_compressed_run(self, value: StoredValue, pieces: list[_Piece]) -> int:
+        """``_read_run`` for compressed inner chunks: the run's stored bytes in one request, then each piece's
+        crc32c checked and its data decompressed, straight into its target where it is the whole piece."""
+        codec = self.layout.codec
+        assert codec is not None
+        most = math.prod(self.layout.inner_chunk_shape) * self.dtype.itemsize + BLOSC_OVERHEAD + CHECKSUM_BYTES
+        for piece in pieces:
+            if piece.length is None or not CHECKSUM_BYTES < piece.length <= most:  # before reading: a hostile index
+                raise CorruptChunkError(f"{self._where(piece)}: stored length {piece.length} is not that of a "
+                                        f"compressed chunk of shape {piece.shape} (at most {most} bytes)")
+        stored = bytearray(sum(p.length for p in pieces if p.length is not None))
+        try:
+            got = value.read_range_into(pieces[0].offset, [memoryview(stored)])
+        except FileNotFoundError as exc:
+            raise CorruptChunkError(f"{self._where(pieces[0])}: missing from the store") from exc
+        view = memoryview(stored)
+        start = 0
+        for piece in pieces:
+            assert piece.length is not None
+            end = start + piece.length
+            if got < end:
+                raise CorruptChunkError(f"{self._where(piece)}: truncated ({max(got - start, 0)} of {piece.length} "
+                                        "bytes)")
+            payload = verify_plain(view[start:end], self._where(piece))
+            whole = (all(s.start == 0 and s.stop == n for s, n in zip(piece.inside, piece.shape))
+                     and piece.target.flags.c_contiguous)
+            data = piece.target if whole else np.empty(piece.shape, dtype=self.dtype)
+            codec.decode_into(payload, as_bytes(data), self._where(piece))
+            if not whole:
+                piece.target[...] = data[piece.inside]
+            start = end
+        return len(stored)
 
     def _where(self, piece: _Piece) -> str:
         return self._name(piece.chunk, piece.inner)

@@ -91,7 +91,7 @@ class WriteJobs:
         on_host = _on_host(tensor)
         if not on_host:
             self._devices.add(tensor.device)
-        if layout.spans_array and self.storage.writes_at_offsets:
+        if layout.fixed_offsets and self.storage.writes_at_offsets:
             self._shard_runs(spec, tensor, offsets[0], on_host)
         elif on_host:
             for chunk, data in chunks_of_box(layout, offsets, tensor_as_numpy(tensor)):
