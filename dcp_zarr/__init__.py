@@ -36,9 +36,11 @@ _LAZY = {
     "ZarrReader": "dcp_zarr.reader",
     "RetryPolicy": "dcp_zarr.storage.retry",
     "ZarrWriter": "dcp_zarr.writer",
+    "Compression": "dcp_zarr.format.compression",
 }
 
 if TYPE_CHECKING:
+    from dcp_zarr.format.compression import Compression
     from dcp_zarr.lifecycle.manager import CheckpointManager
     from dcp_zarr.offline import Checkpoint, open_checkpoint
     from dcp_zarr.optim.checks import assert_step_present
@@ -73,6 +75,7 @@ def __dir__():
 __all__ = [
     "CheckpointManager",
     "ZarrWriter",
+    "Compression",
     "ZarrReader",
     "ZarrLoadPlanner",
     "ZarrSavePlanner",

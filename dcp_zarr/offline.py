@@ -68,6 +68,8 @@ class Entry:
     inner_chunk_rows: int = 0
     saved_shards: int = 0  # non-empty boxes the saving ranks held
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...}
+    # the codec of a compressed array's chunks, as its zarr.json names it ({"name": "blosc", ...}); None: as they are
+    codec: dict | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -98,6 +100,7 @@ class Entry:
             shape=stored.shape,
             chunk_shape=stored.chunk_shape or stored.shape, inner_chunk_rows=stored.inner_chunk_rows,
             saved_shards=stored.saved_shards, source=dict(stored.source),
+            codec=None if stored.codec is None else stored.codec.to_json(),
         )
 
 

@@ -20,10 +20,6 @@ def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chun
     grid ``chunk_shape`` (None: early format-1 entries, which leave it to the zarr.json), torch ``dtype`` name and
     ``codec``; MalformedMetadataError naming ``where`` (the store and node) when they disagree."""
     layout = layout_from_array_metadata(doc, where)
-    if layout.codec != codec:
-        said = "no compression" if codec is None else f"blosc {codec.cname} level {codec.clevel}"
-        found = "no compression" if layout.codec is None else f"blosc {layout.codec.cname}"
-        raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {found}, but the manifest says {said}")
     if layout.shape != shape:
         raise MalformedMetadataError(f"{where} has shape {list(layout.shape)} but the manifest says {list(shape)}")
     if chunk_shape is not None and (layout.chunk_shape, layout.inner_rows) != (chunk_shape, inner_rows):
@@ -36,6 +32,10 @@ def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chun
         if doc.get(field) != expected[field]:
             raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {field} {doc.get(field)!r}, but a "
                                          f"{dtype} entry is stored with {expected[field]!r}")
+    if layout.codec != codec:
+        said = "no compression" if codec is None else f"blosc {codec.cname} level {codec.clevel}"
+        found = "no compression" if layout.codec is None else f"blosc {layout.codec.cname}"
+        raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {found}, but the manifest says {said}")
     return layout
 
 

@@ -45,7 +45,8 @@ class Compression:
         level: the compressor's level, 1 (fastest) to 9.
         min_bytes: arrays smaller than this are stored as they are (a bias, a norm's weight: little to gain).
         min_ratio: a float array is compressed only where a sample of each rank's part of it shrinks at least this
-            much (``planning/compression_sample.py``); data that does not compress is stored as it is.
+            much (``planning/compression_sample.py``); data that does not compress is stored as it is. 0: every
+            candidate is compressed, unsampled.
     """
 
     compressor: str = "zstd"
@@ -61,8 +62,9 @@ class Compression:
             raise ValueError(f"Compression(level={self.level!r}): a level is an int from 1 to 9")
         if type(self.min_bytes) is not int or self.min_bytes < 0:
             raise ValueError(f"Compression(min_bytes={self.min_bytes!r}): a size in bytes, 0 or more")
-        if not isinstance(self.min_ratio, (int, float)) or not self.min_ratio >= 1.0:
-            raise ValueError(f"Compression(min_ratio={self.min_ratio!r}): a ratio of 1.0 or more")
+        if isinstance(self.min_ratio, bool) or not isinstance(self.min_ratio, (int, float)) or not self.min_ratio >= 0:
+            raise ValueError(f"Compression(min_ratio={self.min_ratio!r}): a ratio, 0 (compress every candidate) or "
+                             "more")
 
     @classmethod
     def of(cls, value) -> Compression | None:

@@ -24,7 +24,9 @@ def poorly_compressed(held: Iterable[tuple[str, torch.dtype, int]], local_tensor
     """The arrays of ``held`` (fqn, dtype, the array's global bytes) that are candidates, yet whose sample of
     ``local_tensor(fqn)`` (this rank's part; None or empty: nothing to sample) compresses less than
     ``compression.min_ratio``."""
-    found = set()
+    found: set[str] = set()
+    if compression.min_ratio == 0:  # every candidate is compressed
+        return frozenset()
     for fqn, dtype, nbytes in held:
         if not compression.compresses(torch_dtype_name(dtype), nbytes):
             continue
