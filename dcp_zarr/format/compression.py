@@ -90,8 +90,9 @@ class Compression:
         return BloscCodec(self.compressor, self.level, "bitshuffle" if itemsize > 1 else "noshuffle", itemsize)
 
     def key(self) -> str:
-        """The options every rank of a save must share, as one string (planning/protocol.py compares them)."""
-        return f"{self.compressor}:{self.level}:{self.min_bytes}:{self.min_ratio}"
+        """The options every rank of a save must share, as one string (planning/protocol.py compares them and
+        names them when ranks differ)."""
+        return repr(self)
 
 
 class BloscCodec(NamedTuple):
