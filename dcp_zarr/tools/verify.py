@@ -4,6 +4,12 @@ Each chunk (each inner chunk of a sharded array) is read once and checked on its
 chunk, not just the first. Reads are concurrent (many small GETs on an object store) and bounded in memory: a
 shard is read one inner chunk at a time, never whole. Nothing here needs torch: chunks are checked as bytes, and
 ``torch.save`` values are checked by their crc32c, never unpickled.
+
+An inner chunk stored as it is must have exactly its full size. A compressed one (``ChunkLayout.codec``) has the
+length its shard's index gives, which must be more than a crc32c and at most ``inner_chunk_stored_bytes`` (the most
+blosc makes of data that does not compress); a longer one is refused unread, as an index may point anywhere. Then
+its crc32c is checked and it is decompressed, which must give exactly the inner chunk's bytes
+(``encoding.verify_stored``).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
     decode_shard_index,
+    inner_chunk_stored_bytes,
     shard_index_bytes,
     verify_plain,
+    verify_stored,
 )
 from dcp_zarr.format.manifest import OBJECT, TENSOR, ObjectEntry
 from dcp_zarr.offline import Checkpoint, Entry
@@ -80,13 +88,13 @@ def verify_checkpoint(ckpt: Checkpoint, *, thread_count: int = 8, progress: bool
             report.problems.append(
                 Problem(fqn, group, None, "zarr.json is missing (zarr tools cannot open it)", "group"))
 
-    total = sum(_stored_bytes(job) for job in jobs)
+    total = sum(_chunk_bytes(job) for job in jobs)
     with progress_bar(total, "verifying", enabled=progress) as bar, ThreadPoolExecutor(thread_count) as pool:
-        for found, nbytes in pool.map(lambda job: _check_chunk(ckpt, job), jobs):
+        for job, (found, nbytes) in zip(jobs, pool.map(lambda job: _check_chunk(ckpt, job), jobs)):
             report.problems.extend(found)
             report.bytes_read += nbytes
             report.chunks += 1
-            bar.update(nbytes)
+            bar.update(_chunk_bytes(job))  # the total's measure: what is read of a compressed chunk is less
     return report
 
 
@@ -127,6 +135,7 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
     key = layout.chunk_key(job.coords)
     index = decode_shard_index(ckpt.storage.read_tail(path, shard_index_bytes(layout)), layout, "shard")
     _, extent = layout.chunk_box(job.coords)
+    most = inner_chunk_stored_bytes(layout, job.itemsize)  # inner_bytes, or for a compressed one the most it can be
     problems, nbytes = [], shard_index_bytes(layout)
     for i, (offset, length) in enumerate(index):
         where = f"{key} inner chunk {i}"
@@ -134,9 +143,14 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
             if i * layout.inner_rows < extent[0]:  # only inner chunks wholly in the edge padding may be absent
                 problems.append(Problem(entry.fqn, entry.node, where, "the shard index marks it missing"))
             continue
-        if int(length) != inner_bytes:  # refused unread: a hostile index may point at gigabytes
+        # refused unread: a hostile index may point at gigabytes
+        if layout.codec is None and int(length) != inner_bytes:
             problems.append(Problem(entry.fqn, entry.node, where, f"the shard index gives it {int(length)} bytes, "
                                     f"an inner chunk holds {inner_bytes}"))
+            continue
+        if layout.codec is not None and not CHECKSUM_BYTES < int(length) <= most:
+            problems.append(Problem(entry.fqn, entry.node, where, f"the shard index gives it {int(length)} bytes, "
+                                    f"a compressed inner chunk holds {CHECKSUM_BYTES + 1} to {most}"))
             continue
         raw = ckpt.storage.read_range(path, int(offset), int(length))
         nbytes += len(raw)
@@ -144,7 +158,10 @@ def _check_shard(ckpt: Checkpoint, job: _ChunkJob, path: str, inner_bytes: int) 
             if len(raw) != int(length):
                 raise CorruptChunkError(
                     f"shard is truncated ({len(raw)} of {int(length)} bytes at offset {int(offset)})")
-            _check_plain(raw, inner_bytes)
+            if layout.codec is None:
+                _check_plain(raw, inner_bytes)
+            else:
+                verify_stored(raw, layout, job.itemsize, "")
         except CorruptChunkError as exc:
             problems.append(Problem(entry.fqn, entry.node, where, _reason(exc)))
     return problems, nbytes
@@ -189,5 +206,6 @@ def _itemsize(entry: Entry) -> int:
     return dtype.itemsize
 
 
-def _stored_bytes(job: _ChunkJob) -> int:
+def _chunk_bytes(job: _ChunkJob) -> int:
+    """The chunk's bytes uncompressed (without checksums and index): the progress bar's measure."""
     return math.prod(job.layout.chunk_shape) * job.itemsize
