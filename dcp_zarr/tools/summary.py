@@ -28,7 +28,8 @@ _LONGEST_VALUE = 60
 
 
 def summary_groups(rows: Iterable[dict], limit: int = MAX_GROUP_ROWS) -> list[dict]:
-    """``[{"name", "entries", "tensors", "nbytes", "dtypes"}]`` for ``rows`` (``inspect``'s entry rows), at most
+    """``[{"name", "entries", "tensors", "nbytes", "stored_bytes", "dtypes"}]`` for ``rows`` (``inspect``'s entry
+    rows; ``stored_bytes`` None where a row's is unknown or absent), at most
     ``limit`` of them, in natural order: the module docstring's grouping. When the first components alone give more
     groups than that, the largest by bytes are kept and the rest summed in one last row named ``(N others)``."""
     rows = list(rows)
@@ -64,14 +65,23 @@ def summary_groups(rows: Iterable[dict], limit: int = MAX_GROUP_ROWS) -> list[di
         rest["entries"] += g["entries"]
         rest["tensors"] += g["tensors"]
         rest["nbytes"] += g["nbytes"]
+        rest["stored_bytes"] = _add(rest["stored_bytes"], g["stored_bytes"])
         rest["dtypes"] = sorted(set(rest["dtypes"]) | set(g["dtypes"]))
     return [*kept, rest]
 
 
 def _group(name: str, members: list[dict]) -> dict:
     tensors = [r for r in members if r["kind"] == TENSOR]
+    stored: int | None = 0
+    for r in members:
+        stored = _add(stored, r.get("stored_bytes"))
     return {"name": name, "entries": len(members), "tensors": len(tensors),
-            "nbytes": sum(r["nbytes"] for r in members), "dtypes": sorted({r["dtype"] for r in tensors})}
+            "nbytes": sum(r["nbytes"] for r in members), "stored_bytes": stored,
+            "dtypes": sorted({r["dtype"] for r in tensors})}
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
 
 
 def summary_values(rows: Iterable[dict]) -> list[dict]:

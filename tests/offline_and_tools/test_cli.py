@@ -302,7 +302,7 @@ def test_inspect_names_chunks_and_shards_as_zarr_python_does(tmp_path, capsys):
     assert (w.chunks, w.shards, v.chunks, v.shards) == ((8, 32), (64, 32), (6, 2), None)
 
     code, out, _ = run(capsys, "inspect", path, "--tree")
-    rows = {line.split()[0]: line for line in out.splitlines()[6:]}
+    rows = {line.split()[0]: line for line in out.split("\n\n", 1)[1].splitlines()}  # the tree, below the header
     assert code == 0 and rows["w"].endswith("1 shard 64x32, chunks 8x32")
     assert rows["v"].endswith("1 chunk 6x2") and rows["s"].endswith("1 chunk (a scalar)")
     code, out, _ = run(capsys, "inspect", path, "--json")
