@@ -141,7 +141,10 @@ def _convert(args) -> int:
     elif args.prefix is not None or args.max_shard_size is not None:
         raise UsageError("--prefix and --max-shard-size apply to --to safetensors only")
     if args.to == "zarr":
+        options["compression"] = args.compression or "keep"
         _note(args, f"reading {args.src} whole into memory, then writing {args.dst}")
+    elif args.compression is not None:
+        raise UsageError("--compression applies to --to zarr only")
     written = convert(args.src, args.dst, args.to, overwrite=args.overwrite, storage_options=args.storage_options,
                       progress=args.progress, **options)
     for path in written:
@@ -272,7 +275,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_verify)
 
     p = commands.add_parser("convert", parents=[common],
-                            help="DCP directory -> zarr; checkpoint -> torch.save file or safetensors")
+                            help="DCP directory or zarr store -> zarr (compressed or not); checkpoint -> torch.save "
+                                 "file or safetensors")
     p.add_argument("src", help="a DCP directory (.metadata + .distcp files) or a dcp_zarr store")
     p.add_argument("dst")
     p.add_argument("--to", required=True, choices=["zarr", "torch", "safetensors"])
@@ -281,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="safetensors: the state-dict group holding the weights (default 'model' when present)")
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="safetensors: largest shard, e.g. 5GB (the default) or 500MiB")
+    p.add_argument("--compression", type=_compression, default=None, metavar="NAME",
+                   help="zarr: compress floating-point arrays with blosc's NAME (zstd: smallest, lz4: fastest; also "
+                        "lz4hc, blosclz, zlib), or none; default: as the source (a DCP directory: none)")
     p.set_defaults(run=_convert)
 
     p = commands.add_parser("diff", parents=[common], help="per-entry equality / max abs difference of two checkpoints")
@@ -333,6 +340,15 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of name components, got {text!r}")
     return value
+
+
+def _compression(text: str) -> str:
+    from dcp_zarr.format.compression import COMPRESSORS
+
+    choices = ("keep", "none", *COMPRESSORS)
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+    return text
 
 
 def _storage_option(text: str) -> tuple[str, object]:
