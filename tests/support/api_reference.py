@@ -19,6 +19,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 SECTIONS = [
     ("Saving and loading", "DCP's storage writer and reader, and the planners made for them ([usage](usage.md)).",
      ["ZarrWriter", "ZarrReader", "ZarrSavePlanner", "ZarrLoadPlanner"]),
+    ("Compression", "[compression](compression.md)", ["Compression"]),
     ("A training job's checkpoints",
      "[checkpoint manager](checkpoint-manager.md), [optimizer state](optimizer-state.md)",
      ["CheckpointManager", "assert_step_present"]),
