@@ -113,7 +113,7 @@ def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int
 
 def format_summary(summary: dict, *, tree: bool = False) -> str:
     """``summarize``'s result for people: its groups with ``depth``, else every entry's tree with ``tree``, else the
-    summary of summary.py (at most 55 lines)."""
+    summary of summary.py (at most 56 lines)."""
     lines = [summary["path"]]
     versions = ", ".join(f"{k} {v}" for k, v in summary["versions"].items())
     lines.append(f"  format: dcp_zarr v{summary['format_version']}, saved by {versions}, save id {summary['save_id']}")
