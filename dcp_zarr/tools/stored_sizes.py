@@ -46,13 +46,13 @@ def uncompressed_stored_bytes(layout: ChunkLayout, itemsize: int) -> int:
     if 0 in layout.shape:
         return 0  # no chunk at all
     across = math.prod(layout.grid_shape[1:])  # chunks side by side along the other dims: the same count of rows
-    rows, chunk_rows = layout.shape[0], layout.chunk_shape[0]
-    extents = [chunk_rows] * (rows // chunk_rows) + ([rows % chunk_rows] if rows % chunk_rows else [])
+    # along dim 0: whole chunks, then an edge chunk of the rows left (arithmetic: a grid may have millions of rows)
+    whole, left = divmod(layout.shape[0], layout.chunk_shape[0])
+    chunks = whole + (left > 0)
     if not layout.sharded:
-        return across * len(extents) * (math.prod(layout.chunk_shape) * itemsize + CHECKSUM_BYTES)
-    inner = inner_chunk_stored_bytes(layout, itemsize)
-    stored_inner = sum(-(-extent // layout.inner_rows) for extent in extents)
-    return across * (stored_inner * inner + len(extents) * shard_index_bytes(layout))
+        return across * chunks * (math.prod(layout.chunk_shape) * itemsize + CHECKSUM_BYTES)
+    stored_inner = whole * layout.inner_chunks_per_chunk + -(-left // layout.inner_rows)
+    return across * (stored_inner * inner_chunk_stored_bytes(layout, itemsize) + chunks * shard_index_bytes(layout))
 
 
 def stored_sizes(ckpt: Checkpoint, entries: Iterable[Entry] | None = None) -> dict[str, int | None]:

@@ -184,6 +184,24 @@ def test_inspect_json_is_machine_readable(saved, capsys):
     assert (embed["shape"], embed["dtype"], embed["chunk_shape"], embed["chunks"]) == ([17, 13], "float32", [18, 13], 1)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_inspect_gives_the_stored_bytes_of_a_two_rank_save_without_reading_them(saved, capsys):
+    # FSDP2's shards: one file per array written by both ranks at offsets, chunks per rank, 0-d steps, objects
+    code, out, _ = run(capsys, "inspect", saved[0], "--json")
+
+    summary = json.loads(out)
+    assert code == 0 and summary["tensor_stored_unknown"] == 0 and summary["compressed_tensor_count"] == 0
+    for entry in summary["entries"]:
+        folder = saved[0] / entry["node"]
+        if entry["kind"] == "value":
+            assert entry["stored_bytes"] == 0
+            continue
+        files = sum(f.stat().st_size for f in folder.iterdir() if f.name != "zarr.json")
+        assert entry["stored_bytes"] == files, entry["fqn"]
+    assert summary["tensor_stored_bytes"] > summary["tensor_bytes"]
+
+
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory):
     """Names whose digit runs sort differently as text (layers.10 < layers.2) than as numbers; saved out of order."""
