@@ -184,3 +184,24 @@ def test_a_compressed_save_to_s3_loads_exactly(s3):
     assert ckpt.entries["w"].codec is not None and ckpt.entries["w"].codec["configuration"]["cname"] == "lz4"
     assert_state_equal(ckpt.load_full_state_dict(), state)
     assert verify_checkpoint(ckpt).ok
+
+
+def _async_save_compressed(rank, world_size, path):
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    state = {"w": DTensor.from_local(full.chunk(world_size)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                     shape=full.shape, stride=full.stride())}
+    future = dcp.async_save(state, storage_writer=ZarrWriter(path, compression=EVERY_FLOAT))
+    state["w"].to_local().add_(1)  # the save works from its staged copy
+    future.result()
+    return full
+
+
+def test_an_async_save_compresses_its_staged_copy(tmp_path):
+    path = str(tmp_path / "c.zarr")
+
+    full = run_ranks(_async_save_compressed, 2, path)[0]
+
+    ckpt = open_checkpoint(path)
+    assert ckpt.entries["w"].codec is not None
+    assert torch.equal(ckpt.read("w"), full)
