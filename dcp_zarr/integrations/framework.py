@@ -1,7 +1,8 @@
 """What every adapter of ``dcp_zarr.integrations`` does first: import its framework, or say how to install it, and
 check that the framework still has the internals the adapter relies on, naming both versions when it does not; and
 what each does before a load: refuse a path that holds no committed store in words that name the framework's way on
-(``refuse_unless_committed``), rather than DCP's wrapper around the reader's error."""
+(``refuse_unless_committed``), rather than DCP's wrapper around the reader's error; and how each takes a compression
+choice to pass to ``ZarrWriter`` (``compression_choice``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dcp_zarr.errors import (
     IncompleteCheckpointError,
     NotACheckpointError,
 )
+from dcp_zarr.format.compression import COMPRESSORS, Compression
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.storage import open_storage
 from dcp_zarr.store_io.commit import stopped_save
@@ -82,3 +84,22 @@ def refuse_unless_committed(path: str | os.PathLike, who: str, instead: str) -> 
         what = (f"holds no dcp_zarr checkpoint (no committed root zarr.json; it holds "
                 f"{', '.join(files[:_LISTED])}{', ...' if len(files) > _LISTED else ''})")
     raise NotACheckpointError(f"{who}: {location} {what}. Nothing was loaded. {instead}")
+
+
+# What an adapter's ``compression`` argument takes: ZarrWriter's own choices.
+COMPRESSION_CHOICES = (f"pass one of blosc's compressors ({', '.join(map(repr, COMPRESSORS))}), True (zstd), a "
+                       "dcp_zarr.Compression, or None (the default: nothing compressed)")
+
+
+def compression_choice(value: object, who: str, name: str = "compression",
+                       accepted: str = COMPRESSION_CHOICES) -> Compression | None:
+    """``Compression.of(value)``, what the adapter passes to ``ZarrWriter(compression=...)``, checked when the
+    adapter is built rather than at its first save: a bad value raises ``ValueError`` (a string that names no
+    compressor) or ``TypeError`` (anything else) naming ``who`` (the adapter), ``name`` (its argument or config
+    field, as the user writes it), the value and what is ``accepted``."""
+    try:
+        return Compression.of(value)
+    except ValueError as exc:
+        raise ValueError(f"{who}: {name}={value!r} names no compressor: {accepted}") from exc
+    except TypeError as exc:
+        raise TypeError(f"{who}: {name}={value!r} is not a compression choice: {accepted}") from exc

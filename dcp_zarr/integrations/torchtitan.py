@@ -13,6 +13,10 @@ retention, resume, the HF export) with three of its methods overridden, each whe
 * ``_find_load_step``: a ``step-N`` folder holding a committed dcp_zarr store counts, besides torchtitan's own.
   torchtitan counts only folders holding DCP's ``.metadata`` or an HF index: without this a resume starts afresh.
 
+One field is added to the config: ``zarr_compression``, a blosc compressor's name (``"zstd"``, ``"lz4"``, ...) that
+``ZarrWriter`` compresses the floating-point arrays of each ``step-N`` with, or None (the default) for none; a name
+that is not one fails as the config is built (from the command line or a TOML file), and again as the manager is.
+
 Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_changed_internals``)
 and raises ``FrameworkVersionError`` naming the installed torchtitan and 0.3.0 when one moved.
 """
@@ -32,7 +36,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_zarr.errors import CheckpointExistsError
+from dcp_zarr.format.compression import COMPRESSORS, Compression
 from dcp_zarr.integrations.framework import (
+    compression_choice,
     import_framework,
     missing_attributes,
     refuse_unless_committed,
@@ -105,16 +111,38 @@ _AsyncMode = _titan.AsyncMode
 _filesystem = _titan.filesystem
 
 
+def _compression(name: Any) -> Compression | None:
+    return compression_choice(
+        name, "ZarrCheckpointManager", "checkpoint.zarr_compression",
+        f"set it to one of blosc's compressors ({', '.join(map(repr, COMPRESSORS))}) or to None (the default: nothing "
+        "compressed)")
+
+
 class ZarrCheckpointManager(_CheckpointManager):
     """torchtitan's ``CheckpointManager``, its checkpoints zarr stores (module docstring; docs/torchtitan.md)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(_CheckpointManager.Config):
-        # Declared, though it adds nothing: torchtitan's Config.build() constructs the class that declares it.
-        pass
+        # torchtitan's Config.build() constructs the class that declares the Config: declaring it selects this one.
+        zarr_compression: str | None = None
+        """Compress the floating-point arrays of each checkpoint with this blosc compressor: "zstd" (the smallest
+        checkpoints), "lz4" (the fastest), "lz4hc", "blosclz" or "zlib", at level 1; None (the default): stored as
+        they are. Arrays under 64 KiB, and those a sample shows do not shrink, are stored as they are."""
+
+        def __post_init__(self) -> None:
+            checks = getattr(_CheckpointManager.Config, "__post_init__", None)  # torchtitan's own, async_mode's
+            if checks is not None:
+                checks(self)  # not super(): slots=True makes the class anew, which a bare super() does not know
+            _compression(self.zarr_compression)  # as torchtitan checks async_mode: a bad name fails as it is parsed
+
+    # Set by __init__; the class's value serves managers made without it (the tests' bare managers).
+    _zarr_compression: Compression | None = None
 
     def __init__(self, config: Config, **components: Any) -> None:
+        # Checked again (the field may have been set since), before torchtitan's __init__ makes groups and threads.
+        compression = _compression(config.zarr_compression)
         super().__init__(config, **components)
+        self._zarr_compression = compression
         if self.enable:  # a disabled manager sets nothing
             require_internals("torchtitan", WRITTEN_FOR, _ADAPTER,
                               missing_attributes(self, _INSTANCE_ATTRIBUTES, "CheckpointManager instance"))
@@ -130,7 +158,7 @@ class ZarrCheckpointManager(_CheckpointManager):
                 "(DCP's .metadata and .distcp files), which a zarr store is not saved over: this save was refused "
                 f"and nothing was written. Remove it (rm -r {checkpoint_id}) to save this step as a zarr store; "
                 "until then a resume loads it as it is, through torchtitan's own reader")
-        writer = ZarrWriter(checkpoint_id)
+        writer = ZarrWriter(checkpoint_id, compression=self._zarr_compression)
         if async_mode == _AsyncMode.DISABLED:
             result = dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
         else:

@@ -4,7 +4,8 @@ smaller, on CPU gloo ranks (the patches that needs: dcp_zarr/testing/torchtitan_
 
 Saved at 2 ranks (``trained``, one launch), a checkpoint after every step, the last (step 4) saved synchronously
 as torchtitan always does: ``sync/`` (``keep_latest_k=2``), ``async/`` (steps 1-3 threaded), ``pinned/`` (steps
-1-3 through DCP's process executor and torchtitan's stager), ``resumed/`` (a copy of ``sync/`` resumed at step 2
+1-3 through DCP's process executor and torchtitan's stager, every step compressed: ``zarr_compression="zstd"``, so
+the writer the background process is given carries it), ``resumed/`` (a copy of ``sync/`` resumed at step 2
 and trained to step 4 again, saving steps 3 and 4 again) and ``hf/`` (the model exported through torchtitan's own
 HF path). Every run sees the same data and learning-rate schedule, so a step's state is the same whatever the mode:
 what one store holds can be checked against another's.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -36,8 +38,9 @@ pytest.importorskip("torchtitan")
 
 STEPS = 4
 ADAPTER = "dcp_zarr.integrations.torchtitan"
-# (dump folder, async_mode, checkpoint interval, keep_latest_k): the saving runs of ``trained``.
-RUNS = [("sync", "disabled", 1, 2), ("async", "async", 1, 0), ("pinned", "async_with_pinned_mem", 1, 0)]
+# (dump folder, async_mode, checkpoint interval, keep_latest_k, zarr_compression): the saving runs of ``trained``.
+RUNS = [("sync", "disabled", 1, 2, None), ("async", "async", 1, 0, None),
+        ("pinned", "async_with_pinned_mem", 1, 0, "zstd")]
 # What the resumes load from each run: the latest step (-1: found by _find_load_step, step 4) or an asynchronously
 # saved one; and the step each must then be at.
 RESUMES = [("sync", -1), ("async", 3), ("pinned", 3)]
@@ -74,9 +77,9 @@ def _train_every_mode(rank: int, world_size: int, root: str) -> dict:
     from torchtitan.components.checkpointer import AsyncMode
 
     losses = {}
-    for name, async_mode, interval, keep in RUNS:
+    for name, async_mode, interval, keep, compression in RUNS:
         trainer, losses[name] = _trainer(f"{root}/{name}", async_mode=async_mode, interval=interval,
-                                         keep_latest_k=keep)
+                                         keep_latest_k=keep, zarr_compression=compression)
         trainer.train()
         if name == "sync":  # the HF export, through torchtitan's own writer
             trainer.checkpointer.dcp_save(trainer.checkpointer.states["model"].state_dict(), f"{root}/hf",
@@ -210,6 +213,28 @@ def test_async_and_pinned_memory_saves_hold_what_the_synchronous_run_saved(train
             assert_state_equal(store_state(root, run, step), store_state(root, "sync", step))
         assert [result["losses"][run][s] for s in range(1, STEPS + 1)] == \
             [result["losses"]["sync"][s] for s in range(1, STEPS + 1)]
+
+
+def test_zarr_compression_compresses_the_float_arrays_of_every_step_and_only_those(trained):
+    # Exactness: test_async_and_pinned_memory_saves_hold_what_the_synchronous_run_saved compares these stores with
+    # the uncompressed sync run's, and the resumes at 1 and 3 ranks load pinned's step 3 (RESUMES).
+    root, _ = trained
+    for step in range(1, STEPS + 1):  # steps 1-3 written in DCP's background process, step 4 in the ranks
+        entries = open_checkpoint(root / "pinned" / "checkpoint" / f"step-{step}").entries
+        # The float32 arrays of 64 KiB or more (Compression's min_bytes): the weights and their AdamW moments, not
+        # the norms (1 KiB), the step counters or the values
+        large = {fqn for fqn, entry in entries.items() if entry.dtype_name == "torch.float32"
+                 and entry.nbytes >= 64 << 10}
+        assert {"tok_embeddings.weight", "layers.0.feed_forward.w1.weight", "lm_head.weight",
+                "optimizer.state.lm_head.weight.exp_avg_sq"} <= large
+        assert {fqn for fqn, entry in entries.items() if entry.codec is not None} == large, step
+        assert {entry.codec["configuration"]["cname"] for entry in entries.values() if entry.codec} == {"zstd"}
+    for run in ("sync", "async"):  # zarr_compression=None, the default
+        entries = open_checkpoint(root / run / "checkpoint" / "step-3").entries
+        assert all(entry.codec is None for entry in entries.values())
+    # As any zarr tool sees it: the blosc codec in the array's own zarr.json
+    array = zarr.open_group(root / "pinned" / "checkpoint" / "step-3", mode="r")["lm_head.weight"]
+    assert '"blosc"' in json.dumps(array.metadata.to_dict()["codecs"])
 
 
 def test_keep_latest_k_still_purges(trained):
@@ -352,6 +377,21 @@ def test_changed_torchtitan_internals_name_both_versions(monkeypatch, change):
         _import_adapter(monkeypatch)
     assert "torchtitan 0.4.0 does not have" in str(raised.value)
     assert raised.match(missing)
+
+
+@pytest.mark.parametrize(("value", "error", "said"), [("zst", ValueError, "names no compressor"),
+                                                      (3, TypeError, "is not a compression choice")])
+def test_a_bad_zarr_compression_is_refused_as_the_config_is_built_and_as_the_manager_is(value, error, said):
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    message = (rf"ZarrCheckpointManager: checkpoint\.zarr_compression={value!r} {said}: set it to one of blosc's "
+               r"compressors \('zstd', 'lz4', 'lz4hc', 'blosclz', 'zlib'\) or to None")
+    with pytest.raises(error, match=message):  # as tyro builds it from the command line or a TOML file
+        ZarrCheckpointManager.Config(enable=True, zarr_compression=value)
+    config = ZarrCheckpointManager.Config(enable=True)
+    config.zarr_compression = value  # set afterwards: the manager checks it again, before torchtitan's __init__
+    with pytest.raises(error, match=message):
+        ZarrCheckpointManager(config)
 
 
 def test_a_manager_missing_what_init_sets_is_refused_naming_the_versions(monkeypatch):
