@@ -16,6 +16,9 @@ the rest of the checkpoint), the checkpoint's name, ``ModelCheckpoint``, resumin
 made inside such a save or load (a context variable says which): a Lightning strategy saving on another thread
 meanwhile still gets Lightning's helper. Checkpoints Lightning's own strategies wrote (a ``.metadata`` file and
 ``.distcp`` shards) load through Lightning's helper, so a job can switch strategy and resume from its last one.
+Each strategy takes one argument of its own besides Lightning's: ``compression``, passed to ``ZarrWriter``
+(``ZarrModelParallelStrategy(..., compression="zstd")`` compresses the floating-point arrays of every checkpoint it
+saves; None, the default, stores them as they are), checked when the strategy is built.
 
 Written against lightning 2.6.6 (``WRITTEN_FOR``). Importing this module checks that each Lightning function on the
 way still looks the helpers up by those names, in the module where they are swapped, and that they take (state,
@@ -42,8 +45,10 @@ from typing import Any, Literal
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.integrations.framework import (
+    compression_choice,
     import_framework,
     missing_attributes,
     refuse_unless_committed,
@@ -157,8 +162,10 @@ _FabricFSDPStrategy: Any = _fabric_fsdp.FSDPStrategy
 
 @dataclass
 class _Routed:
-    """What one strategy call sent through dcp_zarr: the proof that Lightning still calls the helpers."""
+    """What one strategy call sent through dcp_zarr: the proof that Lightning still calls the helpers; and, for a
+    save, the strategy's ``compression`` for its ``ZarrWriter``."""
 
+    compression: Compression | None = None
     saved: list[Path] = field(default_factory=list)
     loaded: list[Path] = field(default_factory=list)
 
@@ -174,7 +181,8 @@ def _save_stand_in(lightning_save: Callable[[dict[str, Any], Path], None]) -> Ca
         # Lightning made ``path`` a directory first; ZarrWriter's commit renames its staging area onto it once the
         # store is complete (an empty directory, or the checkpoint a save to the same path replaces: last.ckpt).
         with _replacing_a_dcp_directory(Path(path)):
-            dcp.save(converted_state, storage_writer=ZarrWriter(path), planner=ZarrSavePlanner())
+            dcp.save(converted_state, storage_writer=ZarrWriter(path, compression=routed.compression),
+                     planner=ZarrSavePlanner())
         routed.saved.append(Path(path))
 
     return save
@@ -256,9 +264,9 @@ _calls_in_flight = 0
 
 
 @contextmanager
-def _through_zarr() -> Iterator[_Routed]:
+def _through_zarr(compression: Compression | None = None) -> Iterator[_Routed]:
     global _calls_in_flight
-    routed = _Routed()
+    routed = _Routed(compression)
     token = _route.set(routed)
     with _swap_lock:
         if _calls_in_flight == 0:
@@ -283,8 +291,8 @@ def _require_routed(routed: bool, strategy: object, call: str, helper: str, path
 
 
 @contextmanager
-def _saving(strategy: object, path: str | os.PathLike) -> Iterator[None]:
-    with _through_zarr() as routed:
+def _saving(strategy: _ZarrStrategy, path: str | os.PathLike) -> Iterator[None]:
+    with _through_zarr(strategy._zarr_compression) as routed:
         yield
     # A distributed save leaves a directory (a full state dict is one torch.save file, no business of dcp_zarr's).
     _require_routed(bool(routed.saved) or not Path(path).is_dir(), strategy, "save_checkpoint", _SAVE, Path(path))
@@ -313,9 +321,22 @@ def _loading(strategy: object, path: str | os.PathLike) -> Iterator[None]:
 _PathLike = str | os.PathLike
 
 
-class ZarrModelParallelStrategy(_TrainerModelParallelStrategy):
+class _ZarrStrategy:
+    """What the four strategies add to Lightning's: ``compression``, checked as the strategy is built and given to
+    each save's ``ZarrWriter``. First among the bases, so that its ``__init__`` takes ``compression`` out of the
+    arguments before Lightning's sees them."""
+
+    _zarr_compression: Compression | None = None
+
+    def __init__(self, *args: Any, compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
+        self._zarr_compression = compression_choice(compression, type(self).__name__)
+        super().__init__(*args, **kwargs)
+
+
+class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism applied in ``configure_model``) for the
-    ``Trainer``, its distributed checkpoints saved as dcp_zarr stores. Same arguments; with
+    ``Trainer``, its distributed checkpoints saved as dcp_zarr stores. Lightning's arguments, and ``compression``
+    (``ZarrWriter``'s: None, ``"zstd"``, ``"lz4"``, ... or a ``dcp_zarr.Compression``); with
     ``save_distributed_checkpoint=False`` it saves one ``torch.save`` file, as Lightning does."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PathLike, storage_options: Any = None) -> None:
@@ -327,13 +348,14 @@ class ZarrModelParallelStrategy(_TrainerModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
 
-class ZarrFSDPStrategy(_TrainerFSDPStrategy):
+class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
     """Lightning's (FSDP1) ``FSDPStrategy`` for the ``Trainer``, its ``state_dict_type="sharded"`` checkpoints (the
-    default here) saved as dcp_zarr stores. Same arguments; ``"full"`` saves one ``torch.save`` file, as Lightning
-    does."""
+    default here) saved as dcp_zarr stores. Lightning's arguments, and ``compression`` (``ZarrWriter``'s);
+    ``"full"`` saves one ``torch.save`` file, as Lightning does."""
 
-    def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded", **kwargs: Any) -> None:
-        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+    def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded",
+                 compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, **kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PathLike, storage_options: Any = None) -> None:
         with _saving(self, filepath):
@@ -344,9 +366,10 @@ class ZarrFSDPStrategy(_TrainerFSDPStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
 
-class ZarrFabricModelParallelStrategy(_FabricModelParallelStrategy):
+class ZarrFabricModelParallelStrategy(_ZarrStrategy, _FabricModelParallelStrategy):
     """Lightning Fabric's ``ModelParallelStrategy`` (``parallelize_fn(module, device_mesh)``), its distributed
-    checkpoints (``fabric.save`` / ``fabric.load``) saved as dcp_zarr stores. Same arguments."""
+    checkpoints (``fabric.save`` / ``fabric.load``) saved as dcp_zarr stores. Lightning's arguments, and
+    ``compression`` (``ZarrWriter``'s)."""
 
     def save_checkpoint(self, path: _PathLike, state: dict[str, Any], storage_options: Any = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
@@ -359,12 +382,14 @@ class ZarrFabricModelParallelStrategy(_FabricModelParallelStrategy):
             return super().load_checkpoint(path, state, strict, weights_only)
 
 
-class ZarrFabricFSDPStrategy(_FabricFSDPStrategy):
+class ZarrFabricFSDPStrategy(_ZarrStrategy, _FabricFSDPStrategy):
     """Lightning Fabric's (FSDP1) ``FSDPStrategy``, its ``state_dict_type="sharded"`` checkpoints (the default here)
-    saved as dcp_zarr stores. Same arguments; ``"full"`` saves one ``torch.save`` file, as Lightning does."""
+    saved as dcp_zarr stores. Lightning's arguments, and ``compression`` (``ZarrWriter``'s); ``"full"`` saves one
+    ``torch.save`` file, as Lightning does."""
 
-    def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded", **kwargs: Any) -> None:
-        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+    def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded",
+                 compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, **kwargs)
 
     def save_checkpoint(self, path: _PathLike, state: dict[str, Any], storage_options: Any = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:

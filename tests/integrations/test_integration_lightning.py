@@ -1,6 +1,7 @@
 """dcp_zarr.integrations.lightning: Lightning's own Trainer and Fabric, on CPU gloo ranks, save distributed
 checkpoints as dcp_zarr stores (beside Lightning's meta.pt), load them at another world size bit-exact, and resume
-from the latest step; the adapter fails loudly when Lightning is missing or its internals moved.
+from the latest step; each strategy's ``compression`` reaches its stores; the adapter fails loudly when Lightning is
+missing or its internals moved.
 
 Ranks are started by tests/support/ranks.py with torchrun's environment (LOCAL_RANK set), so Lightning takes them as
 launched externally and starts no processes of its own; the gloo group is already up, which Lightning accepts.
@@ -27,14 +28,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import zarr
+from lightning.fabric.strategies import fsdp as fabric_fsdp
 from lightning.fabric.strategies import model_parallel as fabric_model_parallel
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import fsdp as trainer_fsdp
 from lightning.pytorch.strategies import model_parallel as trainer_model_parallel
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import dcp_zarr.integrations
-from dcp_zarr import open_checkpoint
+from dcp_zarr import Compression, open_checkpoint
 from dcp_zarr.errors import FrameworkNotInstalledError, FrameworkVersionError
 from dcp_zarr.integrations import framework
 from dcp_zarr.integrations.lightning import (
@@ -53,6 +56,9 @@ ADAPTER = "dcp_zarr.integrations.lightning"
 # The whole state on every rank (cpu_offload=True, rank 0 only, fails for FSDP1 on CPU: "setStorage: ... out of
 # bounds for storage of size 0").
 FULL = StateDictOptions(full_state_dict=True)
+# Every float array compressed: the tests' tensors are far under Compression's 64 KiB default (min_ratio=0: no
+# sample asked, so none is stored as it is for shrinking too little).
+EVERY_FLOAT_ARRAY = Compression(min_bytes=0, min_ratio=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,14 +122,16 @@ class TinyModule(L.LightningModule):
             self.at_start = {"step": self.trainer.global_step, "state": copy.deepcopy(state)}
 
 
-def fit(rank: int, world_size: int, kind: str, ckpt_dir: str, max_steps: int, ckpt_path: str | None = None):
-    """Rank program: ``Trainer.fit`` with the adapter's strategy, a ModelCheckpoint every 2 steps (all kept, and
-    last.ckpt); rank 0 returns the step and state at the start of training and at its end."""
+def fit(rank: int, world_size: int, kind: str, ckpt_dir: str, max_steps: int, ckpt_path: str | None = None,
+        compression: Compression | None = None):
+    """Rank program: ``Trainer.fit`` with the adapter's strategy (given ``compression``), a ModelCheckpoint every 2
+    steps (all kept, and last.ckpt); rank 0 returns the step and state at the start of training and at its end."""
     torch.manual_seed(rank + 10 * world_size)  # a different init everywhere: only a load makes states agree
     if kind == "fsdp1":
-        strategy = ZarrFSDPStrategy()
+        strategy = ZarrFSDPStrategy(compression=compression)
     else:
-        strategy = ZarrModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+        strategy = ZarrModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1,
+                                             compression=compression)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
         default_root_dir=os.path.dirname(ckpt_dir), logger=False, enable_progress_bar=False,
@@ -214,6 +222,28 @@ def test_trainer_resumes_a_named_checkpoint_at_one_rank_bit_exact(trained, tmp_p
     result = run_ranks(fit, 1, "fsdp2", str(tmp_path / "checkpoints"), 3, str(step_2))[0]
     assert result["start_step"] == 2
     assert_state_equal(result["start"], trained.stored["epoch=0-step=2.ckpt"])
+
+
+def codecs(path: Path) -> dict[str, str | None]:
+    """Each float array of the store at ``path`` but 0-d ones (AdamW's step counters): its compressor, or None where
+    it is stored as it is."""
+    return {fqn: entry.codec and entry.codec["configuration"]["cname"]
+            for fqn, entry in open_checkpoint(path).entries.items()
+            if entry.dtype_name == "torch.float32" and entry.shape}
+
+
+def test_trainer_with_compression_saves_compressed_stores_and_resumes_from_one_bit_exact(tmp_path):
+    first = run_ranks(fit, 2, "fsdp2", str(tmp_path / "first"), 2, None, EVERY_FLOAT_ARRAY)[0]
+    step_2 = tmp_path / "first" / "epoch=0-step=2.ckpt"
+    compressed = codecs(step_2)
+    # the weights and biases, and AdamW's moments
+    assert {"state_dict.net.0.weight", "state_dict.net.2.bias", "optimizer_0.state.net.0.weight.exp_avg_sq"} <= \
+        set(compressed)
+    assert set(compressed.values()) == {"zstd"}, compressed
+    assert_state_equal(stored(step_2), first["end"])
+    result = run_ranks(fit, 1, "fsdp2", str(tmp_path / "second"), 3, str(step_2))[0]
+    assert result["start_step"] == 2
+    assert_state_equal(result["start"], first["end"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -463,6 +493,57 @@ def test_a_load_that_no_longer_goes_through_the_helper_is_refused(monkeypatch, t
     ZarrModelParallelStrategy().save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
     with pytest.raises(FrameworkVersionError, match="ZarrModelParallelStrategy.load_checkpoint going through"):
         ZarrModelParallelStrategy().load_checkpoint(tmp_path / "a.ckpt")
+
+
+# Each strategy, the module of Lightning's that its save_checkpoint calls the helper in, and Lightning's class there
+STRATEGIES = {
+    "ZarrModelParallelStrategy": (ZarrModelParallelStrategy, trainer_model_parallel, "ModelParallelStrategy"),
+    "ZarrFSDPStrategy": (ZarrFSDPStrategy, trainer_fsdp, "FSDPStrategy"),
+    "ZarrFabricModelParallelStrategy": (ZarrFabricModelParallelStrategy, fabric_model_parallel,
+                                        "ModelParallelStrategy"),
+    "ZarrFabricFSDPStrategy": (ZarrFabricFSDPStrategy, fabric_fsdp, "FSDPStrategy"),
+}
+
+
+def strategy_of(cls: type, **kwargs):
+    return cls(shard_linears, **kwargs) if cls is ZarrFabricModelParallelStrategy else cls(**kwargs)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_each_strategy_gives_its_compression_to_its_stores(monkeypatch, tmp_path, name):
+    cls, module, lightnings = STRATEGIES[name]
+
+    def save(strategy, *args, **kwargs):  # Lightning 2.6.6's, reduced to the helper looked up in its module
+        state, path = (args[1], args[0]) if "Fabric" in name else args[:2]
+        Path(path).mkdir(parents=True, exist_ok=True)
+        module._distributed_checkpoint_save(state, Path(path))
+
+    monkeypatch.setattr(getattr(module, lightnings), "save_checkpoint", save)
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "steps": torch.arange(3)}
+    lz4 = Compression("lz4", min_bytes=0, min_ratio=0)
+    # "zstd": Compression("zstd"), whose 64 KiB w's 24 bytes are under: stored as they are
+    for i, (compression, codec) in enumerate([(EVERY_FLOAT_ARRAY, "zstd"), (lz4, "lz4"), ("zstd", None),
+                                              (None, None)]):
+        path = tmp_path / f"{i}.ckpt"
+        strategy = strategy_of(cls, compression=compression)
+        if "Fabric" in name:
+            strategy.save_checkpoint(path, {"model": weights})
+        else:
+            strategy.save_checkpoint({"model": weights}, path)
+        entries = open_checkpoint(path).entries
+        assert (entries["model.w"].codec and entries["model.w"].codec["configuration"]["cname"]) == codec
+        assert entries["model.steps"].codec is None  # an integer tensor is never compressed
+        assert_state_equal(stored(path), {"model": weights})
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_bad_compression_is_refused_as_the_strategy_is_built_naming_it(name):
+    cls = STRATEGIES[name][0]
+    choices = r"pass one of blosc's compressors \('zstd', 'lz4', 'lz4hc', 'blosclz', 'zlib'\), True \(zstd\)"
+    with pytest.raises(ValueError, match=rf"^{name}: compression='zst' names no compressor: {choices}"):
+        strategy_of(cls, compression="zst")
+    with pytest.raises(TypeError, match=rf"^{name}: compression=3 is not a compression choice: {choices}"):
+        strategy_of(cls, compression=3)
 
 
 def test_a_store_without_lightnings_meta_pt_gets_lightnings_own_error(monkeypatch, tmp_path):
