@@ -2,6 +2,7 @@
 
     from dcp_zarr.integrations.accelerate import ZarrAccelerator   # was: from accelerate import Accelerator
     accelerator = ZarrAccelerator(...)                              # was: Accelerator(...), same arguments
+    accelerator = ZarrAccelerator(..., compression="zstd")          # and the stores' floats compressed
 
 accelerate's ``save_state`` hands an FSDP model and its optimizer to ``save_fsdp_model`` / ``save_fsdp_optimizer``
 (``load_state``: ``load_fsdp_model`` / ``load_fsdp_optimizer``), which hard-code DCP's ``FileSystemWriter`` /
@@ -38,7 +39,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.fsdp import StateDictType
 
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.integrations.framework import (
+    compression_choice,
     import_framework,
     installed_version,
     missing_attributes,
@@ -110,7 +113,7 @@ def _save_fsdp_model(fsdp_plugin, accelerator, model, output_dir, model_index=0,
                                                         adapter_only, use_dcp)
     options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     state_dict = _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=options)
-    _save({"model": state_dict}, os.path.join(output_dir, f"{_FSDP_MODEL_NAME}_{model_index}"))
+    _save({"model": state_dict}, os.path.join(output_dir, f"{_FSDP_MODEL_NAME}_{model_index}"), accelerator)
 
 
 def _load_fsdp_model(fsdp_plugin, accelerator, model, input_dir, model_index=0, adapter_only=False, use_dcp=True):
@@ -132,7 +135,7 @@ def _save_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, output_dir,
     # accelerate's GradScaler
     plain = _fsdp_utils._unwrap_optimizer(optimizer)
     state = get_optimizer_state_dict(model, plain, options=_fsdp_utils._prepare_sd_options(fsdp_plugin))
-    _save({"optimizer": state}, os.path.join(output_dir, f"{_OPTIMIZER_NAME}_{optimizer_index}"))
+    _save({"optimizer": state}, os.path.join(output_dir, f"{_OPTIMIZER_NAME}_{optimizer_index}"), accelerator)
 
 
 def _load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index=0,
@@ -152,8 +155,9 @@ def _through_zarr(accelerator, use_dcp: bool) -> bool:
     return use_dcp and isinstance(accelerator, ZarrAccelerator)
 
 
-def _save(state_dict: dict, path: str) -> None:
-    dcp.save(state_dict, storage_writer=ZarrWriter(path), planner=ZarrSavePlanner())
+def _save(state_dict: dict, path: str, accelerator: ZarrAccelerator) -> None:
+    writer = ZarrWriter(path, compression=accelerator._zarr_compression)
+    dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
 
 
 def _load(state_dict: dict, path: str) -> None:
@@ -246,7 +250,18 @@ class ZarrAccelerator(_Accelerator):
     stores are all committed (accelerate's own picks the highest, even one a killed save left without them). Only FSDP2
     with ``state_dict_type="SHARDED_STATE_DICT"`` goes through DCP, so anything else is refused (``ValueError``)
     before anything is written or read.
+
+    One argument of its own besides accelerate's: ``compression``, passed to each store's ``ZarrWriter`` (None, the
+    default: stored as they are; ``"zstd"``, ``"lz4"``, ... or a ``dcp_zarr.Compression``: floating-point arrays
+    compressed), checked here rather than at the first save.
     """
+
+    _zarr_compression: Compression | None = None
+
+    def __init__(self, *args: Any, compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
+        chosen = compression_choice(compression, type(self).__name__)  # before accelerate sets up its state
+        super().__init__(*args, **kwargs)
+        self._zarr_compression = chosen
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
         self._refuse_unless_fsdp2_sharded("save_state")

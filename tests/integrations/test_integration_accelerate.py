@@ -1,6 +1,7 @@
 """dcp_zarr.integrations.accelerate: accelerate's own ``save_state`` / ``load_state`` of an FSDP2 model write and read
 zarr stores at accelerate's paths, resume at another world size bit-exactly from the latest ``checkpoint_N``, and
-still read what accelerate wrote before the switch (real accelerate 1.16.0, real gloo ranks).
+still read what accelerate wrote before the switch, and compress floats when given ``compression`` (real accelerate
+1.16.0, real gloo ranks).
 
 accelerate on CPU: 1.16.0 makes a run an FSDP run only on GPU-like devices (``AcceleratorState.__init__`` looks for
 ``MULTI_GPU``, ``MULTI_XPU``, ..., never ``MULTI_CPU``), although FSDP2 itself shards on CPU over gloo. So each rank
@@ -35,6 +36,9 @@ FSDP_FUNCTIONS = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "
 # checkpoint_8 saved by accelerate itself (before the switch), then checkpoint_9 and checkpoint_10 by ZarrAccelerator.
 # Sorted as text, the latest would be checkpoint_9.
 BEFORE_THE_SWITCH, ZARR_ITERATIONS = 8, (9, 10)
+# Every float array compressed: the toy model's tensors are far under Compression's 64 KiB default (min_ratio=0: no
+# sample asked, so none is stored as it is for shrinking too little).
+EVERY_FLOAT_ARRAY = dcp_zarr.Compression(min_bytes=0, min_ratio=0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,21 +56,22 @@ def _as_accelerate_does_for_fsdp_on_gpu(accelerator, plugin) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def _zarr_accelerator(project_dir: str, state_dict_type: str = "SHARDED_STATE_DICT", total_limit: int | None = None):
+def _zarr_accelerator(project_dir: str, state_dict_type: str = "SHARDED_STATE_DICT", total_limit: int | None = None,
+                      compression=None):
     from accelerate.utils import FullyShardedDataParallelPlugin, ProjectConfiguration
 
     from dcp_zarr.integrations.accelerate import ZarrAccelerator
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
     accelerator = ZarrAccelerator(cpu=True, fsdp_plugin=plugin, project_config=ProjectConfiguration(
-        project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=total_limit))
+        project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=total_limit), compression=compression)
     return accelerator, plugin
 
 
-def _prepared(project_dir: str, seed: int, total_limit: int | None = None):
-    """A ZarrAccelerator (FSDP2, sharded state, automatic checkpoint naming under ``project_dir``) and the toy
-    model and its AdamW, prepared."""
-    accelerator, plugin = _zarr_accelerator(project_dir, total_limit=total_limit)
+def _prepared(project_dir: str, seed: int, total_limit: int | None = None, compression=None):
+    """A ZarrAccelerator (FSDP2, sharded state, automatic checkpoint naming under ``project_dir``, ``compression``)
+    and the toy model and its AdamW, prepared."""
+    accelerator, plugin = _zarr_accelerator(project_dir, total_limit=total_limit, compression=compression)
     _as_accelerate_does_for_fsdp_on_gpu(accelerator, plugin)
     model = make_model(seed)
     # Not `spare`, which never trains: on a fresh optimizer accelerate's load_state (torch's get_optimizer_state_dict)
@@ -100,6 +105,15 @@ def train_and_save_each_step(rank, world_size, project_dir):
         restored.append(_accelerates_own_fsdp_functions_in_place())
         saved[BEFORE_THE_SWITCH + step] = full_state(model, optimizer.optimizer)
     return saved, restored
+
+
+def train_and_save_compressed(rank, world_size, project_dir):
+    """Rank program: a ZarrAccelerator compressing every float array, a step trained, ``save_state()``; the saved
+    state (rank 0)."""
+    accelerator, model, optimizer = _prepared(project_dir, seed=3, compression=EVERY_FLOAT_ARRAY)
+    train_steps(model, optimizer, 1)
+    accelerator.save_state()
+    return full_state(model, optimizer.optimizer)
 
 
 def _warned(call) -> list[str]:
@@ -355,6 +369,33 @@ def test_anything_but_fsdp2_sharded_state_is_refused_before_anything_is_written(
         assert refused is not None and "fsdp_version=2, state_dict_type=FULL_STATE_DICT" in refused
         assert "ZarrAccelerator" in refused and "state_dict_type='SHARDED_STATE_DICT'" in refused
     assert not project_dir.exists() or not files_under(project_dir), files_under(project_dir)
+
+
+def test_with_compression_save_state_compresses_the_float_arrays_and_load_state_resumes_exactly(tmp_path):
+    project_dir = tmp_path / "run"
+    saved = run_ranks(train_and_save_compressed, 2, str(project_dir), timeout=240)[0]
+    checkpoint = checkpoint_dir(project_dir, 0)
+    for store in ("pytorch_model_fsdp_0", "optimizer_0"):
+        arrays = [entry for entry in dcp_zarr.open_checkpoint(str(checkpoint / store)).entries.values()
+                  if entry.dtype_name == "torch.float32" and entry.shape]  # all but 0-d ones (AdamW's steps)
+        assert arrays and all(entry.codec and entry.codec["configuration"]["cname"] == "zstd" for entry in arrays)
+    assert_state_equal(state_in_stores(checkpoint), saved)
+    loaded, _ = run_ranks(resume, 1, str(project_dir), timeout=240)[0]
+    assert_state_equal(loaded, saved)
+
+
+@pytest.mark.parametrize(("value", "error", "said"), [("zst", ValueError, "names no compressor"),
+                                                      (3, TypeError, "is not a compression choice")])
+def test_a_bad_compression_is_refused_as_the_accelerator_is_built_before_accelerate_sets_up(value, error, said):
+    from accelerate.state import AcceleratorState, PartialState
+
+    from dcp_zarr.integrations.accelerate import ZarrAccelerator
+
+    before = (dict(PartialState._shared_state), dict(AcceleratorState._shared_state))
+    with pytest.raises(error, match=rf"^ZarrAccelerator: compression={value!r} {said}: pass one of blosc's "
+                                    r"compressors \('zstd', 'lz4', 'lz4hc', 'blosclz', 'zlib'\), True \(zstd\)"):
+        ZarrAccelerator(cpu=True, compression=value)
+    assert (dict(PartialState._shared_state), dict(AcceleratorState._shared_state)) == before
 
 
 # --------------------------------------------------------------------------------------------------
