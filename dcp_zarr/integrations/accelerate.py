@@ -47,6 +47,7 @@ from dcp_zarr.integrations.framework import (
     missing_attributes,
     refuse_unless_committed,
     require_internals,
+    signature_with_compression,
 )
 from dcp_zarr.lifecycle.folders import FolderState, checkpoint_folders
 from dcp_zarr.lifecycle.root import CheckpointRoot
@@ -385,6 +386,9 @@ class ZarrAccelerator(_Accelerator):
             f"this accelerator has {found}, which accelerate checkpoints in files of its own, not through DCP. Pass "
             "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type='SHARDED_STATE_DICT'), "
             "or use accelerate.Accelerator for this run")
+
+
+signature_with_compression(ZarrAccelerator, _Accelerator)
 
 
 def _described(folders: list[FolderState]) -> str:

@@ -2,12 +2,14 @@
 check that the framework still has the internals the adapter relies on, naming both versions when it does not; and
 what each does before a load: refuse a path that holds no committed store in words that name the framework's way on
 (``refuse_unless_committed``), rather than DCP's wrapper around the reader's error; and how each takes a compression
-choice to pass to ``ZarrWriter`` (``compression_choice``)."""
+choice to pass to ``ZarrWriter`` (``compression_choice``), and say so in their signatures
+(``signature_with_compression``)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 from collections.abc import Iterable
 from types import ModuleType
@@ -103,3 +105,16 @@ def compression_choice(value: object, who: str, name: str = "compression",
         raise ValueError(f"{who}: {name}={value!r} names no compressor: {accepted}") from exc
     except TypeError as exc:
         raise TypeError(f"{who}: {name}={value!r} is not a compression choice: {accepted}") from exc
+
+
+def signature_with_compression(cls: type, framework_class: type, **defaults: object) -> None:
+    """Give ``cls``, whose ``__init__`` passes ``*args, **kwargs`` on to ``framework_class``, the framework's
+    signature with its ``defaults`` changed and ``compression`` added as a keyword-only argument, for ``help()``,
+    ``inspect.signature`` and docs/api.md (rather than ``(*args, compression=None, **kwargs)``)."""
+    signature = inspect.signature(framework_class)
+    parameters = [p.replace(default=defaults[p.name]) if p.name in defaults else p
+                  for p in signature.parameters.values()]
+    last = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    parameters.insert(last, inspect.Parameter("compression", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                              annotation="str | bool | Compression | None"))
+    cls.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]

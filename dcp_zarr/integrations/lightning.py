@@ -53,6 +53,7 @@ from dcp_zarr.integrations.framework import (
     missing_attributes,
     refuse_unless_committed,
     require_internals,
+    signature_with_compression,
 )
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
@@ -400,3 +401,9 @@ class ZarrFabricFSDPStrategy(_ZarrStrategy, _FabricFSDPStrategy):
                         weights_only: bool | None = None) -> dict[str, Any]:
         with _loading(self, path):
             return super().load_checkpoint(path, state, strict, weights_only)
+
+
+signature_with_compression(ZarrModelParallelStrategy, _TrainerModelParallelStrategy)
+signature_with_compression(ZarrFSDPStrategy, _TrainerFSDPStrategy, state_dict_type="sharded")
+signature_with_compression(ZarrFabricModelParallelStrategy, _FabricModelParallelStrategy)
+signature_with_compression(ZarrFabricFSDPStrategy, _FabricFSDPStrategy, state_dict_type="sharded")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 import os
 import shutil
 import sys
@@ -396,6 +397,16 @@ def test_a_bad_compression_is_refused_as_the_accelerator_is_built_before_acceler
                                     r"compressors \('zstd', 'lz4', 'lz4hc', 'blosclz', 'zlib'\), True \(zstd\)"):
         ZarrAccelerator(cpu=True, compression=value)
     assert (dict(PartialState._shared_state), dict(AcceleratorState._shared_state)) == before
+
+
+def test_the_signature_is_accelerates_with_compression():
+    from accelerate import Accelerator
+
+    from dcp_zarr.integrations.accelerate import ZarrAccelerator
+
+    ours = inspect.signature(ZarrAccelerator).parameters
+    assert [p for p in ours if p != "compression"] == list(inspect.signature(Accelerator).parameters)
+    assert ours["compression"].kind is inspect.Parameter.KEYWORD_ONLY and ours["compression"].default is None
 
 
 # --------------------------------------------------------------------------------------------------

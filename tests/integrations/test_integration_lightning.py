@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import os
 import sys
 import threading
@@ -544,6 +545,16 @@ def test_a_bad_compression_is_refused_as_the_strategy_is_built_naming_it(name):
         strategy_of(cls, compression="zst")
     with pytest.raises(TypeError, match=rf"^{name}: compression=3 is not a compression choice: {choices}"):
         strategy_of(cls, compression=3)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_each_strategys_signature_is_lightnings_with_compression(name):
+    cls, module, lightnings = STRATEGIES[name]
+    ours, theirs = inspect.signature(cls).parameters, inspect.signature(getattr(module, lightnings)).parameters
+    assert [p for p in ours if p != "compression"] == list(theirs)
+    assert ours["compression"].kind is inspect.Parameter.KEYWORD_ONLY and ours["compression"].default is None
+    if "FSDP" in name:
+        assert ours["state_dict_type"].default == "sharded"
 
 
 def test_a_store_without_lightnings_meta_pt_gets_lightnings_own_error(monkeypatch, tmp_path):
