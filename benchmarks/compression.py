@@ -723,7 +723,7 @@ def markdown(d: dict) -> str:
                       vs(base, "load"), vs(peer, "load")])
     out += ["", h.table(head, table), ""]
     if d["verdicts"]:
-        out += [h.table(["target", "value", "met"], [[v["target"], f"{v['value']:.2f}x", "yes" if v["met"] else "NO"]
+        out += [h.table(["target", "value", "met"], [[v["target"], f"{v['value']:.3f}x", "yes" if v["met"] else "NO"]
                                                     for v in d["verdicts"]]), ""]
     failed = [name for name, ok in d["checks"].items() if not ok]
     out.append(f"- checks: {'every load equal to the saved state' if not failed else 'FAILED: ' + ', '.join(failed)}")
