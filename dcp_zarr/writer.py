@@ -84,9 +84,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
         exchange_bytes: the bytes of blocks an aggregator holds at once, and of parts a rank sends in one round,
             when pieces are aggregated; also the largest block written as one object.
         compression: lossless compression of floating-point arrays, as zarr v3's standard ``blosc`` codec (zarr
-            tools read them without dcp_zarr): None (the default) stores every array as it is; ``"zstd"``,
-            ``"lz4"`` or True (zstd) compress at level 1; a ``dcp_zarr.Compression`` sets the level, the smallest
-            array compressed and the ratio a sample must reach (docs/compression.md).
+            tools read them without dcp_zarr): None (the default) stores every array as it is; True or ``"lz4"``
+            (bit shuffle then lz4), ``"zstd"`` or another blosc compressor compress at level 1; a
+            ``dcp_zarr.Compression`` sets the level, the smallest array compressed and the ratio a sample must reach
+            (docs/compression.md).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,

@@ -74,8 +74,8 @@ def test_float_arrays_are_blosc_then_crc32c_and_the_rest_as_they_are(store):
         codecs = inner_codecs(zarr_json(store, name))
         assert [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"], name
         config = codecs[1]["configuration"]
-        assert config["typesize"] == dtype.itemsize and config["cname"] == "zstd" and config["clevel"] == 1
-        assert config["shuffle"] == ("noshuffle" if dtype.itemsize == 1 else "bitshuffle"), name
+        assert config["typesize"] == dtype.itemsize and config["cname"] == "lz4" and config["clevel"] == 1
+        assert config["shuffle"] == "bitshuffle", name
     for name in ("ints", "step"):
         assert all(c["name"] != "blosc" for c in inner_codecs(zarr_json(store, name))), name
     with open(os.path.join(store, "zarr.json")) as f:
@@ -268,6 +268,21 @@ def test_a_compression_it_cannot_write_is_refused_naming_it(value, message):
 def test_compression_options_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
         Compression(**options)
+
+
+@pytest.mark.parametrize("compressor, shuffles", [
+    ("lz4", {1: "bitshuffle", 2: "bitshuffle", 4: "bitshuffle", 8: "bitshuffle"}),
+    ("zstd", {1: "noshuffle", 2: "shuffle", 4: "bitshuffle", 8: "bitshuffle"}),
+])
+def test_the_shuffle_follows_the_compressor_and_the_element_size(compressor, shuffles):
+    """docs/compression.md, "Which compressor": what each measured best on a model and its AdamW state."""
+    for itemsize, shuffle in shuffles.items():
+        assert Compression(compressor).codec(itemsize) == BloscCodec(compressor, 1, shuffle, itemsize)
+
+
+def test_compression_true_is_the_default_compression():
+    assert Compression.of(True) == Compression() == Compression("lz4", 1)
+    assert Compression.of(None) is None and Compression.of(False) is None
 
 
 def test_the_layout_read_back_from_a_compressed_zarr_json_is_the_one_written():
