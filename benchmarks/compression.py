@@ -339,6 +339,37 @@ def compressed_arrays(where: str) -> list[int]:
     return [sum(e.codec is not None for e in entries), len(entries)]
 
 
+def _group(fqn: str) -> str:
+    return ("exp_avg_sq" if "exp_avg_sq" in fqn else "exp_avg" if "exp_avg" in fqn else
+            "weights" if fqn.startswith("model") else "other")
+
+
+def ratio_by_group(kind: str, where: str) -> dict[str, float]:
+    """Logical / stored bytes of a local store's tensors by group (weights, exp_avg, exp_avg_sq): a ZarrWriter store's
+    array directories, or a FileSystemWriter checkpoint's items as its metadata records their stored lengths."""
+    logical: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    if kind.startswith("zarr"):
+        from dcp_zarr.offline import open_checkpoint
+
+        for entry in open_checkpoint(where).entries.values():
+            if entry.is_tensor and entry.shape:
+                group = _group(entry.fqn)
+                logical[group] = logical.get(group, 0) + entry.nbytes
+                stored[group] = stored.get(group, 0) + h.footprint(os.path.join(where, entry.node))["bytes"]
+    else:
+        metadata = dcp.FileSystemReader(where).read_metadata()
+        for index, info in metadata.storage_data.items():
+            group = _group(index.fqn)
+            stored[group] = stored.get(group, 0) + info.length
+        for fqn, md in metadata.state_dict_metadata.items():
+            if hasattr(md, "size") and len(md.size):
+                group = _group(fqn)
+                logical[group] = logical.get(group, 0) + md.size.numel() * md.properties.dtype.itemsize
+    return {group: logical[group] / stored[group] for group in ("weights", "exp_avg", "exp_avg_sq")
+            if stored.get(group)}
+
+
 def drop_caches() -> str:
     """Drop the page cache (root): 'drop_caches', or '' where /proc/sys/vm/drop_caches cannot be written."""
     os.sync()
@@ -380,23 +411,25 @@ def measure(ranks: h.Ranks, args, targets: dict[str, dict]) -> dict | None:
 
 
 def measure_target(ranks, args, state_name, state, target, target_name, spec, total, results) -> list[dict]:
-    options, times, stored, arrays = spec.get("options"), {}, {}, {}
+    options, times, stored, arrays, groups = spec.get("options"), {}, {}, {}, {}
     bucket = TokenBucket(spec["rate_mb_s"] * 1e6) if spec.get("rate_mb_s") else None
     with throttled_local_storage(bucket) if bucket else contextlib.nullcontext():
         return _measure_target(ranks, args, state_name, state, target, target_name, spec, total, results, options,
-                               times, stored, arrays, bucket)
+                               times, stored, arrays, groups, bucket)
 
 
 def _measure_target(ranks, args, state_name, state, target, target_name, spec, total, results, options, times, stored,
-                    arrays, bucket) -> list[dict]:
+                    arrays, groups, bucket) -> list[dict]:
     for repeat in range(-args.warmup, args.repeats):
         for kind in h.rotated(args.kinds, repeat):
             where = f"{spec['root']}/{state_name}-{kind}-{repeat + args.warmup}"
             save_s = h.timed(lambda: save(kind, state, where, options, args.threads, bucket))[0]
             if ranks.rank == 0:
                 stored.setdefault(kind, stored_bytes(where, options))
-                if kind in COMPRESSED and options is None:
-                    arrays.setdefault(kind, compressed_arrays(where))
+                if options is None and kind not in groups:
+                    groups[kind] = ratio_by_group(kind, where)
+                    if kind in COMPRESSED:
+                        arrays[kind] = compressed_arrays(where)
             h.fill_zeros(target)
             if spec.get("drop_caches"):
                 if ranks.rank == 0:
@@ -427,7 +460,8 @@ def _measure_target(ranks, args, state_name, state, target, target_name, spec, t
         rows.append({"state": state_name, "target": target_name, "kind": kind, "logical_bytes": total,
                      **{f"stored_{k}": v for k, v in stored.get(kind, {}).items()},
                      "ratio": total / stored[kind]["bytes"] if kind in stored else None,
-                     "compressed_arrays": arrays.get(kind), "save_s": t["save"], "load_s": t["load"],
+                     "compressed_arrays": arrays.get(kind), "ratio_by_group": groups.get(kind), "save_s": t["save"],
+                     "load_s": t["load"],
                      "save_median_s": statistics.median(t["save"]), "load_median_s": statistics.median(t["load"])})
     return rows
 
@@ -722,6 +756,13 @@ def markdown(d: dict) -> str:
                       f"{r['load_median_s']:.2f}", f"{r['logical_bytes'] / r['load_median_s'] / 1e9:.2f}",
                       vs(base, "load"), vs(peer, "load")])
     out += ["", h.table(head, table), ""]
+    by_group = {(r["state"], r["kind"]): r["ratio_by_group"] for r in rows if r.get("ratio_by_group")}
+    if by_group:
+        groups = ("weights", "exp_avg", "exp_avg_sq")
+        out += ["Ratio by part of the state dict (local stores: tensor bytes over the bytes their arrays, or items, "
+                "take):", "", h.table(["state", "kind", *groups], [[state, kind, *(f"{ratios[g]:.3f}" if g in ratios
+                                                                                    else "" for g in groups)]
+                                                                  for (state, kind), ratios in by_group.items()]), ""]
     if d["verdicts"]:
         out += [h.table(["target", "value", "met"], [[v["target"], f"{v['value']:.3f}x", "yes" if v["met"] else "NO"]
                                                     for v in d["verdicts"]]), ""]
