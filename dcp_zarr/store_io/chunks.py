@@ -12,7 +12,6 @@ import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError
 from dcp_zarr.format.chunk_layout import ChunkLayout
-from dcp_zarr.format.compression import BLOSC_OVERHEAD
 from dcp_zarr.format.encoding import (
     CHECKSUM_BYTES,
     MISSING,
@@ -102,6 +101,13 @@ class _Piece(NamedTuple):
     # Which piece, for errors only (formatted by RegionReader._where when one is raised, never otherwise):
     chunk: tuple[int, ...]  # the grid coordinates of the chunk, or of the shard holding the inner chunk
     inner: int | None  # the inner chunk's index in that shard; None for a chunk, or a shard as a whole
+
+
+def _fills_target(piece: _Piece) -> bool:
+    """Whether the piece is wanted whole and its target is C-contiguous: then it is read (or decompressed) straight
+    into the target's memory, not into a scratch buffer first."""
+    return (all(s.start == 0 and s.stop == n for s, n in zip(piece.inside, piece.shape))
+            and piece.target.flags.c_contiguous)
 
 
 class RegionReader:
@@ -204,8 +210,7 @@ class RegionReader:
             if piece.length is not None and piece.length != payload_bytes + CHECKSUM_BYTES:
                 raise CorruptChunkError(f"{self._where(piece)}: stored length {piece.length} does not fit shape "
                                         f"{piece.shape}")
-            whole = (all(s.start == 0 and s.stop == n for s, n in zip(piece.inside, piece.shape))
-                     and piece.target.flags.c_contiguous)
+            whole = _fills_target(piece)
             payload = piece.target if whole else np.empty(piece.shape, dtype=self.dtype)
             stored_crc = bytearray(CHECKSUM_BYTES)
             payload_view = as_bytes(payload)
@@ -231,7 +236,7 @@ class RegionReader:
         crc32c checked and its data decompressed, straight into its target where it is the whole piece."""
         codec = self.layout.codec
         assert codec is not None
-        most = math.prod(self.layout.inner_chunk_shape) * self.dtype.itemsize + BLOSC_OVERHEAD + CHECKSUM_BYTES
+        most = inner_chunk_stored_bytes(self.layout, self.dtype.itemsize)  # blosc's header on what does not compress
         for piece in pieces:
             if piece.length is None or not CHECKSUM_BYTES < piece.length <= most:  # before reading: a hostile index
                 raise CorruptChunkError(f"{self._where(piece)}: stored length {piece.length} is not that of a "
@@ -250,8 +255,7 @@ class RegionReader:
                 raise CorruptChunkError(f"{self._where(piece)}: truncated ({max(got - start, 0)} of {piece.length} "
                                         "bytes)")
             payload = verify_plain(view[start:end], self._where(piece))
-            whole = (all(s.start == 0 and s.stop == n for s, n in zip(piece.inside, piece.shape))
-                     and piece.target.flags.c_contiguous)
+            whole = _fills_target(piece)
             data = piece.target if whole else np.empty(piece.shape, dtype=self.dtype)
             codec.decode_into(payload, as_bytes(data), self._where(piece))
             if not whole:
