@@ -20,7 +20,7 @@ def json_text(document) -> str:
 
 def decode_json(data: bytes | str):
     """``json.loads(data)`` with the cyclic garbage collector paused: decoding makes no reference cycles, and a root
-    ``zarr.json`` is thousands of dicts and lists (20 a tensor), most freed right after it is read (consolidated.py
+    ``zarr.json`` is thousands of dicts and lists (20 a tensor), most freed right after it is read (node_copies.py
     keeps text). Collected while the decoder still held them, they would be promoted to the oldest generation and
     set off a full collection of the whole process, torch's objects included, in most loads of hundreds of tensors
     (what a full collection costs: benchmarks/reports/performance.md, "Many entries, files and requests")."""

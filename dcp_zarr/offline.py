@@ -254,7 +254,7 @@ class Checkpoint:
         return reader
 
     def _open_readers(self, entries: list[Entry]) -> None:
-        """The region readers of ``entries``; where an array's zarr.json must be read (a store without consolidated
+        """The region readers of ``entries``; where an array's zarr.json must be read (a store without
         copies), read concurrently: one after another they would be a round trip per tensor on an object store."""
         missing = [e for e in entries if e.fqn not in self._readers]
         if any(e.node not in self.manifest.checked_copies for e in missing):

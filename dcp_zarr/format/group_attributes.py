@@ -3,7 +3,7 @@
 ``betas``, ``params``, ...), ``["meta"].attrs`` a ``{"meta": {"epoch": 3}}``'s epoch.
 
 The manifest's value entries stay what dcp_zarr loads from: these attributes are a copy, written once per save with
-the group's ``zarr.json`` (and its copy in the root's consolidated metadata), never read back. A value is copied when
+the group's ``zarr.json`` (and its copy in the root's, node_copies.py), never read back. A value is copied when
 plain JSON holds it exactly but for the kind of sequence (a tuple, ``betas``, becomes a list). Any other value held in
 the manifest (non-finite floats, bytes, sets, ``io.BytesIO``, numpy values, dicts with keys other than strings) is
 described instead, under the group's own ``dcp_zarr`` attribute: its kind, its size and how to read it from the

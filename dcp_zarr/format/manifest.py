@@ -39,19 +39,20 @@ from dcp_zarr.format.chunk_layout import (
     chunk_key,
 )
 from dcp_zarr.format.compression import BloscCodec
-from dcp_zarr.format.consolidated import NodeDocuments, copies_of
 from dcp_zarr.format.dtype_table import STORED_DTYPES
+from dcp_zarr.format.node_copies import MANIFEST_ATTRIBUTE, NodeDocuments, copies_of
 from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
 from dcp_zarr.json_documents import decode_json
+from dcp_zarr.version import __version__
 
 FORMAT_NAME = "dcp_zarr"
-FORMAT_VERSION = 4  # 4: BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
-# 5: compressed arrays (format/compression.py), written only by a save that compresses some: earlier readers would
-# refuse such an array by its codecs anyway, and refuse the store by its version instead, before reading anything
-COMPRESSED_FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
-MANIFEST_ATTRIBUTE = "dcp_zarr"
+# What every save writes (docs/format.md#format-versions). 6: the nodes' zarr.json copies in the manifest's "nodes"
+# (format/node_copies.py), not in zarr's consolidated metadata; 5: compressed arrays (format/compression.py); 4:
+# BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
+FORMAT_VERSION = 6
+COMPRESSED_FORMAT_VERSION = 5  # the first format that may hold compressed arrays
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 ROOT_KEY = "zarr.json"
 # A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
 # (20,000 entries: ~8 MB); format 1 grew with ranks x tensors (8,192 ranks x 6,000 entries: ~1.8 GB would be refused).
@@ -142,10 +143,10 @@ class Manifest:
     meshes: list = field(default_factory=list)
     optimizers: tuple[OptimizerTable, ...] | None = None  # None: a store written before tables were recorded
     format_version: int = FORMAT_VERSION
-    # node -> its zarr.json from the root's consolidated metadata (consolidated.py); not part of the manifest
-    # document, and empty for stores saved without it
+    # node -> its zarr.json copied into the root (node_copies.py): the manifest's "nodes", which encoded_root adds
+    # and to_json leaves out, or zarr's consolidated metadata (formats 4, 5); empty for stores saved without either
     node_documents: NodeDocuments = field(default_factory=NodeDocuments, repr=False, compare=False)
-    # node -> the check of its copy in the consolidated metadata against its entry (format/array_checks.py), made
+    # node -> the check of its copy in the root against its entry (format/array_checks.py), made
     # as the manifest is read: the layout, or why the copy is refused (raised when the entry is read)
     checked_copies: dict[str, ChunkLayout | str] = field(default_factory=dict, repr=False, compare=False)
 
@@ -170,8 +171,7 @@ class Manifest:
             raise MalformedMetadataError(f"{url}: the '{MANIFEST_ATTRIBUTE}' attribute is not a dcp_zarr manifest")
         version = document.get("format_version")
         if version not in READABLE_VERSIONS or type(version) is not int:
-            raise MalformedMetadataError(f"{url}: dcp_zarr format version {version!r}; this dcp_zarr reads versions "
-                                         f"{', '.join(map(str, READABLE_VERSIONS))}")
+            raise MalformedMetadataError(_unreadable_version(version, url))
         if document.get("complete") is not True:
             raise IncompleteCheckpointError(f"{url}: the manifest is not marked complete")
         raw_entries = document.get("entries")
@@ -192,6 +192,15 @@ class Manifest:
             except MalformedMetadataError as exc:
                 raise MalformedMetadataError(f"{url}: {exc}") from None
         return cls(entries=entries, optimizers=optimizers, format_version=version, **header)
+
+
+def _unreadable_version(version, url: str) -> str:
+    readable = ", ".join(map(str, READABLE_VERSIONS))
+    if type(version) is int and version > FORMAT_VERSION:
+        return (f"{url}: dcp_zarr format version {version} is newer than this dcp_zarr {__version__} reads (versions "
+                f"{readable}); a newer dcp-zarr wrote it: upgrade this one (pip install -U dcp-zarr, or a newer "
+                "clone) to load it")
+    return f"{url}: dcp_zarr format version {version!r}; this dcp_zarr reads versions {readable}"
 
 
 def _check_paths_form_one_tree(entries: dict[str, Entry], url: str) -> None:
@@ -325,7 +334,8 @@ def stored_numpy_dtype(name) -> np.dtype:
     """The numpy dtype a tensor entry's data is stored as, from its torch dtype name ("torch.bfloat16"), without
     importing torch; ValueError for a name dcp_zarr does not store."""
     if not isinstance(name, str) or name not in STORED_DTYPES:
-        raise ValueError(f"torch dtype {name!r} is not supported by dcp_zarr")
+        raise ValueError(f"torch dtype {name!r} is not one this dcp_zarr {__version__} stores; if a newer dcp-zarr "
+                         "saved it, upgrade this one (pip install -U dcp-zarr) to read it")
     return STORED_DTYPES[name][0]
 
 

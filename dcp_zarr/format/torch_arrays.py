@@ -3,6 +3,8 @@ types for bfloat16 and float8 in zarr_dtypes.py)."""
 
 from __future__ import annotations
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import numpy as np
 import torch
 
@@ -36,7 +38,8 @@ def torch_dtype_from_zarr_name(name: str) -> torch.dtype:
     try:
         return _BY_ZARR_NAME[name]
     except (KeyError, TypeError):
-        raise UnsupportedDtypeError(f"zarr data type {name!r} is not supported by dcp_zarr") from None
+        raise UnsupportedDtypeError(f"zarr data type {name!r} is not supported by dcp_zarr; if a newer dcp-zarr "
+                                    "saved it, upgrade this one (pip install -U dcp-zarr) to read it") from None
 
 
 def numpy_dtype(torch_dtype: torch.dtype) -> np.dtype:

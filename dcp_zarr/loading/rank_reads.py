@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 from functools import partial
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
@@ -117,9 +119,9 @@ class RankReads:
         return committed
 
     def _tensor_readers(self, items: list[ReadItem]) -> dict[str, RegionReader]:
-        """A checked RegionReader per tensor the plan reads, each checked against its array's zarr.json: the copy in
-        the root's consolidated metadata (checked as the manifest was read), or in a store without one the array's
-        own, read concurrently (one after another they would be a round trip per tensor on an object store)."""
+        """A checked RegionReader per tensor the plan reads, each checked against its array's zarr.json: its copy in
+        the root (format/node_copies.py; checked as the manifest was read), or in a store without one the array's own,
+        read concurrently (one after another they would be a round trip per tensor on an object store)."""
         storage, entries, checked = self.storage, self.manifest.entries, self.manifest.checked_copies
         fqns = list(dict.fromkeys(item.storage_index.fqn for item in items))
         if all(entries[fqn].node in checked for fqn in fqns):  # no request: made here, not on threads

@@ -9,11 +9,9 @@ from typing import NamedTuple
 
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import parent_groups
-from dcp_zarr.format.consolidated import encoded_copy, encoded_root
 from dcp_zarr.format.encoding import group_metadata
 from dcp_zarr.format.group_attributes import group_attributes
 from dcp_zarr.format.manifest import (
-    COMPRESSED_FORMAT_VERSION,
     FORMAT_VERSION,
     MANIFEST_ATTRIBUTE,
     ROOT_KEY,
@@ -22,8 +20,10 @@ from dcp_zarr.format.manifest import (
     ObjectEntry,
     TensorEntry,
 )
+from dcp_zarr.format.node_copies import encoded_root
 from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import summarize_sources
+from dcp_zarr.json_documents import json_text
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io import commit
@@ -60,21 +60,22 @@ def commit_save(settings: SaveSettings, begun: Begun, entries: dict[str, Entry],
     run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
              storage.requests_in_flight(settings.thread_count), storage.batch_bytes)
     manifest = _manifest(entries, key_order, begun)
-    copies = {group: encoded_copy(document) for group, document in groups.items()}
+    copies = {group: json_text(document) for group, document in groups.items()}
     copies.update(_array_copies(entries, specs))
-    root = group_metadata({MANIFEST_ATTRIBUTE: manifest.to_json(), **attributes.get("", {})})
-    storage.write(ROOT_KEY, [encoded_root(root, copies)])
+    manifest_document = manifest.to_json()
+    root = group_metadata({MANIFEST_ATTRIBUTE: manifest_document, **attributes.get("", {})})
+    storage.write(ROOT_KEY, [encoded_root(root, manifest_document, copies)])
     commit.commit(storage, settings.path, replace=settings.replaces())
 
 
 def _array_copies(entries: dict[str, Entry], specs: dict[str, ArraySpec]) -> dict[str, str]:
-    """Node -> encoded zarr.json of every array, as the ranks wrote them, for the root's consolidated metadata."""
+    """Node -> encoded zarr.json of every array, as the ranks wrote them, for the manifest's copies."""
     copies = {}
     for fqn, entry in entries.items():
         if isinstance(entry, TensorEntry):
             copies[entry.node] = encoded_array_metadata(specs[fqn])  # an array's copy is its zarr.json
         elif isinstance(entry, ObjectEntry):
-            copies[entry.node] = encoded_copy(object_array_metadata(fqn, entry.node, entry.nbytes))
+            copies[entry.node] = json_text(object_array_metadata(fqn, entry.node, entry.nbytes))
     return copies
 
 
@@ -85,7 +86,6 @@ def _manifest(entries: dict[str, Entry], key_order: list, begun: Begun) -> Manif
     # Anything in a table that JSON cannot hold fails at save: encoded_root dumps the whole manifest before the
     # commit.
     tables = tables_from_entries(entries, key_order)
-    compressed = any(isinstance(e, TensorEntry) and e.codec is not None for e in entries.values())
     return Manifest(entries=entries, save_id=begun.save_id, versions=versions(), saved_world_size=begun.world_size,
                     state_dict_type=summary["state_dict_type"], meshes=summary["meshes"], optimizers=tuple(tables),
-                    format_version=COMPRESSED_FORMAT_VERSION if compressed else FORMAT_VERSION)
+                    format_version=FORMAT_VERSION)

@@ -32,7 +32,7 @@ MAX_ARRAY_METADATA_BYTES = 1 << 20
 def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | None = None,
                   checked: ChunkLayout | str | None = None) -> RegionReader:
     """A RegionReader for a tensor entry, once its array's zarr.json is checked against the manifest
-    (format/array_checks.py): ``checked``, the check of the copy in the root's consolidated metadata as the manifest
+    (format/array_checks.py): ``checked``, the check of its copy in the root (node_copies.py) as the manifest
     was read (``Manifest.checked_copies``: the layout, or why the copy is refused), or ``array_doc`` given, else the
     array's own, read here."""
     if not isinstance(entry, TensorEntry):

@@ -22,6 +22,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 
 from dcp_zarr.errors import UntrustedTypeWarning
@@ -144,7 +146,7 @@ def object_array_metadata(fqn: str, node: str, nbytes: int) -> dict:
 
 @functools.lru_cache(maxsize=1 << 14)
 def encoded_array_metadata(spec: ArraySpec) -> str:
-    """The array's zarr.json, encoded, as written to its node and copied into the root's consolidated metadata: a
+    """The array's zarr.json, encoded, as written to its node and copied into the manifest's nodes: a
     function of the spec alone, made once a process for each array of a model saved again and again (the
     coordinator's ``finish``, which every rank's save waits for, copies every array's)."""
     return json_text(array_metadata(spec.layout, spec.data_type, spec.itemsize,
@@ -153,7 +155,7 @@ def encoded_array_metadata(spec: ArraySpec) -> str:
 
 def _write_array_metadata(storage: Storage, spec: ArraySpec) -> None:
     # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
-    # once (twenty dicts and lists each) would set off the garbage collector's full collections (consolidated.py).
+    # once (twenty dicts and lists each) would set off the garbage collector's full collections (node_copies.py).
     storage.write(f"{spec.node}/zarr.json", [encoded_array_metadata(spec).encode()])
 
 

@@ -107,8 +107,8 @@ def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_
         return []
     copy = ckpt.manifest.node_documents.get(entry.node)
     if copy is not None and copy != own:
-        report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json differs from its copy in the root's "
-                                       "consolidated metadata (which dcp_zarr, zarr-python and xarray read)"))
+        report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json differs from its copy in the root "
+                                       "zarr.json (which dcp_zarr reads)"))
     itemsize = _itemsize(entry)
     return [_ChunkJob(entry, layout, c, itemsize) for c in layout.all_chunks()]
 

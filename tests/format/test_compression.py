@@ -21,11 +21,13 @@ from dcp_zarr.format import manifest as manifest_module
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.compression import BloscCodec
 from dcp_zarr.format.encoding import array_metadata, encode_chunk, layout_from_array_metadata
+from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage import open_storage
 from dcp_zarr.store_io.chunks import RegionReader
 from tests.support.states import random_bits
+from tests.support.stores import drop_root_copies
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -79,7 +81,7 @@ def test_float_arrays_are_blosc_then_crc32c_and_the_rest_as_they_are(store):
     for name in ("ints", "step"):
         assert all(c["name"] != "blosc" for c in inner_codecs(zarr_json(store, name))), name
     with open(os.path.join(store, "zarr.json")) as f:
-        assert json.load(f)["attributes"]["dcp_zarr"]["format_version"] == 5
+        assert json.load(f)["attributes"]["dcp_zarr"]["format_version"] == FORMAT_VERSION
 
 
 def test_dcp_zarr_loads_every_value_exactly(store):
@@ -202,12 +204,7 @@ def test_an_array_with_a_codec_dcp_zarr_does_not_write_is_refused_by_name(store,
     doc["codecs"][0]["configuration"]["codecs"] = codecs
     with open(os.path.join(copy, "float32", "zarr.json"), "w") as f:
         json.dump(doc, f)
-    root_path = os.path.join(copy, "zarr.json")
-    with open(root_path) as f:
-        root = json.load(f)
-    del root["consolidated_metadata"]  # the array's own zarr.json is then the one read
-    with open(root_path, "w") as f:
-        json.dump(root, f)
+    drop_root_copies(copy)  # the array's own zarr.json is then the one read
 
     with pytest.raises(MalformedMetadataError, match=message) as caught:
         open_checkpoint(copy).read("float32")
@@ -216,18 +213,19 @@ def test_an_array_with_a_codec_dcp_zarr_does_not_write_is_refused_by_name(store,
 
 def test_a_reader_that_knows_formats_up_to_4_refuses_a_compressed_store_by_its_version(store, monkeypatch):
     monkeypatch.setattr(manifest_module, "READABLE_VERSIONS", (1, 2, 3, 4))
+    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", 4)
 
-    with pytest.raises(MalformedMetadataError, match="format version 5; this dcp_zarr reads versions 1, 2, 3, 4"):
+    with pytest.raises(MalformedMetadataError, match="format version 6 is newer than .* reads .versions 1, 2, 3, 4"):
         open_checkpoint(store)
 
 
-def test_without_compression_a_save_writes_format_4_and_no_codec(tmp_path):
+def test_without_compression_a_save_writes_no_codec(tmp_path):
     path = str(tmp_path / "plain.zarr")
     dcp.save(state_dict(), storage_writer=ZarrWriter(path, inner_chunk_bytes=2048), no_dist=True)
 
     with open(os.path.join(path, "zarr.json")) as f:
         document = json.load(f)["attributes"]["dcp_zarr"]
-    assert document["format_version"] == 4
+    assert document["format_version"] == FORMAT_VERSION
     assert all("codec" not in entry for entry in document["entries"].values())
     for key in state_dict():
         assert all(c["name"] != "blosc" for c in inner_codecs(zarr_json(path, key))), key

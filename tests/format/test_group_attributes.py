@@ -24,6 +24,7 @@ from dcp_zarr.format.manifest import ObjectEntry, TensorEntry, ValueEntry
 from dcp_zarr.format.values import encode_value
 from dcp_zarr.offline import open_checkpoint
 from tests.support.states import save_plain
+from tests.support.stores import root_copies
 
 
 def plain(value):
@@ -101,14 +102,12 @@ def test_every_group_with_values_shows_them_and_the_root_keeps_its_manifest(tmp_
     assert sorted(group.attrs) == ["dcp_zarr", "step"] and group.attrs["step"] == 7
 
 
-def test_attributes_are_in_the_groups_own_zarr_json_and_its_consolidated_copy(tmp_path):
+def test_attributes_are_in_the_groups_own_zarr_json_and_its_copy_in_the_root(tmp_path):
     save_plain({"meta": {"epoch": 3}}, str(tmp_path / "s.zarr"))
 
     own = json.loads((tmp_path / "s.zarr/meta/zarr.json").read_text())
-    copy = json.loads((tmp_path / "s.zarr/zarr.json").read_text())["consolidated_metadata"]["metadata"]["meta"]
-    assert own["attributes"] == copy["attributes"] == {"epoch": 3}
-    assert dict(zarr.open_group(str(tmp_path / "s.zarr"), mode="r", use_consolidated=False)["meta"].attrs) == \
-        {"epoch": 3}
+    assert own == root_copies(tmp_path / "s.zarr")["meta"] and own["attributes"] == {"epoch": 3}
+    assert dict(zarr.open_group(str(tmp_path / "s.zarr"), mode="r")["meta"].attrs) == {"epoch": 3}
 
 
 # ---- values plain JSON cannot hold exactly: described, the save and its load unchanged ------------------------------

@@ -41,7 +41,7 @@ from tests.support.compare import assert_state_equal
 from tests.support.faults import causes, crash_state, sharded_state
 from tests.support.ranks import run_ranks, start_forkserver
 from tests.support.states import blank_like, load_full
-from tests.support.stores import chunk_files, edit_json, edit_root_manifest
+from tests.support.stores import chunk_files, drop_root_copies, edit_json, edit_root_copies, edit_root_manifest
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -192,27 +192,34 @@ def test_bytes_appended_to_a_chunk_never_change_what_loads_and_verify_reports_th
     assert status == 1 and report["problems"][0]["node"] == "model/ids", report
 
 
-def test_a_missing_array_zarr_json_is_named_by_verify_and_loads_from_its_consolidated_copy(damaged, capsys):
+def test_a_missing_array_zarr_json_is_named_by_verify_and_loads_from_its_copy_in_the_root(damaged, capsys):
     os.remove(os.path.join(damaged, "model", "embed.weight", "zarr.json"))
     assert load_failure(damaged) is None  # the load reads the copy in the root; the data is all there
-    status, report = verify(damaged, capsys)  # but zarr tools that skip consolidated metadata cannot open it
+    status, report = verify(damaged, capsys)  # but zarr tools cannot open it
     assert status == 1 and report["problems"][0]["node"] == "model/embed.weight", report
 
 
-def test_a_missing_array_zarr_json_is_named_in_a_store_without_consolidated_metadata(damaged, capsys):
-    _without_consolidated(damaged)
+def test_a_store_of_format_5_loads_from_the_copies_in_its_consolidated_metadata(damaged, capsys):
+    _as_format_5(damaged)
+    os.remove(os.path.join(damaged, "model", "embed.weight", "zarr.json"))
+    assert load_failure(damaged) is None  # read from the copy, where formats 4 and 5 keep it
+    assert verify(damaged, capsys)[1]["problems"][0]["node"] == "model/embed.weight"
+
+
+def test_a_missing_array_zarr_json_is_named_in_a_store_without_copies_in_the_root(damaged, capsys):
+    drop_root_copies(damaged)
     os.remove(os.path.join(damaged, "model", "embed.weight", "zarr.json"))
     cause = load_failure(damaged)
     assert isinstance(cause, ZarrCheckpointError) and "'model/embed.weight'" in str(cause), repr(cause)
     assert verify(damaged, capsys)[0] == 1
 
 
-def test_an_array_zarr_json_unlike_its_consolidated_copy_is_reported_by_verify(damaged, capsys):
+def test_an_array_zarr_json_unlike_its_copy_in_the_root_is_reported_by_verify(damaged, capsys):
     edit_json(os.path.join(damaged, "model", "embed.weight", "zarr.json"),
               lambda document: document["attributes"].update(note="rewritten by another tool"))
     assert load_failure(damaged) is None
     status, report = verify(damaged, capsys)
-    assert status == 1 and "consolidated" in report["problems"][0]["message"], report
+    assert status == 1 and "copy in the root" in report["problems"][0]["message"], report
 
 
 def test_a_missing_object_chunk_is_named(damaged, capsys):
@@ -241,11 +248,11 @@ def _edit_entry(fqn: str, **changes):
 
 
 def _edit_array(node: str, edit):
-    """Edit the array's zarr.json and its copy in the root's consolidated metadata alike (as a tool that rewrote the
-    array and consolidated again would): a load checks the copy, verify the array's own."""
+    """Edit the array's zarr.json and its copy in the root alike (as a tool that rewrote both would): a load checks
+    the copy, verify the array's own."""
     def apply(path: str) -> None:
         edit_json(os.path.join(path, *node.split("/"), "zarr.json"), edit)
-        _edit_root(path, lambda root: edit(root["consolidated_metadata"]["metadata"][node]))
+        edit_root_copies(path, lambda copies: edit(copies[node]))
     return apply
 
 
@@ -253,13 +260,16 @@ def _edit_root(path: str, edit) -> None:
     edit_json(os.path.join(path, "zarr.json"), edit)
 
 
-def _without_consolidated(path: str) -> None:
-    """The store as saved before the root held consolidated metadata: loads read every array's own zarr.json."""
-    _edit_root(path, lambda root: root.pop("consolidated_metadata"))
+def _as_format_5(path: str) -> None:
+    """The copies where formats 4 and 5 kept them: zarr's consolidated metadata."""
+    def move(root):
+        copies = root["attributes"]["dcp_zarr"].pop("nodes")
+        root["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": copies}
+    _edit_root(path, move)
 
 
 def _set_copy(node: str, value):
-    return lambda path: _edit_root(path, lambda root: root["consolidated_metadata"]["metadata"].update({node: value}))
+    return lambda path: edit_root_copies(path, lambda copies: copies.update({node: value}))
 
 
 def _write(relative: str, data: bytes):
@@ -337,22 +347,24 @@ METADATA_CASES = [
     ("set tag holding a number", _edit_entry("optim.lr", value={"__set__": 5}), MalformedMetadataError, "'optim.lr'"),
     ("dict tag of single items", _edit_entry("optim.lr", value={"__dict__": [[1]]}), MalformedMetadataError,
      "'optim.lr'"),
-    ("array zarr.json is not JSON (no consolidated copy)", lambda p: (
-        _without_consolidated(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"{not json")(p)),
+    ("array zarr.json is not JSON (no copy in the root)", lambda p: (
+        drop_root_copies(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"{not json")(p)),
      MalformedMetadataError, "'model/embed.weight'"),
-    ("array zarr.json is a list (no consolidated copy)", lambda p: (
-        _without_consolidated(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"[1, 2]")(p)),
+    ("array zarr.json is a list (no copy in the root)", lambda p: (
+        drop_root_copies(p), _write(os.path.join("model", "embed.weight", "zarr.json"), b"[1, 2]")(p)),
      MalformedMetadataError, "'model/embed.weight'"),
-    ("consolidated copy is a list", _set_copy("model/embed.weight", [1, 2]), MalformedMetadataError,
+    ("copy in the root is a list", _set_copy("model/embed.weight", [1, 2]), MalformedMetadataError,
      "'model/embed.weight'"),
-    ("consolidated copy is a group's", _set_copy("model/embed.weight", {"zarr_format": 3, "node_type": "group"}),
+    ("copy in the root is a group's", _set_copy("model/embed.weight", {"zarr_format": 3, "node_type": "group"}),
      MalformedMetadataError, "'model/embed.weight'"),
-    ("consolidated metadata not an object",
-     lambda p: _edit_root(p, lambda root: root.update(consolidated_metadata=[])), MalformedMetadataError,
-     "consolidated_metadata"),
-    ("consolidated metadata without its 'metadata'",
-     lambda p: _edit_root(p, lambda root: root["consolidated_metadata"].pop("metadata")), MalformedMetadataError,
-     "consolidated_metadata"),
+    ("the manifest's nodes not a table", _edit_manifest(lambda m: m.update(nodes=[])), MalformedMetadataError,
+     "'nodes'"),
+    ("format 5's consolidated metadata not an object",
+     lambda p: (_as_format_5(p), _edit_root(p, lambda root: root.update(consolidated_metadata=[]))),
+     MalformedMetadataError, "consolidated_metadata"),
+    ("format 5's consolidated metadata without its 'metadata'",
+     lambda p: (_as_format_5(p), _edit_root(p, lambda root: root["consolidated_metadata"].pop("metadata"))),
+     MalformedMetadataError, "consolidated_metadata"),
     ("array shape disagrees with the manifest",
      _edit_array("model/embed.weight", lambda d: d.update(shape=[38, 16])), MalformedMetadataError, "shape"),
     ("array chunk shape of zero", _edit_array("model/embed.weight", lambda d: d["chunk_grid"]["configuration"].update(

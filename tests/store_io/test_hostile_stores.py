@@ -157,14 +157,14 @@ def test_verify_reads_no_more_than_the_metadata_allows(store, capsys):
 
 
 @pytest.mark.slow
-def test_an_infinity_inside_a_consolidated_copy_is_a_checkpoint_error(pristine, tmp_path):
+def test_an_infinity_inside_a_copy_in_the_root_is_a_checkpoint_error(pristine, tmp_path):
     # Found by the fuzzing below: the copies kept as text were written back with NaN and infinities refused, a bare
     # ValueError out of `dcp-zarr verify`, which now reports the copy that differs from the array's zarr.json.
     store = str(tmp_path / "ckpt.zarr")
     shutil.copytree(pristine, store)
     with open(os.path.join(store, "zarr.json")) as f:
         document = json.load(f)
-    document["consolidated_metadata"]["metadata"]["model/w"]["zarr_format"] = float("inf")
+    document["attributes"]["dcp_zarr"]["nodes"]["model/w"]["zarr_format"] = float("inf")
     with open(os.path.join(store, "zarr.json"), "w") as f:
         json.dump(document, f)  # writes Infinity, as json.dump allows
     assert load_cause(store) is None  # the copy's layout is what a load checks, and it holds

@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chunk_files", "edit_json", "edit_root_manifest", "root_manifest", "tree_digest"]
+__all__ = ["chunk_files", "drop_root_copies", "edit_json", "edit_root_copies", "edit_root_manifest", "root_copies",
+           "root_manifest", "tree_digest"]
 
 
 def tree_digest(root: str) -> dict[str, str]:
@@ -56,3 +57,19 @@ def edit_json(file, edit: Callable[[Any], Any]) -> None:
 def edit_root_manifest(path, edit: Callable[[dict], Any]) -> None:
     """Rewrite the root ``zarr.json`` after ``edit`` changed its manifest in place."""
     edit_json(os.path.join(path, "zarr.json"), lambda root: edit(root["attributes"]["dcp_zarr"]))
+
+
+def root_copies(path) -> dict:
+    """node path -> the copy of its ``zarr.json`` in the root (the manifest's ``nodes``, format 6)."""
+    return root_manifest(path)["nodes"]
+
+
+def edit_root_copies(path, edit: Callable[[dict], Any]) -> None:
+    """Rewrite the root ``zarr.json`` after ``edit`` changed the nodes' copies in place."""
+    edit_root_manifest(path, lambda manifest: edit(manifest["nodes"]))
+
+
+def drop_root_copies(path) -> None:
+    """Remove the nodes' copies from the root, as stores saved before they existed were: each array's own
+    ``zarr.json`` is then the one read."""
+    edit_root_manifest(path, lambda manifest: manifest.pop("nodes"))
