@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 

@@ -20,6 +20,7 @@ __all__ = [
     "ParamTableMismatchError",
     "OptimizerStepError",
     "TorchNotImportableError",
+    "TorchRequiredError",
     "CheckpointRootBusyError",
     "StepNotFoundError",
     "WrapperPrefixError",
@@ -105,6 +106,12 @@ class OptimizerStepError(ZarrCheckpointError, AssertionError):
 class TorchNotImportableError(ZarrCheckpointError, ImportError):
     """Something that needs torch (decoding ``torch.save`` bytes, making tensors) was asked for where torch cannot be
     imported; the torch-free readers (``read_array``, ``inspect``, ``verify``, ``diff``) still work there."""
+
+
+class TorchRequiredError(ZarrCheckpointError, ImportError):
+    """A DCP part of dcp_zarr (the writer, the reader, the planners, ``CheckpointManager``, the adapters) was imported
+    where torch is missing or older than the floor (``dcp_zarr.torch_floor``): torch is not an install requirement of
+    dcp-zarr, so that installing it never replaces a node's own torch build."""
 
 
 class CheckpointRootBusyError(ZarrCheckpointError, RuntimeError):

@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 
 from dcp_zarr.collective.aggregation import Aggregation, intersect, own_pieces, pieces

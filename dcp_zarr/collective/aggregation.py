@@ -19,6 +19,8 @@ import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.collective.rounds import Unit, pack_rounds

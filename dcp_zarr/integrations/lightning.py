@@ -42,6 +42,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType

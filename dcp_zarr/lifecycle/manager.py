@@ -24,6 +24,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 # The name logic is torch-free (wrapper_names.py); it is re-exported here, where the planners that use it live.

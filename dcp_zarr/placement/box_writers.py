@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple, TypeVar
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.placement.chunk_grids import shards_along

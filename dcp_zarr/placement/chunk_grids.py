@@ -15,6 +15,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import lru_cache
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard

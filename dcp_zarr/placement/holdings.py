@@ -22,6 +22,8 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType

@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, NamedTuple
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torch.distributed.checkpoint import _nested_dict, _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict

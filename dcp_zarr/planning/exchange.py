@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 

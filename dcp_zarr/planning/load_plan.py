@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torch.distributed.checkpoint import default_planner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata

@@ -14,6 +14,8 @@ import math
 import threading
 from collections import OrderedDict, defaultdict
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 

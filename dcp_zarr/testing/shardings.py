@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 
 __all__ = ["LAYOUTS", "in_layout"]

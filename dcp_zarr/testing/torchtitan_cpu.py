@@ -41,6 +41,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer

@@ -25,6 +25,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d

@@ -15,6 +15,8 @@ import os
 import warnings
 from collections.abc import Sequence
 
+import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader

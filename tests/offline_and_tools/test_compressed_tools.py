@@ -24,7 +24,7 @@ from dcp_zarr.format.encoding import (
     encode_chunk,
     shard_index_bytes,
 )
-from dcp_zarr.format.manifest import COMPRESSED_FORMAT_VERSION, FORMAT_VERSION
+from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.tools.convert import convert
 from dcp_zarr.tools.stored_sizes import uncompressed_stored_bytes
@@ -289,7 +289,7 @@ def test_convert_compresses_a_plain_store(stores, tmp_path, capsys):
 
     assert code == 0 and printed.strip() == str(out)
     converted = open_checkpoint(out)
-    assert converted.manifest.format_version == COMPRESSED_FORMAT_VERSION
+    assert converted.manifest.format_version == FORMAT_VERSION
     assert {fqn for fqn, e in converted.manifest.entries.items() if getattr(e, "codec", None)} == set(COMPRESSED)
     assert_state_equal(converted.load_full_state_dict(), open_checkpoint(stores / "p.zarr").load_full_state_dict())
     assert _inspected(capsys, out)["tensor_stored_bytes"] < 0.9 * _inspected(capsys, stores / "p.zarr")["tensor_bytes"]
@@ -305,7 +305,7 @@ def test_convert_decompresses_a_compressed_store(stores, tmp_path, capsys):
 
     assert code == 0
     converted = open_checkpoint(out)
-    assert converted.manifest.format_version == FORMAT_VERSION == 4
+    assert converted.manifest.format_version == FORMAT_VERSION
     assert all(getattr(e, "codec", None) is None for e in converted.manifest.entries.values())
     assert "blosc" not in _codecs_in(out) and "crc32c" in _codecs_in(out)
     assert_state_equal(converted.load_full_state_dict(), open_checkpoint(stores / "c.zarr").load_full_state_dict())
@@ -333,7 +333,7 @@ def test_convert_compresses_a_dcp_directory(stores, tmp_path, capsys):
 
     assert run(capsys, "convert", stores / "dcp", out, "--to", "zarr", "--compression", "zstd")[0] == 0
 
-    assert open_checkpoint(out).manifest.format_version == COMPRESSED_FORMAT_VERSION
+    assert open_checkpoint(out).manifest.format_version == FORMAT_VERSION
     assert "blosc" in _codecs_in(out)
     code, printed, _ = run(capsys, "diff", stores / "dcp", out)
     assert code == 0 and printed.splitlines()[-1] == "6 entries: 6 equal"
@@ -370,7 +370,7 @@ def test_convert_into_the_source_itself_needs_overwrite(stores, store_copy, caps
 
     assert run(capsys, "convert", copy, copy, "--to", "zarr", "--compression", "zstd", "--overwrite")[0] == 0
     converted = open_checkpoint(copy)
-    assert converted.manifest.save_id != before and converted.manifest.format_version == COMPRESSED_FORMAT_VERSION
+    assert converted.manifest.save_id != before and converted.manifest.format_version == FORMAT_VERSION
     assert_state_equal(converted.load_full_state_dict(), open_checkpoint(stores / "p.zarr").load_full_state_dict())
     assert not any(name.startswith(".") for name in os.listdir(copy.parent))  # no staging left behind
 

@@ -1,5 +1,6 @@
-"""What ``pip install dcp-zarr`` pulls: the library's own needs only; each framework adapter an extra of its own,
-admitting the release its adapter was written for, which the test extra pins (pyproject.toml)."""
+"""What ``pip install dcp-zarr`` pulls: the library's own needs only, and no torch (a node keeps its own build; the
+DCP parts check it at import: dcp_zarr/torch_floor.py); each framework adapter an extra of its own, admitting the
+release its adapter was written for, which the test extra pins (pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from packaging.requirements import Requirement
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-# What the library imports at run time (dcp_zarr/, not its tests or adapters)
-LIBRARY_NEEDS = {"torch", "zarr", "numcodecs", "fsspec", "ml-dtypes", "crc32c", "numpy"}
+# What the library imports at run time (dcp_zarr/, not its tests or adapters), torch aside: the user brings it
+LIBRARY_NEEDS = {"zarr", "numcodecs", "fsspec", "ml-dtypes", "crc32c", "numpy"}
 ADAPTERS = {"torchtitan": "dcp_zarr.integrations.torchtitan", "lightning": "dcp_zarr.integrations.lightning",
             "accelerate": "dcp_zarr.integrations.accelerate"}
 
@@ -37,7 +38,10 @@ def test_each_adapter_has_an_extra_admitting_its_release_which_the_test_extra_pi
     assert str(names(extras["test"])[framework].specifier) == f"=={written_for}"
 
 
-def test_the_torch_floor_is_the_one_the_docs_name():
-    floor = str(names(PROJECT["dependencies"])["torch"].specifier).removeprefix(">=")
+def test_the_torch_floor_is_the_one_the_test_extra_installs_the_code_checks_and_the_docs_name():
+    from dcp_zarr.torch_floor import TORCH_FLOOR
+
+    floor = str(names(PROJECT["optional-dependencies"]["test"])["torch"].specifier).removeprefix(">=")
+    assert floor == ".".join(map(str, TORCH_FLOOR))
     assert f"torch {floor} and later" in (REPO_ROOT / "README.md").read_text()
     assert f"**torch {floor} and later**" in (REPO_ROOT / "docs" / "compatibility.md").read_text()
