@@ -37,6 +37,9 @@ _LAZY = {
     "RetryPolicy": "dcp_zarr.storage.retry",
     "ZarrWriter": "dcp_zarr.writer",
     "Compression": "dcp_zarr.format.compression",
+    "release_staging_memory": "dcp_zarr.staging.pool",
+    "set_staging_memory_limit": "dcp_zarr.staging.pool",
+    "staging_memory_held": "dcp_zarr.staging.pool",
 }
 
 if TYPE_CHECKING:
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
     )
     from dcp_zarr.planning.save_planner import ZarrSavePlanner
     from dcp_zarr.reader import ZarrReader
+    from dcp_zarr.staging.pool import release_staging_memory, set_staging_memory_limit, staging_memory_held
     from dcp_zarr.storage.retry import RetryPolicy
     from dcp_zarr.writer import ZarrWriter
 
@@ -86,6 +90,9 @@ __all__ = [
     "WrapperPrefixLoadMixin",
     "strip_wrapper_prefixes",
     "RetryPolicy",
+    "release_staging_memory",
+    "set_staging_memory_limit",
+    "staging_memory_held",
     "ZarrCheckpointError",
     "NotACheckpointError",
     "IncompleteCheckpointError",

@@ -112,7 +112,13 @@ class ZarrReader(StorageReader):
     @step_with_collector_paused
     def read_metadata(self, *args, **kwargs) -> Metadata:
         settings = self._settings()
-        self.manifest = manifest_read_once(settings)
+        try:
+            self.manifest = manifest_read_once(settings)
+        except Exception as exc:
+            carried = dcp_internals.reported_by_dcp_load(exc)  # torch 2.11 and 2.12 drop the reason otherwise
+            if carried is exc:
+                raise
+            raise carried from exc
         metadata = dcp_metadata(self.manifest)
         metadata.storage_meta = StorageMeta(checkpoint_id=settings.label(), load_id=self.manifest.save_id)
         metadata.storage_data = {MANIFEST_IN_STORAGE_DATA: self.manifest}

@@ -16,7 +16,7 @@ from dcp_zarr.errors import TorchRequiredError
 
 # The oldest torch release dcp_zarr's DCP parts run on (docs/compatibility.md says why); pyproject.toml's test extra
 # asks for the same, and CI's floor pass installs it.
-TORCH_FLOOR = (2, 13)
+TORCH_FLOOR = (2, 11)
 TORCH_REQUIREMENT = f"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"
 _WHAT = ("dcp_zarr's torch.distributed.checkpoint parts (ZarrWriter, ZarrReader, the planners, CheckpointManager, "
          "the framework adapters)")

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_zarr.async_staging import WriterStaging
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
 from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
@@ -29,6 +28,7 @@ from dcp_zarr.planning.save_planner import RankState, rank_plan
 from dcp_zarr.saving.dcp_planned import DcpPlannedSave
 from dcp_zarr.saving.locally_planned import LocallyPlannedSave
 from dcp_zarr.saving.settings import SaveSettings
+from dcp_zarr.staging.async_stager import WriterStaging
 from dcp_zarr.storage import store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io import commit
@@ -52,7 +52,7 @@ class _Start(NamedTuple):
 class ZarrWriter(StorageWriter, WriterStaging):
     """Save a DCP state dict as a Zarr v3 store: one array per tensor, at its global shape.
 
-    With ``dcp.async_save`` the writer is also the stager (async_staging.py): the caller waits for a copy in host
+    With ``dcp.async_save`` the writer is also the stager (staging/): the caller waits for a copy in host
     memory, pinned when the state dict has CUDA tensors.
 
     Args:
@@ -71,8 +71,10 @@ class ZarrWriter(StorageWriter, WriterStaging):
             old checkpoint first, it is refused. ``True``: replaced everywhere (on object stores, deleted first),
             and so is an interrupted save's store, which nothing else replaces. ``False``: never replaced.
         inner_chunk_bytes: target size of the inner chunks of large arrays (partial reads on resharded loads).
-        cache_staged_state_dict: keep ``dcp.async_save``'s staging buffers for the next save with this writer
-            (``checkpoint_id=`` per save, each after the previous one's future resolved); ``close()`` frees them.
+        cache_staged_state_dict: ``None`` (the default) or ``True``: ``dcp.async_save`` copies into host buffers
+            the process keeps for the next save of the same state dict, whichever writer makes it (pinned for CUDA
+            tensors; bounded: ``dcp_zarr.set_staging_memory_limit``); ``close()`` releases this writer's,
+            ``dcp_zarr.release_staging_memory()`` all. ``False``: each save stages into memory freed with it.
         check_replicas: entries several ranks save under one key (DCP keeps one rank's copy) must agree, or the
             save is refused (``ReplicaMismatchError``) and nothing is committed: ``"small"`` compares kind, shape and
             dtype of all of them and the values of non-tensor entries and of tensors up to ``replica_check_bytes``;
@@ -95,7 +97,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
                  thread_count: int = 4, sync_files: bool = True, overwrite: bool | None = None,
                  inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES,
-                 cache_staged_state_dict: bool = False, check_replicas: str = replicas.SMALL,
+                 cache_staged_state_dict: bool | None = None, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
                  aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES,
                  compression: str | bool | Compression | None = None):

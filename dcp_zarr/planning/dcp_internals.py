@@ -32,10 +32,12 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
+from dcp_zarr.torch_floor import release
 
 import torch
 from torch.distributed.checkpoint import _nested_dict, _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -50,11 +52,11 @@ __all__ = [
     "set_element", "check_save_planner_unshared", "dcp_save_call", "take_over_save", "give_back_save",
     "dcp_load_wrapper", "dcp_load_planner", "take_over_load", "give_back_load", "is_dcps_save_planner",
     "is_dcps_load_planner", "save_lookup_is_dcps", "load_lookup_is_dcps", "keeps_dcps", "uses_plan_cache",
-    "cached_local_plan", "cached_plans",
+    "cached_local_plan", "cached_plans", "state_dict_stager", "staged_bytes", "reported_by_dcp_load",
 ]
 
 # The torch releases on which DCP was seen to keep its calls' state where this module looks.
-VERIFIED_TORCH = ((2, 13), (2, 14), (2, 15))
+VERIFIED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 # DCP's private functions, under the names dcp_zarr calls them by: a WriteItem's and a ReadItem's making, a state
 # dict's flattening and an element's setting as DCP does them.
@@ -367,6 +369,27 @@ def dcp_load_wrapper():
     return None
 
 
+# torch 2.11's and 2.12's dcp.load catch any Exception of read_metadata and raise AssertionError("metadata is None")
+# without it (2.13 adds its message): a reader's reason (not a checkpoint, incomplete, a planner in use) was lost.
+_LOAD_DROPS_METADATA_ERRORS = release(torch.__version__) < (2, 13)
+
+
+class MetadataReadError(BaseException):
+    """A ``read_metadata`` error carried past DCP's ``except Exception`` of torch 2.11 and 2.12: DCP reports it in its
+    ``CheckpointException`` (as 2.13 reports the original inside its AssertionError). Raised only inside ``dcp.load``;
+    the original is its ``__cause__``."""
+
+
+def reported_by_dcp_load(exc: Exception) -> BaseException:
+    """What ``read_metadata`` raises for ``exc`` so that the ``dcp.load`` calling it reports it: ``exc`` itself, or
+    on torch 2.11 and 2.12 inside a ``dcp.load``, a ``MetadataReadError`` naming it."""
+    if not _LOAD_DROPS_METADATA_ERRORS or _step_frame(_LOAD, warn=False) is None:
+        return exc
+    carried = MetadataReadError(f"{type(exc).__name__}: {exc}")
+    carried.__cause__ = exc
+    return carried
+
+
 def dcp_load_planner():
     """The LoadPlanner of the ``dcp.load`` calling us (DCP's or the caller's), or None. Raises
     ``SharedPlannerError`` where another thread's ``dcp.load`` is using the same planner."""
@@ -434,3 +457,21 @@ def _torch_2_3_keys(state_dict: dict) -> set[str] | None:
 
     traverse(state_dict, visit)
     return None if collided else keys
+
+
+# -- staging for async saves ---------------------------------------------------------------------------------------
+# DCP's StateDictStager copies a state dict into host memory, keeping a buffer per source storage (a weak key) and
+# copying into it again on the next stage. dcp_zarr uses it directly, not through DefaultStager: torch 2.11's and
+# 2.12's DefaultStager closes its StateDictStager after every stage (emptying its buffers and its copy dispatch, so
+# a second stage fails), where 2.13 keeps it; the StateDictStager itself is the same in 2.11 to 2.15.
+
+
+def state_dict_stager(pinned: bool) -> StateDictStager:
+    """A stager into pinned shared memory (for CUDA tensors: the GPU fills it by DMA, and a process-based executor
+    maps it as it is), or into ordinary memory."""
+    return StateDictStager(pin_memory=pinned, share_memory=pinned)
+
+
+def staged_bytes(stager: StateDictStager) -> int:
+    """Bytes of host memory the stager keeps for its next stage."""
+    return sum(storage.nbytes() for storage in list(stager._cached_storage_mapping.values()))

@@ -72,6 +72,11 @@ def test_the_dry_run_measures_every_kind_on_both_targets_and_loads_back_equal(dr
     assert positive_times(a["blocking_times_s"] + a["total_times_s"] + a["copy_times_s"])
     assert positive_times([a["first_blocking_s"], a["first_total_s"], a["blocking_vs_copy"]])
     assert a["loads_equal"] is True and a["pinned"] is False  # nothing to pin for without CUDA
+    assert a["staging_held_bytes"] > 0  # the plain line's buffers, kept for the next save
+    assert set(a["peers"]) == {"zarr-one-writer", "fs", "fs-cache"}
+    for kind in ("zarr-one-writer", "fs"):
+        assert positive_times([a["peers"][kind]["median_blocking_s"], a["peers"][kind]["blocking_vs_copy"]]), kind
+    assert "failed" in a["peers"]["fs-cache"] or a["peers"]["fs-cache"]["median_blocking_s"] > 0  # DCP pins: CUDA
     assert positive_times([step["elapsed_s"] for step in result["steps"]] + [result["elapsed_s"]])
 
 

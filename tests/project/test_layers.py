@@ -24,7 +24,7 @@ LAYERS = [
     ["placement"],  # which rank holds which box
     ["collective"],  # collective I/O: aggregated writes, reads done once
     ["planning"],  # planning a save (locally on every rank, or by DCP's coordinator) and a load's read items
-    ["async_staging", "saving", "loading"],  # the writer as DCP's AsyncStager | one save | one load
+    ["staging", "saving", "loading"],  # the writer as DCP's AsyncStager | one save | one load
     ["writer", "reader"],  # DCP's StorageWriter and StorageReader
     ["optim"],  # optimizer state across key forms
     ["offline", "lifecycle"],  # reading without a process group | a training job's checkpoints

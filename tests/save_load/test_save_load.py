@@ -32,8 +32,8 @@ from dcp_zarr import (
     ZarrSavePlanner,
     ZarrWriter,
 )
-from dcp_zarr.async_staging import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
 from dcp_zarr.format.torch_arrays import numpy_as_tensor
+from dcp_zarr.staging.pool import SAVE_THREAD_EXIT_GRACE_S, pinned_staging, tensor_devices
 from dcp_zarr.storage.local import LocalStorage
 from dcp_zarr.store_io import commit
 from dcp_zarr.store_io.entry_data import tensor_reader

@@ -20,6 +20,8 @@ SECTIONS = [
     ("Saving and loading", "DCP's storage writer and reader, and the planners made for them ([usage](usage.md)).",
      ["ZarrWriter", "ZarrReader", "ZarrSavePlanner", "ZarrLoadPlanner"]),
     ("Compression", "[compression](compression.md)", ["Compression"]),
+    ("Async saves' staging memory", "[async saves](usage.md#async-saves)",
+     ["staging_memory_held", "release_staging_memory", "set_staging_memory_limit"]),
     ("A training job's checkpoints",
      "[checkpoint manager](checkpoint-manager.md), [optimizer state](optimizer-state.md)",
      ["CheckpointManager", "assert_step_present"]),
