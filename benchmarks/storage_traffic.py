@@ -300,9 +300,10 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
     from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES as INNER
     from dcp_zarr.format.chunk_layout import parent_groups
-    from dcp_zarr.format.consolidated import encoded_copy, encoded_root
     from dcp_zarr.format.encoding import array_metadata, group_metadata
     from dcp_zarr.format.manifest import Manifest, TensorEntry
+    from dcp_zarr.format.node_copies import encoded_root
+    from dcp_zarr.json_documents import json_text
     from dcp_zarr.loading.metadata import dcp_metadata
     from dcp_zarr.placement.holdings import group_rank_of
     from dcp_zarr.planning.local_save import LocalSave
@@ -336,11 +337,12 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
             groups = {g for e in entries.values() for g in parent_groups(e.node)}
             puts[rank] += len(groups) + 1  # each group's zarr.json, the root's
             manifest = Manifest(entries=entries, saved_world_size=world)
-            copies = {group: encoded_copy(group_metadata()) for group in groups}
-            copies.update((s.node, encoded_copy(array_metadata(s.layout, s.data_type, s.itemsize, {"dcp_zarr": {
+            document = manifest.to_json()
+            copies = {group: json_text(group_metadata()) for group in groups}
+            copies.update((s.node, json_text(array_metadata(s.layout, s.data_type, s.itemsize, {"dcp_zarr": {
                 "fqn": fqn}}, node=s.node))) for fqn, s in specs.items())
             saved = {"manifest": manifest, "layouts": specs,
-                     "root_bytes": len(encoded_root(group_metadata({"dcp_zarr": manifest.to_json()}), copies))}
+                     "root_bytes": len(encoded_root(group_metadata({"dcp_zarr": document}), document, copies))}
     save_s = time.perf_counter() - started
     manifest, specs, metadata = saved["manifest"], saved["layouts"], dcp_metadata(saved["manifest"])
     readers = [0] if collective else range(world)  # the coordinator reads the root and broadcasts it

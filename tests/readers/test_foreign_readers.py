@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -151,6 +152,11 @@ def test_the_reading_install_runs_the_commands_that_look_and_converts_to_safeten
     assert _command(interpreter, "inspect", store).returncode == 0
     assert _command(interpreter, "verify", "--no-progress", store).returncode == 0
     assert _command(interpreter, "diff", store, other).returncode == 0  # the same values, compressed or not
+    root = tmp_path / "steps"
+    root.mkdir()
+    shutil.copytree(store, root / "step-00000007.zarr")
+    listed = _command(interpreter, "list", str(root))
+    assert listed.returncode == 0 and "step-00000007.zarr" in listed.stdout and "complete" in listed.stdout, listed
     out = str(tmp_path / "weights.safetensors")
 
     converted = _command(interpreter, "convert", store, out, "--to", "safetensors")
