@@ -8,7 +8,9 @@ pinned-memory stager and torch_checkpointing's pool keep theirs, keyed by what t
 
 * **One set of buffers per state dict**, named by its tensors' paths; their dtypes, shapes and devices are its
   layout. A save of the same layout copies into the same buffers (DCP's ``StateDictStager``, which reuses a buffer
-  per source storage). A new layout (shapes that changed) releases the old buffers and makes new ones.
+  per source storage: a model's parameters and its optimizer's state keep theirs from step to step; a state dict
+  rebuilt from new tensors at each save, such as ``full_tensor()`` copies, gets new buffers, the old ones freed
+  with their sources). A new layout (shapes that changed) releases the old buffers and makes new ones.
 * **Pinned for CUDA tensors**, in shared memory (a process-based executor maps it as it is); ordinary memory for
   CPU tensors, which pinning would not speed up.
 * **Bounded**: buffers are kept only while the pool holds at most ``limit`` bytes (default: half the machine's
@@ -88,7 +90,8 @@ class InFlight:
             self._save_thread = threading.current_thread()
 
     def pending(self) -> bool:
-        return self._staged is not None and self._staged() is not None
+        """A copy is being made, or waits for its save, or its save holds it."""
+        return self._copying or (self._staged is not None and self._staged() is not None)
 
     def refuse(self, what: str, fix: str) -> None:
         if self._copying:

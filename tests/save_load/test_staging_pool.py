@@ -135,3 +135,12 @@ def test_pinning_is_only_for_kept_buffers_of_cuda_tensors():
         warnings.simplefilter("error")  # a CPU save never asks torch to pin (it would warn where CUDA is missing)
         _, buffers = POOL.stage(_state())
     assert not buffers.pinned and buffers.kept
+
+
+def test_buffers_a_save_in_flight_holds_are_not_released(tmp_path):
+    staged = ZarrWriter(tmp_path / "0.zarr").stage(_state())  # its save not started: in flight
+    held = dcp_zarr.staging_memory_held()
+
+    assert dcp_zarr.release_staging_memory() == 0 and dcp_zarr.staging_memory_held() == held > 0
+    del staged  # its save let go
+    assert dcp_zarr.release_staging_memory() == held
