@@ -465,6 +465,11 @@ class Launch:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:  # it ended between the look and the kill
                     pass
+                # gone before this returns: a process tearing down its memory after SIGKILL still shows as running
+                # for a while, and a lease it held (CheckpointManager's) would read as live to the next manager
+                end = time.monotonic() + 30
+                while _alive(pid) and time.monotonic() < end:
+                    time.sleep(0.005)
         outcomes = {}
         for rank in range(len(self.pids)):
             result = self._result(rank)
