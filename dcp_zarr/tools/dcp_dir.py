@@ -28,10 +28,8 @@ from dcp_zarr.format.manifest import TENSOR, VALUE
 from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
 from dcp_zarr.offline import (
-    Checkpoint,
     Entry,
     is_dcp_directory,
-    open_checkpoint,
     refuse_a_file,
     region_box,
     set_by_path,
@@ -143,13 +141,6 @@ def _check_data_files(root: str, metadata: Metadata) -> None:
         raise IncompleteCheckpointError(
             f"{root} is an incomplete DCP checkpoint: {' and '.join(parts)} (its .metadata refers to "
             f"{len(needed)} .distcp files); copy them from where the checkpoint was saved")
-
-
-def open_any_checkpoint(path: str | os.PathLike, storage_options: dict | None = None) -> Checkpoint | DcpCheckpoint:
-    """A dcp_zarr store (any URL) or a DCP directory (local), whichever ``path`` is."""
-    if is_dcp_directory(path):
-        return DcpCheckpoint(path)
-    return open_checkpoint(path, storage_options)
 
 
 def _get_by_path(state, path):
