@@ -7,19 +7,22 @@ import os
 
 from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.local import LocalStorage
+from dcp_zarr.storage.local import local_path as _local_path
+from dcp_zarr.storage.registry import register_storage, storage_class, unregister_storage
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
-__all__ = ["Storage", "LocalStorage", "default_aggregate_below", "is_local", "local_path", "open_storage"]
+__all__ = ["Storage", "LocalStorage", "default_aggregate_below", "is_local", "local_path", "open_storage",
+           "register_storage", "storage_class", "unregister_storage"]
 
 
 def is_local(location: str | os.PathLike) -> bool:
-    text = os.fspath(location)
-    return "://" not in text or text.startswith("file://")
+    """Whether ``location`` is a local directory. Only storage/ asks this: the layers above ask the storage's
+    capabilities (``storage_class(location).commits_by_rename``, ``.directory(location)``)."""
+    return storage_class(location) is LocalStorage
 
 
 def local_path(location: str | os.PathLike) -> str:
-    text = os.fspath(location)
-    return os.path.abspath(text[len("file://"):] if text.startswith("file://") else text)
+    return _local_path(os.fspath(location))
 
 
 def open_storage(location: str | os.PathLike, storage_options: dict | None = None, *, sync_files: bool = True,
@@ -28,15 +31,8 @@ def open_storage(location: str | os.PathLike, storage_options: dict | None = Non
 
     ``retry``: the policy of object-store calls, or a writer's or reader's ``Retrying`` to share (local paths have
     none)."""
-    if is_local(location):
-        return LocalStorage(local_path(location), sync_files=sync_files)
-    from zarr.storage import FsspecStore
-
-    from dcp_zarr.storage.zarr_store import ZarrStoreStorage
-
-    url = os.fspath(location)
-    store = FsspecStore.from_url(url, storage_options=_s3_client_options(url, storage_options), read_only=read_only)
-    return ZarrStoreStorage(store, url, as_retrying(retry))
+    return storage_class(location).open(os.fspath(location), storage_options, sync_files=sync_files,
+                                        read_only=read_only, retrying=as_retrying(retry))
 
 
 def default_aggregate_below(location: str | os.PathLike, store=None, retry: Retrying | None = None) -> int:
@@ -46,30 +42,8 @@ def default_aggregate_below(location: str | os.PathLike, store=None, retry: Retr
         from dcp_zarr.storage import store_objects
 
         return store_objects.open_store(store, as_retrying(retry)).aggregate_below
-    if is_local(location):
-        return LocalStorage(local_path(location)).aggregate_below
-    return Storage.aggregate_below
+    return storage_class(location).default_aggregate_below(os.fspath(location))
 
 
 def as_retrying(retry: RetryPolicy | Retrying | None) -> Retrying:
     return retry if isinstance(retry, Retrying) else Retrying(retry)
-
-
-def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
-    """Two botocore defaults overridden for ``s3://``, each unless the caller set it in ``config_kwargs``:
-
-    * the HTTP connection pool (default 10) caps the requests in flight: make room for ``REQUESTS_IN_FLIGHT``;
-    * botocore's own retries (5 attempts, backing off up to 20 s) would multiply dcp_zarr's (retry.py), and keep a
-      refused endpoint's error from dcp_zarr for seconds per call (docs/crash-safety.md, "Object-store retries"):
-      one attempt, so retry.py is the one layer.
-    """
-    if not url.startswith(("s3://", "s3a://")):
-        return storage_options
-    from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
-
-    options = dict(storage_options or {})
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("max_pool_connections", REQUESTS_IN_FLIGHT)
-    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
-    options["config_kwargs"] = config
-    return options

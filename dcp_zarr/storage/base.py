@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from dcp_zarr.errors import InvalidKeyError, MetadataTooLargeError
 from dcp_zarr.json_documents import decode_json, json_text
+
+if TYPE_CHECKING:
+    from dcp_zarr.storage.retry import Retrying
 
 
 class StoredValue:
@@ -59,8 +63,55 @@ class Storage(abc.ABC):
     # request (and S3 serves about 3,500 PUTs a second per prefix), so pieces up to 4 MiB are worth the exchange.
     aggregate_below: int = 4 << 20
 
+    # What the backend can do. The layers above ask these, never which class they hold (a new backend declares
+    # its own, as zarr's stores declare ``supports_partial_writes``):
     # Whether write_at works: several ranks writing parts of one file (local files, not object stores).
-    writes_at_offsets: bool = False
+    writes_at_offsets: ClassVar[bool] = False
+    # How a save becomes the checkpoint (store_io/commit.py): True, staged in a directory beside the target and
+    # renamed onto it in one atomic step, which also swaps out a checkpoint it replaces, so replacing is safe by
+    # default; False, written in place, the root zarr.json (written last) the commit, and replacing deletes first.
+    commits_by_rename: ClassVar[bool] = False
+    # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (collector.py): the
+    # IO threads are dcp_zarr's own and make no reference cycles (local files); a client library's may.
+    transfers_pause_collector: ClassVar[bool] = False
+    # Whether ``link_from`` stores an object already stored under another root without moving its bytes through
+    # this process (a hard link; an object store's server-side copy). Where False, link_from reads and writes.
+    links_objects: ClassVar[bool] = False
+
+    @classmethod
+    def open(cls, location: str, storage_options: dict | None, *, sync_files: bool, read_only: bool,
+             retrying: Retrying) -> Storage:
+        """The storage of ``location`` (``open_storage`` picks the class by the location's scheme, registry.py)."""
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a location ({location})")
+
+    @classmethod
+    def default_aggregate_below(cls, location: str) -> int:
+        """``aggregate_below`` of the storage ``location`` would open, without opening it."""
+        return cls.aggregate_below
+
+    @classmethod
+    def directory(cls, location: str) -> str | None:
+        """The directory on this machine that ``location`` names, for a backend whose roots are directories (a
+        local file system); None for any other (an object store's prefix)."""
+        return None
+
+    def location(self, name: str) -> str:
+        """The location of ``name`` under this root, as ``open_storage`` takes it."""
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def list_names(self, prefix: str = "") -> list[str]:
+        """The names directly under ``prefix`` (``""``: the root), as a directory listing gives them, sorted."""
+        raise NotImplementedError(f"{self.url}: this store cannot list its keys")
+
+    def size(self, key: str) -> int:
+        """The stored size of ``key`` in bytes; ``FileNotFoundError`` if absent."""
+        return len(self.read(key))
+
+    def link_from(self, source: Storage, key: str) -> None:
+        """Store at ``key`` the object ``source`` holds at ``key``, bytes identical (incremental saves reuse what an
+        earlier checkpoint stored). A backend with ``links_objects`` does it without the bytes passing through this
+        process; this default reads them and writes them."""
+        self.write(key, [source.read(key)])
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:
         """Write the concatenation of ``buffers`` at ``offset`` of ``key``, creating it if absent, keeping the rest:

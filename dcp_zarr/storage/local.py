@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dcp_zarr.errors import InvalidKeyError, UnsafeFileError
 from dcp_zarr.storage.base import Storage, StoredValue, checked_key
 from dcp_zarr.storage.file_systems import is_shared
+from dcp_zarr.storage.retry import Retrying
 
 SHARED_AGGREGATE_BELOW = 1 << 20
 # writev accepts at most IOV_MAX buffers per call (1024 on Linux).
@@ -20,6 +21,56 @@ _IOV_MAX = getattr(os, "sysconf", lambda _: 1024)("SC_IOV_MAX") if hasattr(os, "
 
 class LocalStorage(Storage):
     writes_at_offsets = True
+    commits_by_rename = True
+    transfers_pause_collector = True
+    links_objects = True
+
+    @classmethod
+    def open(cls, location: str, storage_options: dict | None, *, sync_files: bool, read_only: bool,
+             retrying: Retrying) -> LocalStorage:
+        return cls(local_path(location), sync_files=sync_files)  # no retries: a local error is the answer
+
+    @classmethod
+    def default_aggregate_below(cls, location: str) -> int:
+        return cls(local_path(location)).aggregate_below
+
+    @classmethod
+    def directory(cls, location: str) -> str:
+        return local_path(location)
+
+    def location(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def list_names(self, prefix: str = "") -> list[str]:
+        directory = self._path(prefix) if prefix else self.root
+        try:
+            return sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def size(self, key: str) -> int:
+        return os.stat(self._path(key)).st_size
+
+    def link_from(self, source: Storage, key: str) -> None:
+        """A hard link to ``source``'s file; where that is impossible (another file system, a source that is not
+        a local directory, a file system without links) the bytes are copied."""
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        if directory not in self._directories:
+            _make_directory(directory)
+            self._directories.add(directory)
+        if isinstance(source, LocalStorage):
+            try:
+                os.link(source._path(key), path)
+                return
+            except FileExistsError:
+                os.remove(path)
+                os.link(source._path(key), path)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    raise
+        super().link_from(source, key)
 
     def __init__(self, root: str, *, sync_files: bool = True):
         self.root = os.path.abspath(root)
@@ -168,6 +219,11 @@ class LocalStorage(Storage):
         """
         if self.sync_files and os.path.isdir(self.root):
             _syncfs(self.root)
+
+
+def local_path(location: str) -> str:
+    """The absolute path of a plain path or a ``file://`` URL."""
+    return os.path.abspath(location[len("file://"):] if location.startswith("file://") else location)
 
 
 def _make_directory(directory: str) -> None:

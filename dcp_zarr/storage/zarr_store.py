@@ -26,6 +26,16 @@ class ZarrStoreStorage(Storage):
     def requests_in_flight(self, thread_count: int) -> int:
         return max(thread_count, REQUESTS_IN_FLIGHT)
 
+    @classmethod
+    def open(cls, location: str, storage_options: dict | None, *, sync_files: bool, read_only: bool,
+             retrying: Retrying) -> ZarrStoreStorage:
+        """An fsspec URL through zarr's FsspecStore (``sync_files``: object stores have no durability step)."""
+        from zarr.storage import FsspecStore
+
+        store = FsspecStore.from_url(location, storage_options=_s3_client_options(location, storage_options),
+                                     read_only=read_only)
+        return cls(store, location, retrying)
+
     def __init__(self, store: Store, url: str, retrying: Retrying | None = None):
         self.store = store
         self.url = url
@@ -76,3 +86,21 @@ class ZarrStoreStorage(Storage):
             return found
 
         return self._call(lambda: sync(collect()), "list", "")
+
+
+def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
+    """Two botocore defaults overridden for ``s3://``, each unless the caller set it in ``config_kwargs``:
+
+    * the HTTP connection pool (default 10) caps the requests in flight: make room for ``REQUESTS_IN_FLIGHT``;
+    * botocore's own retries (5 attempts, backing off up to 20 s) would multiply dcp_zarr's (retry.py), and keep a
+      refused endpoint's error from dcp_zarr for seconds per call (docs/crash-safety.md, "Object-store retries"):
+      one attempt, so retry.py is the one layer.
+    """
+    if not url.startswith(("s3://", "s3a://")):
+        return storage_options
+    options = dict(storage_options or {})
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", REQUESTS_IN_FLIGHT)
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
