@@ -3,9 +3,19 @@ says what the store is instead (incomplete, foreign, not a store at all)."""
 
 from __future__ import annotations
 
-from dcp_zarr.errors import IncompleteCheckpointError, MetadataTooLargeError, NotACheckpointError
-from dcp_zarr.format.manifest import MAX_MANIFEST_BYTES, ROOT_KEY, Manifest, manifest_of_root
+from dcp_zarr.errors import IncompleteCheckpointError, MetadataTooLargeError, NotACheckpointError, ZarrCheckpointError
+from dcp_zarr.format.manifest import (
+    FORMAT_NAME,
+    MANIFEST_ATTRIBUTE,
+    MAX_MANIFEST_BYTES,
+    ROOT_KEY,
+    Manifest,
+    manifest_of_root,
+)
 from dcp_zarr.storage import Storage
+
+# The file torch.distributed.checkpoint's FileSystemWriter writes last, beside its .distcp files.
+DCP_METADATA_FILE = ".metadata"
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -30,3 +40,24 @@ def read_root(storage: Storage) -> bytes:
         raise MetadataTooLargeError(f"{storage.url}/{ROOT_KEY} is larger than {MAX_MANIFEST_BYTES} bytes; refused "
                                     "unread")
     return data
+
+
+def is_committed(storage: Storage) -> bool:
+    """Whether ``storage`` holds a committed dcp_zarr checkpoint: its root zarr.json carries a manifest marked
+    complete. Only that is read, not the whole manifest (a root of many steps is listed often); ``read_manifest``
+    checks the rest. Never raises: anything unreadable is not committed."""
+    try:
+        root = storage.read_json(ROOT_KEY, max_bytes=MAX_MANIFEST_BYTES)
+    except (ZarrCheckpointError, OSError, ValueError, RecursionError):
+        return False
+    attributes = root.get("attributes") if isinstance(root, dict) else None
+    manifest = attributes.get(MANIFEST_ATTRIBUTE) if isinstance(attributes, dict) else None
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME and manifest.get("complete") is True
+
+
+def holds_dcp_checkpoint(storage: Storage) -> bool:
+    """Whether ``storage`` holds a torch.distributed.checkpoint checkpoint (FileSystemWriter's ``.metadata``)."""
+    try:
+        return storage.exists(DCP_METADATA_FILE)
+    except (ZarrCheckpointError, OSError):
+        return False
