@@ -182,3 +182,7 @@ class Storage(abc.ABC):
 
     def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)
         """Make everything written so far durable (no-op where the backend has no such notion)."""
+
+    def size_under(self, prefix: str) -> int:
+        """The bytes stored under the name ``prefix`` (every key below it); 0 if nothing is."""
+        raise NotImplementedError(f"{self.url}: this store cannot list its keys")

@@ -87,6 +87,24 @@ class ZarrStoreStorage(Storage):
 
         return self._call(lambda: sync(collect()), "list", "")
 
+    def list_names(self, prefix: str = "") -> list[str]:
+        self._forget_listings()  # other processes write here: list afresh
+
+        async def collect():
+            return [name async for name in self.store.list_dir(prefix)]
+
+        return sorted(name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix))
+
+    def size_under(self, prefix: str) -> int:
+        self._forget_listings()
+        return int(self._call(lambda: sync(self.store.getsize_prefix(prefix)), "measure", prefix))
+
+    def _forget_listings(self) -> None:
+        """fsspec file systems cache listings (s3fs does); this store's keys may have changed since."""
+        invalidate = getattr(getattr(self.store, "fs", None), "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
+
 
 def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
     """Two botocore defaults overridden for ``s3://``, each unless the caller set it in ``config_kwargs``:

@@ -196,3 +196,19 @@ class StorageContract:
             storage.write("refused", [b"x"])
         if calls is not None:
             assert calls() == 1, "a permanent error is tried once"
+
+    # -- names and sizes (what a checkpoint root's listing asks) -------------------------------------------------------
+
+    def test_names_are_listed_one_level_down_sorted_and_a_missing_prefix_has_none(self, storage):
+        for key in ("step-2.zarr/zarr.json", "step-2.zarr/model/w/c.0.0", "step-10.zarr/zarr.json", "notes.txt"):
+            storage.write(key, [b"x"])
+        assert storage.list_names() == ["notes.txt", "step-10.zarr", "step-2.zarr"]
+        assert storage.list_names("step-2.zarr") == ["model", "zarr.json"]
+        assert storage.list_names("nothing-here") == []
+
+    def test_the_size_under_a_name_sums_every_key_below_it(self, storage):
+        storage.write("step-1.zarr/zarr.json", [b"x" * 10])
+        storage.write("step-1.zarr/model/w/c.0.0", [b"y" * 1000])
+        storage.write("step-10.zarr/zarr.json", [b"z" * 7])
+        assert storage.size_under("step-1.zarr") == 1010
+        assert storage.size_under("missing.zarr") == 0
