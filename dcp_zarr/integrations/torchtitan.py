@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import re
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,6 +46,7 @@ from dcp_zarr.integrations.framework import (
     require_internals,
 )
 from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.step_forms import TORCHTITAN
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
@@ -58,7 +58,7 @@ WRITTEN_FOR = "0.3.0"
 _ADAPTER = "dcp_zarr.integrations.torchtitan"
 _MANAGER_MODULE = "torchtitan.components.checkpointer.dcp"
 # torchtitan's own step folders (_create_checkpoint_id), matched whole: not a name that merely contains one.
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+_STEP_FOLDER = TORCHTITAN.pattern
 # The methods overridden below, as torchtitan 0.3.0 declares them: its _save, _load and
 # _save_last_step call them with these arguments.
 _OVERRIDDEN = {
