@@ -75,9 +75,6 @@ class CheckpointRoot(RootStorage):
         """Delete ``step-N.zarr`` (or ``name``, another form's) so that no crash leaves it looking complete."""
         deletion.delete_step(self, step, name)
 
-    def remove_incomplete(self, name: str) -> None:
-        deletion.remove_incomplete(self, name)
-
     def clean_leftovers(self, *, dry_run: bool = False) -> list[str]:
         """Remove what stopped saves and deletions left behind; returns what it removed (or would remove)."""
         return deletion.clean_leftovers(self, dry_run=dry_run)

@@ -244,3 +244,20 @@ def test_no_class_is_longer_than_250_lines():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+
+
+def test_the_lifecycle_asks_storage_what_it_can_do_never_which_backend_it_is():
+    """A checkpoint root on a new backend works as soon as the backend answers Storage's calls: lifecycle/ neither
+    imports zarr nor names a backend class nor asks whether a location is local."""
+    found = []
+    for path in (PACKAGE / "lifecycle").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] == "zarr"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zarr":
+                found.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                name = node.id if isinstance(node, ast.Name) else node.attr
+                if name in ("is_local", "LocalStorage", "ZarrStoreStorage"):
+                    found.append(f"{path.name}:{node.lineno}: {name}")
+    assert found == []
