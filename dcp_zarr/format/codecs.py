@@ -69,14 +69,9 @@ class Codec(abc.ABC):
         """The most it adds to ``nbytes`` of data that does not compress: a stored chunk longer than that is refused
         before it is read (a shard index may point anywhere)."""
 
-    @property
     @abc.abstractmethod
-    def compressor(self) -> str:
-        """The name of its row in the table (what ``Compression(compressor=...)`` takes to write it again)."""
-
-    @property
-    @abc.abstractmethod
-    def level(self) -> int: ...
+    def written_by(self) -> tuple[str, int]:
+        """The name of the row of the table and the level that write it again (``Compression(*written_by())``)."""
 
     @property
     @abc.abstractmethod
@@ -86,7 +81,7 @@ class Codec(abc.ABC):
     @property
     def description(self) -> str:
         """``blosc zstd level 1``."""
-        return f"{self.label} level {self.level}"
+        return f"{self.label} level {self.written_by()[1]}"
 
 
 # blosc's header, before the compressed blocks: version, version of the compressor's format, flags, typesize, then
@@ -110,13 +105,8 @@ class BloscCodec(Codec):
     def for_array(cls, compressor: str, level: int, itemsize: int, shuffle: str) -> BloscCodec:
         return cls(compressor, level, shuffle, itemsize)
 
-    @property
-    def compressor(self) -> str:
-        return self.cname
-
-    @property
-    def level(self) -> int:
-        return self.clevel
+    def written_by(self) -> tuple[str, int]:
+        return self.cname, self.clevel
 
     @property
     def label(self) -> str:

@@ -95,7 +95,7 @@ def source_compression(source: Checkpoint) -> Compression | None:
     counts: dict[tuple[str, int], int] = {}
     for stored in source.manifest.entries.values():
         if isinstance(stored, TensorEntry) and stored.codec is not None:
-            key = (stored.codec.compressor, stored.codec.level)
+            key = stored.codec.written_by()
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return None
