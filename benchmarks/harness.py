@@ -266,6 +266,18 @@ def footprint(path: str) -> dict[str, int]:
     return {"files": files, "directories": directories, "bytes": size}
 
 
+def drop_page_cache(path: str) -> str:
+    """Drop the page cache (root), else evict ``path``'s files: how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        evict_page_cache(path)
+        return "posix_fadvise(DONTNEED), no root"
+
+
 def evict_page_cache(path: str) -> None:
     """Drop the files' clean pages from the page cache (no root needed; a no-op on tmpfs)."""
     for directory, _, names in os.walk(path):
@@ -309,9 +321,12 @@ class _Block(nn.Module):
 
 
 class _TransformerLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``cfg.layers`` blocks and a head of ``cfg.vocab`` outputs, after an embedding of ``cfg.vocab`` tokens unless
+    ``embed`` is False (then its input is activations)."""
+
+    def __init__(self, cfg: ModelConfig, embed: bool = True):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden) if embed else nn.Identity()
         self.blocks = nn.ModuleList(_Block(cfg.hidden) for _ in range(cfg.layers))
         self.norm, self.head = nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
@@ -322,32 +337,90 @@ class _TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` of the model FSDP2-sharded on ``mesh`` after one AdamW step; built on the
-    meta device and materialised shard by shard, so no rank ever holds the whole model."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _sharded(cfg: ModelConfig, mesh, device: torch.device, generator: torch.Generator, embed: bool = True):
+    """The model built on the meta device, FSDP2-sharded on ``mesh`` and materialised shard by shard (no rank ever
+    holds the whole model): weights N(0, 0.02), norms 1 and 0; and its AdamW (lr 1e-3)."""
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
-        model = _TransformerLM(cfg).to(DTYPES[cfg.dtype])
+        model = _TransformerLM(cfg, embed).to(DTYPES[cfg.dtype])
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    generator = torch.Generator().manual_seed(seed + dist.get_rank())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 local(param).fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 local(param).copy_(torch.randn(local(param).shape, generator=generator) * 0.02)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _state(model, optim) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` of the model FSDP2-sharded on ``mesh`` after one AdamW step."""
+    model, optim = _sharded(cfg, mesh, device, torch.Generator().manual_seed(seed + dist.get_rank()))
     tokens = torch.randint(cfg.vocab, (2, 17), device=device)
     F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd}
+    return _state(model, optim)
+
+
+# The compression benchmark's model: no embedding, whose optimizer state a short run leaves zero in the rows it never
+# touches (which would flatter every compressor); blocks of about 12 x hidden**2 parameters and a head of hidden x HEAD.
+STACK_LAYERS, STACK_HEAD = 4, 2048
+
+
+def stack(hidden: int, dtype: torch.dtype) -> ModelConfig:
+    return ModelConfig(STACK_LAYERS, hidden, STACK_HEAD, str(dtype).removeprefix("torch."))
+
+
+def stack_hidden(mb: float, dtype: torch.dtype) -> int:
+    """The hidden size (a multiple of 64) whose stack, with AdamW's two states, holds closest to ``mb`` MB."""
+    per_param = 3 * torch.empty(0, dtype=dtype).element_size()
+    size = lambda hid: per_param * (STACK_LAYERS * (12 * hid * hid + 4 * hid) + 2 * hid + hid * STACK_HEAD)  # noqa
+    return min(range(64, 16385, 64), key=lambda hid: abs(size(hid) - mb * 1e6))
+
+
+def trained_stack_state(mb: float, dtype: torch.dtype, steps: int, mesh, rank: int) -> tuple[dict[str, Any], dict]:
+    """``({"model", "optim"}, its shape)`` of a stack of about ``mb`` MB FSDP2-sharded on ``mesh`` after ``steps``
+    AdamW steps on random inputs and labels, each rank its own: optimizer state as training makes it."""
+    hidden, generator = stack_hidden(mb, dtype), torch.Generator().manual_seed(1234 + rank)
+    model, optim = _sharded(stack(hidden, dtype), mesh, torch.device("cpu"), generator, embed=False)
+    for _ in range(steps):
+        x = torch.randn(4, 32, hidden, generator=generator).to(dtype)
+        labels = torch.randint(STACK_HEAD, (4 * 32,), generator=generator)
+        F.cross_entropy(model(x).flatten(0, 1).float(), labels).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return _state(model, optim), {"hidden": hidden, "layers": STACK_LAYERS, "head": STACK_HEAD}
+
+
+def spreads(state: Any) -> dict[str, dict[str, float]]:
+    """This rank's weights, exp_avg and exp_avg_sq of the linear layers: std, mean |x|, median, zeros."""
+    groups: dict[str, list[torch.Tensor]] = {"weight": [], "exp_avg": [], "exp_avg_sq": []}
+    for fqn, t in state["model"].items():
+        if fqn.endswith(".weight") and "norm" not in fqn:
+            groups["weight"].append(local(t).float().reshape(-1))
+    for fqn, entry in state["optim"]["state"].items():
+        if "norm" not in fqn:
+            for key in ("exp_avg", "exp_avg_sq"):
+                groups[key].append(local(entry[key]).float().reshape(-1))
+    found = {}
+    for key, parts in groups.items():
+        x = torch.cat(parts)
+        sample = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
+        found[key] = {"std": x.std().item(), "mean_abs": x.abs().mean().item(), "median": sample.median().item(),
+                      "zero_fraction": (x == 0).float().mean().item()}
+    return found
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -396,12 +469,14 @@ def equal(a: Any, b: Any) -> bool:
 
 def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
     """``zarr-dcp:check_replicas=none:aggregate_below=0`` -> ("zarr-dcp", {"check_replicas": "none", ...}): a kind and
-    the options its ZarrWriter and ZarrReader take (each passes on those it knows)."""
+    the options its ZarrWriter and ZarrReader take (each passes on those it knows); an option without a value is
+    True (``fs:zstd``: FileSystemWriter with DCP's ZStandard extension)."""
     kind, *options = spec.split(":")
-    parsed = {}
+    parsed: dict[str, Any] = {}
     for option in options:
-        key, _, value = option.partition("=")
-        parsed[key] = int(value) if value.lstrip("-").isdigit() else {"True": True, "False": False}.get(value, value)
+        key, equals, value = option.partition("=")
+        parsed[key] = True if not equals else int(value) if value.lstrip("-").isdigit() else {
+            "True": True, "False": False}.get(value, value)
     return kind, parsed
 
 
@@ -410,13 +485,58 @@ _READER_ONLY = ("read_once", "read_once_below")
 _READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
 
 
+def throttled(path: str, storage_options: dict | None, file_system: Any, bytes_per_second: float | None,
+              zarr: bool) -> tuple[str, dict | None, Any]:
+    """(path, storage_options, DCP FileSystem) for a kind behind this process's link of ``bytes_per_second``
+    (dcp_zarr/storage/throttled.py): dcp_zarr's ``throttled://`` location, DCP's files through a FileSystem whose
+    writes and reads are charged to the same link."""
+    if not bytes_per_second:
+        return path, storage_options, file_system
+    from dcp_zarr.storage.throttled import link, register_throttled
+
+    if zarr:
+        register_throttled()
+        return f"throttled://{path}", {**(storage_options or {}), "bytes_per_second": bytes_per_second}, None
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    bandwidth = link(bytes_per_second)
+
+    class Stream:
+        def __init__(self, stream):
+            self._stream = stream
+
+        def __getattr__(self, name: str):
+            return getattr(self._stream, name)
+
+        def write(self, data) -> int:
+            return bandwidth.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None
+                                   else n)
+
+        def read(self, size: int = -1) -> bytes:
+            return bandwidth.timed(lambda: self._stream.read(size), len)
+
+        def readinto(self, buffer) -> int:
+            return bandwidth.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
+
+    class ThrottledFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                yield Stream(stream)
+
+    return path, storage_options, ThrottledFileSystem()
+
+
 def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None) -> None:
+         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
     """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
     alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
     planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
-    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path."""
+    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path;
+    ``file_system``: the ``fs`` kind's DCP ``FileSystem``; ``bytes_per_second``: behind a link (``throttled``)."""
     kind, options = parse_kind(spec)
+    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
+                                                   kind in ZARR_KINDS)
     counts = {} if threads is None else {"thread_count": threads}
     planner = None
     if kind == "raw":
@@ -430,20 +550,33 @@ def save(spec: str, state: Any, path: str, threads: int | None = None, storage_o
         writer: Any = ZarrWriter(path, store=store, storage_options=storage_options, **counts, **options)
         planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
     elif kind == "fs":
-        writer = FileSystemWriter(path, sync_files=True, **counts)
+        writer = FileSystemWriter(path, sync_files=True, **counts, **_extensions(options))
+        writer.fs = file_system or writer.fs
     elif kind == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        writer = FsspecWriter(path, sync_files=False, **counts, **(storage_options or {}))
+        # sync_files=False: on an object store DCP's fsync falls back to os.sync(), the whole machine's
+        writer = FsspecWriter(path, sync_files=False, **counts, **_extensions(options), **(storage_options or {}))
     else:
         raise ValueError(f"unknown writer kind {spec!r}")
     dcp.save(state, storage_writer=writer, planner=planner)
 
 
+def _extensions(options: dict[str, Any]) -> dict[str, Any]:
+    """``zstd``: DCP's ZStandard stream extension (its readers decode it from the metadata)."""
+    if not options.get("zstd"):
+        return {}
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return {"_extensions": [ZStandard()]}
+
+
 def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None) -> None:
+         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
     """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader, FsspecReader: no threads), or read_raw."""
     kind, options = parse_kind(spec)
+    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
+                                                   kind in ZARR_KINDS)
     if kind == "raw":
         return read_raw(target, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
     if kind in ZARR_KINDS:
@@ -454,6 +587,7 @@ def load(spec: str, target: Any, path: str, threads: int | None = None, storage_
                                  **({} if threads is None else {"thread_count": threads}), **options)
     elif kind == "fs":
         reader = FileSystemReader(path)
+        reader.fs = file_system or reader.fs
     elif kind == "fsspec":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
