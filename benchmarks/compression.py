@@ -9,10 +9,10 @@ Targets (``--targets``): ``tmpfs`` (/dev/shm); ``disk`` (``--disk-dir``; the wri
 dropped before every load: ``drop_caches`` as root, else each file's pages evicted, as the result says); ``s3``
 (dcp_zarr.testing's loopback S3 server, large objects spooled to tmpfs); ``throttled``: tmpfs behind a link of
 ``--throttle-mb-s`` per rank shared by its threads, every byte written and read charged to it (dcp_zarr's
-``throttled://`` storage, dcp_zarr/storage/throttled.py, and DCP's files through ``harness.throttled``): where
+``throttled://`` storage, dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where
 bandwidth, not a server's CPU, is the limit. S3 behind a ``tbf`` network link: ``benchmarks.studies.compression_tbf``.
 
-Kinds, each a harness writer kind: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
+Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
 (``zarr-plain:compression=...``), ``dcp`` (``fs``; ``fsspec`` on S3) and ``dcp-zstd`` (``fs:zstd``, which needs the
 ``zstandard`` package: without it the kind is left out, loudly); ``--threads`` IO threads each. Each target's repeats
 (after ``--warmup`` untimed rounds) save with every kind in rotating order into a fresh location, count the bytes
@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import harness as h
+from benchmarks import writers
 
 KINDS = {"zarr": "zarr-plain", "zarr-zstd": "zarr-plain:compression=zstd", "zarr-lz4": "zarr-plain:compression=lz4",
          "dcp": "fs", "dcp-zstd": "fs:zstd"}
@@ -157,7 +158,7 @@ def measure_target(ranks, args, state_name, state, zeros, target_name, target, r
             where = f"{target['root']}/{state_name}-{kind}-{repeat + args.warmup}"
             how = {"spec": KINDS[kind].replace("fs", "fsspec", 1) if options else KINDS[kind],  # fsspec on S3
                    "storage_options": options, "bytes_per_second": target.get("rate")}
-            save_s = h.timed(lambda: h.save(state=state, path=where, threads=args.threads, **how))[0]
+            save_s = h.timed(lambda: writers.save(state=state, path=where, threads=args.threads, **how))[0]
             if ranks.rank == 0 and kind not in stored:
                 stored[kind] = stored_bytes(where, options)
                 if options is None:
@@ -167,7 +168,7 @@ def measure_target(ranks, args, state_name, state, zeros, target_name, target, r
                 if ranks.rank == 0:
                     results["evicted_with"][target_name] = h.drop_page_cache(where)
                 dist.barrier()
-            load_s = h.timed(lambda: h.load(target=zeros, path=where, threads=args.threads, **how))[0]
+            load_s = h.timed(lambda: writers.load(target=zeros, path=where, threads=args.threads, **how))[0]
             name = f"{state_name}/{target_name}/{kind} loads equal"
             results["checks"][name] = results["checks"].get(name, True) and all(h.gather(h.equal(zeros, state)))
             if repeat >= 0:
@@ -175,7 +176,7 @@ def measure_target(ranks, args, state_name, state, zeros, target_name, target, r
                 times[kind]["load"].append(load_s)
             dist.barrier()
             if ranks.rank == 0:
-                shutil.rmtree(where, ignore_errors=True) if options is None else h.remove_s3(where, options)
+                shutil.rmtree(where, ignore_errors=True) if options is None else writers.remove_s3(where, options)
             dist.barrier()
         if ranks.rank == 0:
             print(f"{state_name} {target_name}: {'round' if repeat >= 0 else 'warm-up'} {repeat + 1} done", flush=True)
