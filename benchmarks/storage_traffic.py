@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import harness as h
+from benchmarks import writers
 from dcp_zarr.testing import s3_server
 from dcp_zarr.testing.shardings import LAYOUTS, in_layout
 
@@ -123,7 +124,7 @@ def _obstore(url: str, options: dict):
 
 
 def _kind(kind: str, where: str, options: dict | None) -> dict:
-    """The harness's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
+    """writers.py's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
     if kind == "zarr-obstore":
         return {"spec": "zarr", "path": "", "store": _obstore(where, options or {})}
     return {"spec": OFF if kind == "zarr-off" else kind, "path": where, "storage_options": options}
@@ -131,11 +132,12 @@ def _kind(kind: str, where: str, options: dict | None) -> dict:
 
 def save(kind: str, state, where: str, args, options: dict | None) -> None:
     threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads
-    h.save(state=state, threads=threads, **_kind(kind, where, options))
+    writers.save(state=state, threads=threads, **_kind(kind, where, options))
 
 
 def load(kind: str, target, where: str, args, options: dict | None) -> None:
-    h.load(target=target, threads=args.zarr_threads if kind.startswith("zarr") else None, **_kind(kind, where, options))
+    threads = args.zarr_threads if kind.startswith("zarr") else None
+    writers.load(target=target, threads=threads, **_kind(kind, where, options))
 
 
 def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
@@ -196,7 +198,7 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
                                 found.get("server_cpu_s"))
                     dist.barrier()
                     if ranks.rank == 0 and s3:
-                        h.remove_s3(where, options)
+                        writers.remove_s3(where, options)
                     elif ranks.rank == 0:
                         shutil.rmtree(where, ignore_errors=True)
                     dist.barrier()
