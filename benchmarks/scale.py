@@ -49,7 +49,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.format.manifest import Manifest
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, check_summaries
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
 
 HIDDEN, LOAD_WORLD_SIZE = 4096, 128
 _PROPS = TensorProperties(dtype=torch.bfloat16)

@@ -25,8 +25,9 @@ from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState, rank_plan
-from dcp_zarr.saving.dcp_planned import DcpPlannedSave
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
+from dcp_zarr.saving.save import Save
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.staging.async_stager import WriterStaging
 from dcp_zarr.storage import store_objects
@@ -40,8 +41,6 @@ _NO_COLLECTIVES = (
     "default): with DCP's own planner or ZarrSavePlanner, ZarrWriter plans each rank's part locally and DCP's "
     "collectives carry a fixed few bytes per rank, however many tensors a rank holds, which is what "
     "use_collectives=False is for at scale")
-
-Save = LocallyPlannedSave | DcpPlannedSave
 
 
 class _Start(NamedTuple):
@@ -182,11 +181,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
     @step_with_collector_paused
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         start, self._starting = self._starting or _Start(False, None), None
+        save: Save
         if isinstance(plan.planner_data, RankState):  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
-            self._save = LocallyPlannedSave(self._settings(), plan.planner_data, start.rank, start.is_coordinator)
+            save = LocallyPlannedSave(self._settings(), plan.planner_data, start.rank, start.is_coordinator)
         else:
-            self._save = DcpPlannedSave(self._settings(), start.is_coordinator)
-        return self._save.local_plan(plan)
+            save = DcpPlannedSave(self._settings(), start.is_coordinator)
+        self._save = save
+        return save.local_plan(plan)
 
     @step_with_collector_paused
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

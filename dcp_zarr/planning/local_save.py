@@ -40,8 +40,8 @@ from dcp_zarr.placement.holdings import (
     structure_digest,
 )
 from dcp_zarr.planning import replicas
+from dcp_zarr.planning.assignments import RankAssignment, array_spec, checked_node_paths
 from dcp_zarr.planning.compression_sample import poorly_compressed
-from dcp_zarr.planning.dcp_plans import RankAssignment, array_spec, checked_node_paths
 from dcp_zarr.planning.exchange import exchange_entries, merge
 from dcp_zarr.planning.protocol import Summary, Ticket
 from dcp_zarr.planning.save_planner import RankState

@@ -1,4 +1,4 @@
-"""The coordinator's per-save decisions (planning/dcp_plans.py): who writes each array's metadata, and the layouts
+"""The coordinator's per-save decisions (planning/assignments.py): who writes each array's metadata, and the layouts
 sent."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcp_zarr.planning.dcp_plans import array_specs_for_plans, assignments, describing_ranks, node_paths
+from dcp_zarr.planning.assignments import array_specs_for_plans, assignments, describing_ranks, node_paths
 
 
 def _row_block(fqn: str, rows: int, rank: int, world: int) -> WriteItem:

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_zarr import ZarrSavePlanner, ZarrWriter, open_checkpoint
-from dcp_zarr.saving.dcp_planned import DcpPlannedSave
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
 from tests.support.faults import causes
 from tests.support.ranks import run_ranks
 

@@ -19,17 +19,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.errors import ReplicaMismatchError
-from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.planning import replicas
+from dcp_zarr.format.manifest import Entry
 from dcp_zarr.planning.local_save import LocalSave
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Ticket, check_summaries
 from dcp_zarr.planning.save_planner import RankState
-from dcp_zarr.saving import committing
+from dcp_zarr.saving import coordinator
 from dcp_zarr.saving.item_writes import checked_tensor, write_items
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
-from dcp_zarr.store_io import commit
 
 
 class LocallyPlannedSave:
@@ -41,7 +38,7 @@ class LocallyPlannedSave:
                                settings.aggregate_below_bytes(), settings.exchange_bytes, settings.inner_chunk_bytes,
                                settings.compression)
         self.written_keys: list[str] = []
-        self._begun: committing.Begun | None = None  # the coordinator's, from global_plans
+        self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_report: RankReport | None = None  # the coordinator's own values and object sizes (not sent)
 
@@ -56,7 +53,7 @@ class LocallyPlannedSave:
             self.local.plan_alone()
             summaries = [self.local.summary]
         exchange, self._detail_groups = check_summaries(summaries)
-        self._begun = begun = committing.begin(self.settings, len(plans))
+        self._begun = begun = coordinator.begin(self.settings, len(plans))
         stored_plain = frozenset().union(*(summary.poorly_compressed for summary in summaries))
         self.local.stored_plain = stored_plain
         ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups, stored_plain)
@@ -114,15 +111,7 @@ class LocallyPlannedSave:
         assert begun is not None, "finish of a save without its prepare_global_plan"
         reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
                                      if r.index.fqn == REPORT_FQN]
-        try:
-            replicas.compare_checksums([report.checksums for report in reports])
-        except ReplicaMismatchError:
-            commit.abandon(begun.storage)
-            raise
-        if self._detail_groups:  # nothing was written; compare_checksums names the keys, this is the backstop
-            commit.abandon(begun.storage)
-            raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(self._detail_groups)}"
-                                       "; nothing was committed")
+        coordinator.refuse_differing_replicas(begun, [report.checksums for report in reports], self._detail_groups)
         own = self._own_report or RankReport({}, {}, {})
         values = dict(own.values)
         values.update((fqn, v) for report in reports for fqn, v in report.values.items())
@@ -133,13 +122,8 @@ class LocallyPlannedSave:
         entries: dict[str, Entry] = {}
         for fqn, entry in local.global_entries().items():
             if fqn in specs:
-                entries[fqn] = TensorEntry(
-                    fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
-                    chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
-                    requires_grad=entry.requires_grad, saved_shards=saved_shards[fqn],
-                    source=entry.source or {"type": "unknown"}, codec=specs[fqn].layout.codec)
-            elif fqn in values:
-                entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])
+                entries[fqn] = coordinator.tensor_entry(specs[fqn], entry.path, entry.size, entry.requires_grad,
+                                                        saved_shards[fqn], entry.source)
             else:
-                entries[fqn] = ObjectEntry(fqn, entry.path, nodes[fqn], objects[fqn])
-        committing.commit_save(self.settings, begun, entries, local.global_key_order(), specs)
+                entries[fqn] = coordinator.stored_value_entry(fqn, entry.path, nodes[fqn], values, objects)
+        coordinator.commit_save(self.settings, begun, entries, local.global_key_order(), specs)
