@@ -369,7 +369,7 @@ class FakeRank:
         assert isinstance(save, LocallyPlannedSave)
         array_shards = save.settings.open(ticket.staging_location).writes_at_offsets
         start = time.perf_counter()
-        items, _ = save.local.rank_writes(ticket, writer.inner_chunk_bytes, array_shards)
+        items, _ = save.local.rank_writes(ticket, writer.settings.inner_chunk_bytes, array_shards)
         return time.perf_counter() - start, items
 
 
