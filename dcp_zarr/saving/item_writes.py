@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.format.sources import SourceDescriptions
 from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
+from dcp_zarr.planning.assignments import RankAssignment
 from dcp_zarr.planning.dcp_internals import save_lookup_is_dcps
-from dcp_zarr.planning.dcp_plans import RankAssignment
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io.write_jobs import NOT_LOOKED_UP, WriteJobs
 
