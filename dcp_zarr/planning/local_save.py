@@ -41,6 +41,7 @@ from dcp_zarr.placement.holdings import (
 )
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.compression_sample import poorly_compressed
+from dcp_zarr.planning.dcp_internals import sharded_tensor_type
 from dcp_zarr.planning.dcp_plans import RankAssignment, array_spec, checked_node_paths
 from dcp_zarr.planning.exchange import exchange_entries, merge
 from dcp_zarr.planning.protocol import Summary, Ticket
@@ -60,7 +61,8 @@ class LocalSave:
         self.rank = rank if rank is not None else (dist.get_rank(group) if distributed else 0)
         self.coordinator = coordinator
         group_rank = group_rank_of(group) if distributed else int
-        self.entries, self.items = rank_entries(state.items, state.state_dict, state.mappings, self.rank, group_rank)
+        self.entries, self.items = rank_entries(state.items, state.state_dict, state.mappings, self.rank, group_rank,
+                                                 sharded_tensor_type())
         for entry in self.entries.values():
             if entry.dtype is not None:
                 numpy_dtype(entry.dtype)  # raises naming the dtype if unsupported
