@@ -17,7 +17,7 @@ One field is added to the config: ``zarr_compression``, a blosc compressor's nam
 ``ZarrWriter`` compresses the floating-point arrays of each ``step-N`` with, or None (the default) for none; a name
 that is not one fails as the config is built (from the command line or a TOML file), and again as the manager is.
 
-Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_changed_internals``)
+Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_missing_internals``)
 and raises ``FrameworkVersionError`` naming the installed torchtitan and 0.3.0 when one moved.
 """
 
@@ -71,7 +71,7 @@ _OVERRIDDEN = {
 _INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager")
 
 
-def _changed_internals(manager_module: ModuleType) -> list[str]:
+def _missing_internals(manager_module: ModuleType) -> list[str]:
     """The internals of torchtitan 0.3.0 this adapter relies on that ``manager_module`` lacks, one line each."""
     missing = missing_attributes(manager_module, ("CheckpointManager", "AsyncMode", "MODEL", "ModelWrapper",
                                                   "filesystem", "GarbageCollection"), _MANAGER_MODULE)
@@ -102,7 +102,7 @@ def _import_manager_module() -> ModuleType:
     except ImportError as exc:  # installed, but the manager is elsewhere now
         require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, [f"module {_MANAGER_MODULE} ({exc})"])
         raise  # unreachable: require_internals raised
-    require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, _changed_internals(module))
+    require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, _missing_internals(module))
     return module
 
 
