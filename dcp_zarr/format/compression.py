@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dcp_zarr.format.codecs import CODECS, BloscCodec, Codec  # noqa: F401  (BloscCodec: planning/local_save.py's import)
+from dcp_zarr.format.codecs import CODECS, Codec
 
 # The compressors a save may name, in the table's order (messages list them)
 COMPRESSORS = tuple(CODECS)

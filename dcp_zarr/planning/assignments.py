@@ -78,8 +78,8 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
     """One ArraySpec per tensor; with ``array_shards`` (a backend that writes at offsets: local files), an array that
     several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``). With
     ``compression``, every candidate array is compressed: a save DCP plans carries no samples of the data
-    (planning/compression_sample.py serves saves planned locally), and blosc stores blocks that do not compress as
-    they are."""
+    (planning/compression_sample.py serves saves planned locally), and a codec stores data that does not compress
+    within its overhead (format/codecs.py)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO

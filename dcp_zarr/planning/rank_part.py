@@ -19,6 +19,7 @@ from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.torch_arrays import numpy_dtype
 from dcp_zarr.placement.holdings import DTENSOR, Holding, group_rank_of, rank_entries, structure_digest
 from dcp_zarr.planning.assignments import checked_node_paths
+from dcp_zarr.planning.dcp_internals import sharded_tensor_type
 from dcp_zarr.planning.recent_plans import recent_plans
 from dcp_zarr.planning.save_planner import RankState
 
@@ -63,7 +64,8 @@ def gather_part(state: RankState, rank: int | None, coordinator: bool) -> RankPa
     world_size = dist.get_world_size(group) if distributed else 1
     rank = rank if rank is not None else (dist.get_rank(group) if distributed else 0)
     group_rank = group_rank_of(group) if distributed else int
-    entries, items = rank_entries(state.items, state.state_dict, state.mappings, rank, group_rank)
+    entries, items = rank_entries(state.items, state.state_dict, state.mappings, rank, group_rank,
+                                  sharded_tensor_type())
     for entry in entries.values():
         if entry.dtype is not None:
             numpy_dtype(entry.dtype)  # raises naming the dtype if unsupported

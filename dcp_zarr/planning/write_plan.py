@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from dcp_zarr.collective.aggregation import Aggregation, plan_aggregation
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import ChunkLayout
-from dcp_zarr.format.compression import BloscCodec
+from dcp_zarr.format.codecs import Codec
 from dcp_zarr.format.torch_arrays import torch_dtype_name
 from dcp_zarr.placement.box_writers import Decisions, exchange_decisions, rank_decisions, without_aggregated
 from dcp_zarr.placement.chunk_grids import entry_layout
@@ -129,7 +129,7 @@ class _Layouts:
         aggregated = self.aggregation.arrays.get(entry.fqn)
         return (layout if aggregated is None else aggregated.layout).compressed(codec), count
 
-    def codec(self, entry: Holding) -> BloscCodec | None:
+    def codec(self, entry: Holding) -> Codec | None:
         """The codec of a tensor entry's array: with compression, for candidates no rank's sample refused."""
         compression = self.key.options.compression
         if compression is None or entry.dtype is None or entry.fqn in self.key.stored_plain:

@@ -261,3 +261,22 @@ def test_the_lifecycle_asks_storage_what_it_can_do_never_which_backend_it_is():
                 if name in ("is_local", "LocalStorage", "ZarrStoreStorage"):
                     found.append(f"{path.name}:{node.lineno}: {name}")
     assert found == []
+
+
+def test_torch_private_names_are_imported_in_dcp_internals_alone():
+    """torch's private modules and names (a component or a name starting with ``_``) are imported by
+    planning/dcp_internals.py alone: the day a torch release moves one, one module changes (docs/compatibility.md)."""
+    private = []
+    for module, path in _modules().items():
+        if module == "dcp_zarr.planning.dcp_internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.split(".")[0] == "torch"]
+                private += [f"{module}: import {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                parts = node.module.split(".")  # type: ignore[union-attr]
+                for alias in node.names:
+                    if any(p.startswith("_") for p in parts) or alias.name.startswith("_"):
+                        private.append(f"{module}: from {node.module} import {alias.name}")
+    assert private == [], "\n".join(private)
