@@ -127,7 +127,7 @@ class ZarrCheckpointManager(_CheckpointManager):
     class Config(_CheckpointManager.Config):
         # torchtitan's Config.build() constructs the class that declares the Config: declaring it selects this one.
         zarr_compression: str | None = None
-        """Compress the floating-point arrays of each checkpoint with this compressor (format/codecs.py): "zstd" (the smallest
+        """Compress the floating-point arrays of each checkpoint with this compressor: "zstd" (the smallest
         checkpoints), "lz4" (the fastest), "lz4hc", "blosclz" or "zlib", at level 1; None (the default): stored as
         they are. Arrays under 64 KiB, and those a sample shows do not shrink, are stored as they are."""
 
