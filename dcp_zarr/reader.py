@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.format.manifest import Manifest
+from dcp_zarr.gc_pause import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.loading.metadata import MANIFEST_IN_STORAGE_DATA, dcp_metadata
 from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.loading.root_once import manifest_read_once
@@ -151,7 +151,7 @@ class ZarrReader(StorageReader):
         items, self._kept_items = plan.items or self._kept_items, []
         reads = self._reads()
         try:
-            with paused_on_main_thread(reads.settings.pauses_collector()):  # collector.py says why
+            with paused_on_main_thread(reads.settings.pauses_collector()):  # gc_pause.py says why
                 committed = reads.read_shared(items, planner) if together else reads.read_directly(items, planner)
                 for item, dest in committed:
                     planner.commit_tensor(item, dest)

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 from dcp_zarr.format.compression import Compression
+from dcp_zarr.gc_pause import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState, rank_plan
@@ -192,7 +192,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         assert save is not None, "write_data of a save without its prepare_local_plan"
         future: Future[list[WriteResult]] = Future()
         try:
-            with paused_on_main_thread(save.settings.pauses_collector()):  # collector.py says why
+            with paused_on_main_thread(save.settings.pauses_collector()):  # gc_pause.py says why
                 results = save.write(plan, planner)
             self.written_keys = save.written_keys
         finally:

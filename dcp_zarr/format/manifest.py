@@ -23,7 +23,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from dcp_zarr.collector import collector_paused
 from dcp_zarr.errors import (
     IncompleteCheckpointError,
     InvalidKeyError,
@@ -43,6 +42,7 @@ from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.node_copies import MANIFEST_ATTRIBUTE, NodeDocuments, copies_of
 from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
+from dcp_zarr.gc_pause import collector_paused
 from dcp_zarr.json_documents import decode_json
 from dcp_zarr.version import __version__
 

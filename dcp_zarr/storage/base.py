@@ -71,7 +71,7 @@ class Storage(abc.ABC):
     # renamed onto it in one atomic step, which also swaps out a checkpoint it replaces, so replacing is safe by
     # default; False, written in place, the root zarr.json (written last) the commit, and replacing deletes first.
     commits_by_rename: ClassVar[bool] = False
-    # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (collector.py): the
+    # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (gc_pause.py): the
     # IO threads are dcp_zarr's own and make no reference cycles (local files); a client library's may.
     transfers_pause_collector: ClassVar[bool] = False
     # Whether ``link_from`` stores an object already stored under another root without moving its bytes through

@@ -46,7 +46,7 @@ class StoreTarget:
         return {}
 
     def pauses_collector(self) -> bool:
-        """Whether transfers run with the garbage collector paused, as the storage says (collector.py says why)."""
+        """Whether transfers run with the garbage collector paused, as the storage says (gc_pause.py says why)."""
         return self.store is None and storage_class(self.path).transfers_pause_collector
 
     def storage_aggregate_below(self) -> int:

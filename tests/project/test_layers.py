@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dcp_zarr"
 
 # Bottom to top. Units of one layer are siblings: neither imports the other.
 LAYERS = [
-    ["errors", "collector"],  # every error class | the garbage collector paused
+    ["errors", "gc_pause"],  # every error class | the garbage collector paused for a step
     ["version", "json_documents", "progress", "torch_floor"],  # helpers with no knowledge of checkpoints
     ["format", "storage"],  # pure: bytes and documents in, typed values out | bytes to and from a backend
     ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit

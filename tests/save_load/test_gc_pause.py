@@ -14,7 +14,7 @@ import dcp_zarr.loading.rank_reads
 import dcp_zarr.saving.coordinator
 import dcp_zarr.store_io.write_jobs
 from dcp_zarr import ZarrReader, ZarrWriter
-from dcp_zarr.collector import collector_paused, step_with_collector_paused
+from dcp_zarr.gc_pause import collector_paused, step_with_collector_paused
 from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.store_io.write_jobs import WriteJobs
 
@@ -112,7 +112,7 @@ def _record_transfers(monkeypatch) -> list[tuple[str, bool]]:
 
 
 def test_transfers_pause_the_collector_for_a_local_path_only(tmp_path, monkeypatch, collector_on):
-    """An object store's client keeps its collections for the minutes a transfer may take (collector.py)."""
+    """An object store's client keeps its collections for the minutes a transfer may take (gc_pause.py)."""
     from zarr.storage import MemoryStore
 
     seen = _record_transfers(monkeypatch)
