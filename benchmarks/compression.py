@@ -10,7 +10,7 @@ dropped before every load: ``drop_caches`` as root, else each file's pages evict
 (dcp_zarr.testing's loopback S3 server, large objects spooled to tmpfs); ``throttled``: tmpfs behind a link of
 ``--throttle-mb-s`` per rank shared by its threads, every byte written and read charged to it (dcp_zarr's
 ``throttled://`` storage, dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where
-bandwidth, not a server's CPU, is the limit. S3 behind a ``tbf`` network link: ``benchmarks.studies.compression_tbf``.
+bandwidth, not a server's CPU, is the limit.
 
 Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
 (``zarr-plain:compression=...``), ``dcp`` (``fs``; ``fsspec`` on S3) and ``dcp-zstd`` (``fs:zstd``, which needs the
