@@ -10,7 +10,7 @@ dropped before every load: ``drop_caches`` as root, else each file's pages evict
 (dcp_zarr.testing's loopback S3 server, large objects spooled to tmpfs); ``throttled``: tmpfs behind a link of
 ``--throttle-mb-s`` per rank shared by its threads, every byte written and read charged to it (dcp_zarr's
 ``throttled://`` storage, dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where
-bandwidth, not a server's CPU, is the limit. S3 behind a ``tbf`` network link: ``benchmarks.studies.compression_tbf``.
+bandwidth, not a server's CPU, is the limit.
 
 Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
 (``zarr-plain:compression=...``), ``dcp`` (``fs``; ``fsspec`` on S3) and ``dcp-zstd`` (``fs:zstd``, which needs the
@@ -53,12 +53,11 @@ LEFT_OUT = ("dcp-zstd LEFT OUT: DCP's ZStandard extension needs the 'zstandard' 
             "pip install zstandard")
 
 
-def parse_args(argv: list[str] | None = None, targets: tuple[str, ...] = TARGETS, more=None) -> argparse.Namespace:
-    """The options; ``targets`` and ``more`` (a function adding options): a study's own."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=256, help="MB of state (weights + AdamW state) per state dict")
     p.add_argument("--states", default="bf16,fp32", help="comma-separated of bf16, fp32")
-    p.add_argument("--targets", default=",".join(targets), help=f"comma-separated of {', '.join(targets)}")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated of {', '.join(TARGETS)}")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated of {', '.join(KINDS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, on each target")
@@ -68,10 +67,8 @@ def parse_args(argv: list[str] | None = None, targets: tuple[str, ...] = TARGETS
     p.add_argument("--disk-dir", default="/var/tmp", help="the disk target's directory (a local disk, not tmpfs)")
     p.add_argument("--throttle-mb-s", type=float, default=200, help="throttled: each rank's MB/s, reads and writes")
     p.add_argument("--json", help="result JSON (default benchmarks/results/compression.json; .md beside it)")
-    if more:
-        more(p)
     args = p.parse_args(argv)
-    for name, allowed in (("states", STATES), ("targets", targets), ("kinds", KINDS)):
+    for name, allowed in (("states", STATES), ("targets", TARGETS), ("kinds", KINDS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
         if not chosen or set(chosen) - set(allowed):
             p.error(f"--{name} takes a comma-separated list of {', '.join(allowed)}")
@@ -192,23 +189,6 @@ def measure_target(ranks, args, state_name, state, zeros, target_name, target, r
 # -- The run: targets set up here, the ranks spawned, the tables -------------------------------------------------------
 
 
-def run(args, targets: dict[str, dict], notes: list[str], **extra) -> None:
-    """Measure on ``targets`` (made by the caller, removed by it) and write the result; dcp-zstd is left out, loudly,
-    where DCP's ZStandard cannot run here."""
-    from torch.distributed.checkpoint._extension import ZStandard
-
-    if "dcp-zstd" in args.kinds and not ZStandard.is_available():
-        args.kinds, notes = [k for k in args.kinds if k != "dcp-zstd"], [LEFT_OUT, *notes]
-        print(f"\n*** {LEFT_OUT} ***\n", file=sys.stderr, flush=True)
-    result = h.spawn(measure, args.ranks, args, targets)[0]
-    result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "notes": notes, **extra,
-              "targets": {n: {k: v for k, v in t.items() if k != "options"} for n, t in targets.items()}, **result}
-    result["verdicts"] = verdicts(result["rows"], targets)
-    h.write_result("compression", args.json, result, markdown(result))
-    if not all(result["checks"].values()):
-        raise SystemExit(3)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.enable()
@@ -230,7 +210,24 @@ def main(argv: list[str] | None = None) -> None:
             targets[name] = {"root": root, "drop_caches": name == "disk"}
             if name == "throttled":
                 targets[name].update(rate=args.throttle_mb_s * 1e6, per_rank=f"{args.throttle_mb_s:g} MB/s per rank")
-        run(args, targets, [])
+        run(args, targets)
+
+
+def run(args, targets: dict[str, dict]) -> None:
+    """Measure on ``targets`` and write the result; dcp-zstd is left out, loudly, where DCP's ZStandard cannot run."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    notes = []
+    if "dcp-zstd" in args.kinds and not ZStandard.is_available():
+        args.kinds, notes = [k for k in args.kinds if k != "dcp-zstd"], [LEFT_OUT]
+        print(f"\n*** {LEFT_OUT} ***\n", file=sys.stderr, flush=True)
+    result = h.spawn(measure, args.ranks, args, targets)[0]
+    result = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "notes": notes,
+              "targets": {n: {k: v for k, v in t.items() if k != "options"} for n, t in targets.items()}, **result}
+    result["verdicts"] = verdicts(result["rows"], targets)
+    h.write_result("compression", args.json, result, markdown(result))
+    if not all(result["checks"].values()):
+        raise SystemExit(3)
 
 
 def _index(rows: list[dict]) -> dict[tuple[str, str, str], dict]:

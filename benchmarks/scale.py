@@ -6,9 +6,7 @@ shard: FSDP ``Shard(0)``, HSDP ``(Replicate, Shard(0))`` on an (n/8, 8) mesh, FS
 for a transformer's bf16 weights, and the functions a real save and load call are timed on them: the coordinator's
 planning (DCP's ``create_global_plan``, then what each writer's ``prepare_global_plan`` adds), each writer's
 ``finish`` (the bytes of ``.metadata`` and of the root ``zarr.json``), a loading rank's ``read_metadata`` and DCP's
-read items for its shard of a 128-rank FSDP job, ``Manifest.from_json`` (and of a format-1 entry of 1,000,000 boxes),
-the coordinator's planning at 8,192 x 2,000 (measured on 100 tensors, scaled: every step is per tensor) and a
-loading rank's planning round-robin over stores of every world size.
+read items for its shard of a 128-rank FSDP job, and ``Manifest.from_json``.
 
 Then the planning measures (planning.json, planning.md): the bytes DCP's object collectives carry per save and load
 (pickles of the real objects) for dcp_zarr (ZarrSavePlanner, its ranks planned for real on torch's fake process
@@ -27,7 +25,6 @@ import json
 import math
 import os
 import pickle
-import shutil
 import statistics
 import sys
 import tempfile
@@ -496,50 +493,6 @@ def coordinator_cpu(layout: str, world: int, entries: int, repeats: int) -> dict
     return {"layout": layout, "world": world, "entries": entries, **h.medians(times)}
 
 
-def sampled_save_planning(world: int, entries: int, batch: int, batches: int) -> dict:
-    """Coordinator save planning over ``entries`` tensors, estimated from ``batches`` full planning calls of
-    ``batch`` tensors each, scaled by entries / (batch x batches): every step timed is per tensor."""
-    totals = {"dcp_global_plan_s": 0.0, "zarr_added_s": 0.0, "fs_added_s": 0.0}
-    tensors = model_tensors(batch * batches)
-    for start in range(0, batch * batches, batch):
-        with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-") as work:
-            planning = coordinator_planning(save_plans(tensors[start:start + batch], "fsdp", world), work)
-            for key in totals:
-                totals[key] += planning[key]
-            planning = None
-    return {"layout": "fsdp", "world": world, "entries": entries, "measured_entries": batch * batches,
-            **{key: value * entries / (batch * batches) for key, value in totals.items()}}
-
-
-def interleaved_load_planning(worlds: list[int], entries: int, rounds: int) -> dict[int, float]:
-    """A loading rank's read_metadata + read items of dcp_zarr stores saved at each world size, timed round-robin
-    over the world sizes (``rounds`` rounds, medians), so that this machine's drift falls on all of them alike."""
-    tensors = model_tensors(entries)
-    local = loading_shards(tensors)
-    with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-kept-") as keep:
-        for world in worlds:
-            with tempfile.TemporaryDirectory(prefix="dcp-zarr-scale-") as work:
-                planning = coordinator_planning(save_plans(tensors, "fsdp", world), work)
-                planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
-                planning = None
-                shutil.copytree(os.path.join(work, "ckpt.zarr"), os.path.join(keep, f"ws{world}.zarr"))
-        gc.collect()
-        times: dict[int, list[float]] = {world: [] for world in worlds}
-        for _ in range(rounds):
-            for world in worlds:
-                start = time.perf_counter()
-                read_items(ZarrReader(os.path.join(keep, f"ws{world}.zarr")).read_metadata(), local)
-                times[world].append(time.perf_counter() - start)
-        return {world: statistics.median(values) for world, values in times.items()}
-
-
-def format1_validation(boxes: int, repeats: int) -> float:
-    entry = {"path": ["w"], "kind": "tensor", "node": "w", "dtype": "torch.float32", "shape": [boxes, 2],
-             "chunk_shape": [1, 2], "saved_chunks": [{"offsets": [i, 0], "sizes": [1, 2]} for i in range(boxes)]}
-    document = {"format": "dcp_zarr", "format_version": 1, "complete": True, "entries": {"w": entry}}
-    return timed(lambda: Manifest.from_json(document, "scale"), repeats)[0]
-
-
 def planning_grid(rows: list[dict], worlds: dict[str, list[int]], entry_counts: list[int]) -> list[dict]:
     """Bytes per save and per load for every kind, at each layout, world size and tensor count: dcp_zarr from its
     real objects; DCP from a measured row's (exact), or scaled from the row at 100 tensors."""
@@ -562,7 +515,7 @@ def measure_planning(rows: list[dict], args, wire: bool = True) -> dict:
         rank_worlds, rank_entries, checked_entries = QUICK_WORLDS, 100, 16
         coordinator = [(layout, 64, 300) for layout in LAYOUTS]
     else:  # HSDP at 8 ranks is (1, 8): no replicas; 16 is the first world whose ranks checksum replicated boxes
-        rank_worlds = {"fsdp": [8, 8192], "hsdp": [8, 16, 8192], "fsdp_tp": [int(w) for w in args.tp_worlds.split(",")]}
+        rank_worlds = {"fsdp": [8, 8192], "hsdp": [8, 16, 8192], "fsdp_tp": [8, 8192]}
         rank_entries, checked_entries, coordinator = 2000, 100, [("fsdp", 8192, 2000), ("hsdp", 8192, 2000)]
     planning: dict = {"checked_ranks": {layout: check_representatives(layout, _CHECKED_WORLD, checked_entries)
                                         for layout in worlds},
@@ -635,29 +588,16 @@ def planning_tables(planning: dict) -> str:
           f"{c['total_s']:.3f}"] for c in planning["coordinator_cpu"]])
 
 
-def _interleaved_text(medians: dict[int, float]) -> str:
-    first = min(medians)
-    return ("a loading rank's read_metadata + read items (FSDP, 100 entries), round-robin over saving world sizes, "
-            "medians of 51: " + ", ".join(f"{world} ranks {s * 1e3:.2f} ms ({s / medians[first]:.2f}x)"
-                                          for world, s in medians.items()))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes: 8 and 64 ranks, 300 and 1,000 entries")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/scale", help="directory for scale.* and planning.*")
-    p.add_argument("--interleaved-only", action="store_true", help="only a loading rank's planning, round-robin")
     p.add_argument("--planning-only", action="store_true", help="only the 100-tensor rows, then the planning measures")
     p.add_argument("--timing-only", action="store_true", help="only one rank's planning and the coordinator's CPU")
     p.add_argument("--rank-repeats", type=int, default=5, help="rounds of the per-rank planning timing")
-    p.add_argument("--tp-worlds", default="8,8192", help="world sizes of FSDP+TP's per-rank planning (full run)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    interleaved_worlds = [8, 64] if args.quick else WORLDS["fsdp"]
-    if args.interleaved_only:
-        print(_interleaved_text(interleaved_load_planning(interleaved_worlds, 100, 51)))
-        return 0
     if args.timing_only:
         planning = measure_planning([], args, wire=False)
         h.write_result("planning-timing", os.path.join(args.out, "planning-timing.json"), planning,
@@ -675,20 +615,9 @@ def main(argv=None) -> int:
     h.write_result("planning", os.path.join(args.out, "planning.json"), planning, planning_tables(planning))
     if args.planning_only:
         return 0
-    boxes = 10_000 if args.quick else 1_000_000
-    validation = {"boxes": boxes, "seconds": format1_validation(boxes, args.repeats)}
-    report = {"rows": rows, "format1_validation_s": validation, "planning": planning,
-              "interleaved_load_planning_s": interleaved_load_planning(interleaved_worlds, 100, 51)}
-    text = table(rows) + f"\n\nformat-1 entry of {boxes:,} boxes: Manifest.from_json {validation['seconds']:.2f} s"
-    if not args.quick:
-        t = report["target"] = sampled_save_planning(8192, 2000, 50, 2)
-        text += (f"\ncoordinator save planning at {t['world']} ranks x {t['entries']} tensors (measured on "
-                 f"{t['measured_entries']}, scaled): DCP {t['dcp_global_plan_s']:.1f} s, dcp_zarr adds "
-                 f"{t['zarr_added_s']:.1f} s ({t['zarr_added_s'] / t['dcp_global_plan_s']:.0%}), FileSystemWriter "
-                 f"adds {t['fs_added_s']:.2f} s")
-    text += "\n" + _interleaved_text(report["interleaved_load_planning_s"])
-    text += "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from 100 tensors):\n\n"
-    h.write_result("scale", os.path.join(args.out, "scale.json"), report, text + planning_tables(planning))
+    h.write_result("scale", os.path.join(args.out, "scale.json"), {"rows": rows, "planning": planning}, table(rows) +
+                   "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from 100 tensors):\n\n"
+                   + planning_tables(planning))
     return 0
 
 

@@ -23,7 +23,6 @@ two per shard (index, inner chunks); the coordinator the root. No bytes move.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shutil
@@ -47,11 +46,10 @@ OFF = "zarr:aggregate_below=0:read_once=False"  # zarr-off: without collective I
 
 class LocalCalls:
     """Counts, in this process, the files each writer and reader opens (a local file system's requests: each open is
-    a metadata operation, what a parallel file system feels most) and the bytes through them."""
+    a metadata operation, what a parallel file system feels most) and the bytes through them: dcp_zarr's local
+    storage's calls, and DCP's files through ``file_system``, the FileSystem the ``fs`` kind is given."""
 
     def __init__(self):
-        from torch.distributed.checkpoint.filesystem import FileSystem
-
         from dcp_zarr.storage.local import LocalStorage, OpenFile
 
         self.lock, self.counts = threading.Lock(), Counter()
@@ -61,46 +59,30 @@ class LocalCalls:
                 (LocalStorage, "write", "writes", written, 1), (LocalStorage, "write_at", "writes", written, 1),
                 (LocalStorage, "read", "reads", read, 1), (LocalStorage, "read_range", "reads", read, 1),
                 (LocalStorage, "open_value", "reads", lambda a, r: 0, 1),  # then reads through the handle:
-                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0), (OpenFile, "read_tail", "reads", read, 0),
-                (FileSystem, "create_stream", None, None, 1)):
+                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0), (OpenFile, "read_tail", "reads", read, 0)):
             setattr(cls, name, self._counted(getattr(cls, name), what, size, opens))
+        self.file_system = writers.metered_file_system(self._stream)
 
     def _counted(self, original, what, size, opens):
         def counted(*args, **kwargs):
             result = original(*args, **kwargs)
-            if what is not None:
-                self.add(what, size(args, result), opens)
-                return result
-            return self._stream(result, "writes" if "w" in args[-1] else "reads")  # FileSystemWriter/Reader
+            self.add(what, size(args, result), opens)
+            return result
 
         return counted
 
-    @contextlib.contextmanager
-    def _stream(self, context, what: str):
-        """FileSystemWriter/Reader's stream context: one open, then the bytes written or read through it."""
-        add = self.add
-        with context as stream:
-            add(what, 0, 1)
+    def _stream(self, mode: str):
+        """A DCP stream opened: one open counted, then the bytes written or read through it."""
+        what, calls = "writes" if "w" in mode else "reads", self
+        calls.add(what, 0, 1)
 
-            class Counted:
-                def __getattr__(self, name):
-                    return getattr(stream, name)
+        class Meter:
+            def timed(self, transfer, nbytes):
+                result = transfer()
+                calls.add(what, nbytes(result), 0)
+                return result
 
-                def write(self, data):
-                    add(what, memoryview(data).nbytes, 0)
-                    return stream.write(data)
-
-                def read(self, n=-1):
-                    data = stream.read(n)
-                    add(what, len(data), 0)
-                    return data
-
-                def readinto(self, buffer):
-                    n = stream.readinto(buffer)
-                    add(what, n or 0, 0)
-                    return n
-
-            yield Counted()
+        return Meter()
 
     def add(self, what: str, nbytes: int, opens: int) -> None:
         with self.lock:
@@ -130,14 +112,14 @@ def _kind(kind: str, where: str, options: dict | None) -> dict:
     return {"spec": OFF if kind == "zarr-off" else kind, "path": where, "storage_options": options}
 
 
-def save(kind: str, state, where: str, args, options: dict | None) -> None:
+def save(kind: str, state, where: str, args, options: dict | None, file_system=None) -> None:
     threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads
-    writers.save(state=state, threads=threads, **_kind(kind, where, options))
+    writers.save(state=state, threads=threads, file_system=file_system, **_kind(kind, where, options))
 
 
-def load(kind: str, target, where: str, args, options: dict | None) -> None:
+def load(kind: str, target, where: str, args, options: dict | None, file_system=None) -> None:
     threads = args.zarr_threads if kind.startswith("zarr") else None
-    writers.load(target=target, threads=threads, **_kind(kind, where, options))
+    writers.load(target=target, threads=threads, file_system=file_system, **_kind(kind, where, options))
 
 
 def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
@@ -183,10 +165,10 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
                 for kind in h.rotated(kinds, repeat):
                     label = f"{name}-{kind}-{latency:g}-{repeat}"
                     where = f"s3://{BUCKET}/{label}" if s3 else os.path.join(args.local_dir, label)
-                    opts = options if s3 else None
-                    save_s, save_counts = counted(lambda: save(kind, state, where, args, opts), s3)
+                    opts, fs = (options, None) if s3 else (None, calls and calls.file_system)
+                    save_s, save_counts = counted(lambda: save(kind, state, where, args, opts, fs), s3)
                     target = h.zeroed(state)
-                    load_s, load_counts = counted(lambda: load(kind, target, where, args, opts), s3)
+                    load_s, load_counts = counted(lambda: load(kind, target, where, args, opts, fs), s3)
                     if not all(h.gather(h.equal(target, state))):
                         raise SystemExit(f"{kind} {name}: the loaded state differs from the saved one")
                     if not s3 and ranks.rank == 0:

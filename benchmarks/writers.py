@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,34 +49,39 @@ def throttled(path: str, storage_options: dict | None, file_system: Any, bytes_p
     if zarr:
         register_throttled()
         return f"throttled://{path}", {**(storage_options or {}), "bytes_per_second": bytes_per_second}, None
+    bandwidth = link(bytes_per_second)
+    return path, storage_options, metered_file_system(lambda mode: bandwidth)
+
+
+def metered_file_system(meter_for: Callable[[str], Any]) -> Any:
+    """A DCP FileSystem whose streams' writes and reads each go through ``meter.timed(transfer, nbytes)`` (a throttled
+    link's, or a counter's), ``meter`` being ``meter_for(mode)`` of the stream, asked as it opens."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    bandwidth = link(bytes_per_second)
-
     class Stream:
-        def __init__(self, stream):
-            self._stream = stream
+        def __init__(self, stream, meter):
+            self._stream, self._meter = stream, meter
 
         def __getattr__(self, name: str):
             return getattr(self._stream, name)
 
         def write(self, data) -> int:
-            return bandwidth.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None
-                                   else n)
+            return self._meter.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None
+                                     else n)
 
         def read(self, size: int = -1) -> bytes:
-            return bandwidth.timed(lambda: self._stream.read(size), len)
+            return self._meter.timed(lambda: self._stream.read(size), len)
 
         def readinto(self, buffer) -> int:
-            return bandwidth.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
+            return self._meter.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
 
-    class ThrottledFileSystem(FileSystem):
+    class MeteredFileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path, mode):
             with super().create_stream(path, mode) as stream:
-                yield Stream(stream)
+                yield Stream(stream, meter_for(mode))
 
-    return path, storage_options, ThrottledFileSystem()
+    return MeteredFileSystem()
 
 
 def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,

@@ -3,7 +3,7 @@
 and when ZarrReader loads, while DCP's planning (a planner subclass keeps it) grows with them (issues 24 and 35).
 
 Counted with dcp_zarr.testing.wire's counter (every tensor each collective touches on the rank, inputs and outputs;
-benchmarks.wire_bytes measures the same for the planning report), on 4 real gloo ranks, for FSDP2 states of 240 and
+as the planning report's figures were), on 4 real gloo ranks, for FSDP2 states of 240 and
 960 tensors (AdamW state included).
 """
 

@@ -31,8 +31,6 @@ def test_quick_scale_run_writes_its_tables_and_results(tmp_path):
     fsdp = {r["world"]: r for r in rows if r["layout"] == "fsdp" and r["entries"] == 100}
     assert fsdp[64]["dcp_metadata_bytes"] > 5 * fsdp[8]["dcp_metadata_bytes"]  # DCP's grows with the ranks
     assert all(r["zarr_read_items"] == r["entries"] for r in rows)
-    assert report["format1_validation_s"]["boxes"] == 10_000
-    assert set(report["interleaved_load_planning_s"]) == {"8", "64"}
     check_planning(tmp_path, report)
 
 
