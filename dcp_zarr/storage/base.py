@@ -112,7 +112,8 @@ class Storage(abc.ABC):
     def link_from(self, source: Storage, key: str) -> None:
         """Store at ``key`` the object ``source`` holds at ``key``, bytes identical (incremental saves reuse what an
         earlier checkpoint stored). A backend with ``links_objects`` does it without the bytes passing through this
-        process; this default reads them and writes them."""
+        process; this default reads them and writes them. A hard link shares one file with ``source``: writing to
+        ``key`` afterwards would change the source's too, so a linked key is removed before it is written again."""
         self.write(key, [source.read(key)])
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:

@@ -76,6 +76,15 @@ class LinkContract:
         storage.link_from(source, "model/w/c.0.0")
         assert storage.read("model/w/c.0.0") == b"from the source"
 
+    def test_a_linked_key_removed_then_written_leaves_the_source_as_it_was(self, storage, request):
+        source = self._source(request)
+        source.write("model/w/c.0.0", [b"the earlier step's"])
+        storage.link_from(source, "model/w/c.0.0")
+        storage.remove("model/w/c.0.0")
+        storage.write("model/w/c.0.0", [b"this step's"])
+        assert source.read("model/w/c.0.0") == b"the earlier step's"
+        assert storage.read("model/w/c.0.0") == b"this step's"
+
     def test_linking_a_key_the_source_lacks_is_file_not_found_naming_it(self, storage, request):
         source = self._source(request)
         source.write("model/zarr.json", [b"{}"])
