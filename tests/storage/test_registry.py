@@ -130,7 +130,7 @@ def test_a_registered_class_serves_its_scheme_and_open_storage_opens_it(dict_sch
     assert storage_class(f"{SCHEME}://b/ckpt.zarr") is DictStorage
     assert storage_class(f"{SCHEME.upper()}://b/ckpt.zarr") is DictStorage, "schemes are case-insensitive"
     storage = open_storage(f"{SCHEME}://b/ckpt.zarr")
-    assert isinstance(storage, DictStorage) and storage.url == f"{SCHEME}://b/ckpt.zarr"
+    assert type(storage) is DictStorage and storage.url == f"{SCHEME}://b/ckpt.zarr"
 
 
 def test_an_unregistered_scheme_goes_to_fsspec_again():
