@@ -1,1 +1,2 @@
-"""dcp_zarr's benchmarks, each run as ``python -m benchmarks.<name>`` (benchmarks/README.md); ``harness`` is shared."""
+"""dcp_zarr's benchmarks, each run as ``python -m benchmarks.<name>`` (benchmarks/README.md); ``harness`` and
+``writers`` are shared."""

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import harness as h
+from benchmarks import writers
 
 QUICK = {"layers": 4, "hidden": 128, "vocab": 2048, "repeats": 2}  # a 16 MB fp32 state dict
 DEFAULTS = {"layers": 8, "hidden": 1024, "vocab": 32000, "repeats": 3}  # 2.0 GB
@@ -93,7 +94,7 @@ def save_only(args, ranks: h.Ranks, cfg: h.ModelConfig, state) -> None:
     dist.barrier()
     kinds = [k for k in args.kinds if k != "raw"]
     for kind in kinds:
-        h.save(kind, state, os.path.join(args.save_only, kind), args.threads)
+        writers.save(kind, state, os.path.join(args.save_only, kind), args.threads)
     saved = {"model": asdict(cfg), "world_size": ranks.world_size, "kinds": kinds}
     if ranks.rank == 0:
         Path(args.save_only, SAVED_CONFIG).write_text(json.dumps(saved, indent=2) + "\n")
@@ -122,7 +123,7 @@ class Bench:
             if self.ranks.rank == 0:
                 h.evict_page_cache(path)
             dist.barrier()
-        h.load(kind, target, path, self.args.threads)
+        writers.load(kind, target, path, self.args.threads)
 
     def timed(self, name: str, fn, record: bool) -> None:
         per_rank = h.timed(fn, self.ranks.device)[1]
@@ -136,7 +137,7 @@ class Bench:
             timed = repeat >= 0
             for kind in h.rotated(args.kinds, repeat):
                 path = os.path.join(self.root, f"{kind}-{repeat}")
-                self.timed(f"save/{kind}", lambda: h.save(kind, self.state, path, args.threads), timed)
+                self.timed(f"save/{kind}", lambda: writers.save(kind, self.state, path, args.threads), timed)
                 self.timed(f"load/{kind}", lambda: self.load(kind, target, path), timed)
                 self.check(f"load/{kind} equals saved", h.equal(target, self.state))
                 if self.ranks.rank == 0:

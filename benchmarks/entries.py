@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from benchmarks import harness as h
+from benchmarks import writers
 
 WORKLOADS = {  # name: (count, shape)
     "mib": (800, (1024, 256)),  # 1 MiB each: a transformer's weights and Adam state, 800 tensors
@@ -89,12 +90,12 @@ class RawWriter(NullWriter):
 def save(kind: str, threads: int, state, path: str) -> None:
     if kind in SAVE_ONLY:
         dcp.save(state, storage_writer=NullWriter() if kind == "null" else RawWriter(path))
-    else:  # raw-io: the harness's raw I/O; thread count 0: the writer's default
-        h.save("raw" if kind == "raw-io" else kind, state, path, threads or None)
+    else:  # raw-io: writers.py's raw I/O; thread count 0: the writer's default
+        writers.save("raw" if kind == "raw-io" else kind, state, path, threads or None)
 
 
 def load(kind: str, threads: int, target, path: str) -> None:
-    h.load("raw" if kind == "raw-io" else kind, target, path, threads or None)
+    writers.load("raw" if kind == "raw-io" else kind, target, path, threads or None)
 
 
 def build_state(count: int, shape: tuple[int, ...], mesh, owned: bool) -> dict[str, torch.Tensor]:

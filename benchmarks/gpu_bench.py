@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from benchmarks import harness as h
+from benchmarks import writers
 
 SCHEMA, MIB = "gpu_check/2", 1 << 20  # 2: async measures the plain line and its peers
 # zarr: ZarrWriter with ZarrSavePlanner; zarr-plain: dcp.save(sd, storage_writer=ZarrWriter(p)), the line users write
@@ -166,12 +167,12 @@ class GpuBench:
                     break
                 for kind in h.rotated(KINDS, repeat):
                     path = os.path.join(work, f"{kind}-{repeat}")
-                    self.timed(times, f"save/{kind}", lambda: h.save(kind, state, path, threads))
+                    self.timed(times, f"save/{kind}", lambda: writers.save(kind, state, path, threads))
                     if kind in LOADED:
                         h.fill_zeros(target)
                         if evict:  # a disk load that hits the page cache measures memory, not the disk
                             h.evict_page_cache(path)
-                        self.timed(times, f"load/{kind}", lambda: h.load(kind, target, path, threads))
+                        self.timed(times, f"load/{kind}", lambda: writers.load(kind, target, path, threads))
                         equal = equal and (repeat > 0 or h.equal(target, state))
                     shutil.rmtree(path)
                 done += 1
@@ -246,7 +247,7 @@ class GpuBench:
                 peaks.append(p)  # the first save's peaks include allocating the staging buffers
             elif target is not None:
                 h.fill_zeros(target)
-                h.load("zarr", target, path, self.args.threads)
+                writers.load("zarr", target, path, self.args.threads)
                 equal = h.equal(target, state)
             shutil.rmtree(path)
         later = blocking[1:] or blocking

@@ -1,6 +1,6 @@
 """What every benchmark shares (benchmarks/README.md): the stamp and the result files, rank launching, timing across
-ranks, the states and the writer kinds. Nothing here imports dcp_zarr at import time: DCP's own writer can be measured
-where dcp_zarr does not import.
+ranks and the states; the writer kinds are writers.py's. Nothing here imports dcp_zarr at import time: DCP's own
+writer can be measured where dcp_zarr does not import.
 """
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,7 +162,8 @@ def gather(value: Any) -> list[Any]:
 # The forkserver imports these once; every rank is then a fork of it. torch._dynamo: fully_shard and DTensor import
 # it lazily, about 1.4 s per rank otherwise.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "dcp_zarr",
-            "benchmarks.harness"]
+            "benchmarks.harness",
+            "benchmarks.writers"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800) -> list[Any]:
@@ -266,6 +264,18 @@ def footprint(path: str) -> dict[str, int]:
     return {"files": files, "directories": directories, "bytes": size}
 
 
+def drop_page_cache(path: str) -> str:
+    """Drop the page cache (root), else evict ``path``'s files: how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        evict_page_cache(path)
+        return "posix_fadvise(DONTNEED), no root"
+
+
 def evict_page_cache(path: str) -> None:
     """Drop the files' clean pages from the page cache (no root needed; a no-op on tmpfs)."""
     for directory, _, names in os.walk(path):
@@ -309,9 +319,12 @@ class _Block(nn.Module):
 
 
 class _TransformerLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``cfg.layers`` blocks and a head of ``cfg.vocab`` outputs, after an embedding of ``cfg.vocab`` tokens unless
+    ``embed`` is False (then its input is activations)."""
+
+    def __init__(self, cfg: ModelConfig, embed: bool = True):
         super().__init__()
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden) if embed else nn.Identity()
         self.blocks = nn.ModuleList(_Block(cfg.hidden) for _ in range(cfg.layers))
         self.norm, self.head = nn.LayerNorm(cfg.hidden), nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
@@ -322,32 +335,90 @@ class _TransformerLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` of the model FSDP2-sharded on ``mesh`` after one AdamW step; built on the
-    meta device and materialised shard by shard, so no rank ever holds the whole model."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _sharded(cfg: ModelConfig, mesh, device: torch.device, generator: torch.Generator, embed: bool = True):
+    """The model built on the meta device, FSDP2-sharded on ``mesh`` and materialised shard by shard (no rank ever
+    holds the whole model): weights N(0, 0.02), norms 1 and 0; and its AdamW (lr 1e-3)."""
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
-        model = _TransformerLM(cfg).to(DTYPES[cfg.dtype])
+        model = _TransformerLM(cfg, embed).to(DTYPES[cfg.dtype])
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    generator = torch.Generator().manual_seed(seed + dist.get_rank())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 local(param).fill_(1.0 if name.endswith("weight") else 0.0)
             else:
                 local(param).copy_(torch.randn(local(param).shape, generator=generator) * 0.02)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _state(model, optim) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` of the model FSDP2-sharded on ``mesh`` after one AdamW step."""
+    model, optim = _sharded(cfg, mesh, device, torch.Generator().manual_seed(seed + dist.get_rank()))
     tokens = torch.randint(cfg.vocab, (2, 17), device=device)
     F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    return {"model": model_sd, "optim": optim_sd}
+    return _state(model, optim)
+
+
+# The compression benchmark's model: no embedding, whose optimizer state a short run leaves zero in the rows it never
+# touches (which would flatter every compressor); blocks of about 12 x hidden**2 parameters and a head of hidden x HEAD.
+STACK_LAYERS, STACK_HEAD = 4, 2048
+
+
+def stack(hidden: int, dtype: torch.dtype) -> ModelConfig:
+    return ModelConfig(STACK_LAYERS, hidden, STACK_HEAD, str(dtype).removeprefix("torch."))
+
+
+def stack_hidden(mb: float, dtype: torch.dtype) -> int:
+    """The hidden size (a multiple of 64) whose stack, with AdamW's two states, holds closest to ``mb`` MB."""
+    per_param = 3 * torch.empty(0, dtype=dtype).element_size()
+    size = lambda hid: per_param * (STACK_LAYERS * (12 * hid * hid + 4 * hid) + 2 * hid + hid * STACK_HEAD)  # noqa
+    return min(range(64, 16385, 64), key=lambda hid: abs(size(hid) - mb * 1e6))
+
+
+def trained_stack_state(mb: float, dtype: torch.dtype, steps: int, mesh, rank: int) -> tuple[dict[str, Any], dict]:
+    """``({"model", "optim"}, its shape)`` of a stack of about ``mb`` MB FSDP2-sharded on ``mesh`` after ``steps``
+    AdamW steps on random inputs and labels, each rank its own: optimizer state as training makes it."""
+    hidden, generator = stack_hidden(mb, dtype), torch.Generator().manual_seed(1234 + rank)
+    model, optim = _sharded(stack(hidden, dtype), mesh, torch.device("cpu"), generator, embed=False)
+    for _ in range(steps):
+        x = torch.randn(4, 32, hidden, generator=generator).to(dtype)
+        labels = torch.randint(STACK_HEAD, (4 * 32,), generator=generator)
+        F.cross_entropy(model(x).flatten(0, 1).float(), labels).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return _state(model, optim), {"hidden": hidden, "layers": STACK_LAYERS, "head": STACK_HEAD}
+
+
+def spreads(state: Any) -> dict[str, dict[str, float]]:
+    """This rank's weights, exp_avg and exp_avg_sq of the linear layers: std, mean |x|, median, zeros."""
+    groups: dict[str, list[torch.Tensor]] = {"weight": [], "exp_avg": [], "exp_avg_sq": []}
+    for fqn, t in state["model"].items():
+        if fqn.endswith(".weight") and "norm" not in fqn:
+            groups["weight"].append(local(t).float().reshape(-1))
+    for fqn, entry in state["optim"]["state"].items():
+        if "norm" not in fqn:
+            for key in ("exp_avg", "exp_avg_sq"):
+                groups[key].append(local(entry[key]).float().reshape(-1))
+    found = {}
+    for key, parts in groups.items():
+        x = torch.cat(parts)
+        sample = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
+        found[key] = {"std": x.std().item(), "mean_abs": x.abs().mean().item(), "median": sample.median().item(),
+                      "zero_fraction": (x == 0).float().mean().item()}
+    return found
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -389,145 +460,3 @@ def equal(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
     return a == b
-
-
-# -- Writer kinds: dcp.save and dcp.load with each, and raw I/O of the same bytes -------------------------------------
-
-
-def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
-    """``zarr-dcp:check_replicas=none:aggregate_below=0`` -> ("zarr-dcp", {"check_replicas": "none", ...}): a kind and
-    the options its ZarrWriter and ZarrReader take (each passes on those it knows)."""
-    kind, *options = spec.split(":")
-    parsed = {}
-    for option in options:
-        key, _, value = option.partition("=")
-        parsed[key] = int(value) if value.lstrip("-").isdigit() else {"True": True, "False": False}.get(value, value)
-    return kind, parsed
-
-
-ZARR_KINDS = ("zarr", "zarr-plain", "zarr-dcp")
-_READER_ONLY = ("read_once", "read_once_below")
-_READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
-
-
-def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None) -> None:
-    """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
-    alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
-    planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
-    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path."""
-    kind, options = parse_kind(spec)
-    counts = {} if threads is None else {"thread_count": threads}
-    planner = None
-    if kind == "raw":
-        os.makedirs(path, exist_ok=True)
-        return write_raw(state, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
-    if kind in ZARR_KINDS:
-        from dcp_zarr import ZarrSavePlanner, ZarrWriter
-        from dcp_zarr.testing.planners import DCPsPlanning
-
-        options = {k: v for k, v in options.items() if k not in _READER_ONLY}
-        writer: Any = ZarrWriter(path, store=store, storage_options=storage_options, **counts, **options)
-        planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
-    elif kind == "fs":
-        writer = FileSystemWriter(path, sync_files=True, **counts)
-    elif kind == "fsspec":
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        writer = FsspecWriter(path, sync_files=False, **counts, **(storage_options or {}))
-    else:
-        raise ValueError(f"unknown writer kind {spec!r}")
-    dcp.save(state, storage_writer=writer, planner=planner)
-
-
-def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None) -> None:
-    """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader, FsspecReader: no threads), or read_raw."""
-    kind, options = parse_kind(spec)
-    if kind == "raw":
-        return read_raw(target, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
-    if kind in ZARR_KINDS:
-        from dcp_zarr import ZarrReader
-
-        options = {k: v for k, v in options.items() if k in _READER_OPTIONS}
-        reader: Any = ZarrReader(path, store=store, storage_options=storage_options,
-                                 **({} if threads is None else {"thread_count": threads}), **options)
-    elif kind == "fs":
-        reader = FileSystemReader(path)
-    elif kind == "fsspec":
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        reader = FsspecReader(path, **(storage_options or {}))
-    else:
-        raise ValueError(f"unknown reader kind {spec!r}")
-    dcp.load(target, storage_reader=reader)
-
-
-def _raw_plan(state: Any, threads: int) -> list[list[tuple[torch.Tensor, int]]]:
-    """This rank's tensors at their offsets in one file, largest first, each to the thread with the fewest bytes."""
-    tensors = sorted(leaves(state), key=lambda t: -local(t).numel() * t.element_size())
-    buckets: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(max(1, threads))]
-    loads, offset = [0] * len(buckets), 0
-    for tensor in tensors:
-        size = local(tensor).numel() * tensor.element_size()
-        least = loads.index(min(loads))
-        buckets[least].append((tensor, offset))
-        loads[least] += size
-        offset += size
-    return buckets
-
-
-def _host_view(tensor: torch.Tensor) -> torch.Tensor:
-    return local(tensor).detach().reshape(-1).view(torch.uint8)  # uint8: numpy has no bfloat16
-
-
-def write_raw(state: Any, path: str, threads: int = 4) -> None:
-    """Raw I/O, the storage's limit: this rank's local tensor bytes (copied to host first, for CUDA tensors) written
-    back to back into one file with ``os.pwrite`` from ``threads`` threads, then fsync. No format, no planning."""
-
-    def write(bucket: list[tuple[torch.Tensor, int]]) -> None:
-        for tensor, offset in bucket:
-            data = memoryview(_host_view(tensor).cpu().numpy())
-            while data:
-                written = os.pwrite(fd, data, offset)
-                data, offset = data[written:], offset + written
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(write, _raw_plan(state, threads)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_raw(target: Any, path: str, threads: int = 4) -> None:
-    """Raw I/O back: ``write_raw``'s file read into ``target``'s local tensors (of the same sharding)."""
-
-    def read(bucket: list[tuple[torch.Tensor, int]]) -> None:
-        for tensor, offset in bucket:
-            view = _host_view(tensor)
-            host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
-            buffer = memoryview(host.numpy())
-            while buffer:
-                got = os.preadv(fd, [buffer], offset)
-                if not got:
-                    raise EOFError(f"{path} ends at {offset}")
-                buffer, offset = buffer[got:], offset + got
-            if host is not view:
-                view.copy_(host)
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(read, _raw_plan(target, threads)))
-    finally:
-        os.close(fd)
-
-
-def remove_s3(url: str, storage_options: dict) -> None:
-    import s3fs
-
-    s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=storage_options["key"],
-                      secret=storage_options["secret"], endpoint_url=storage_options["endpoint_url"]).rm(
-        url, recursive=True)

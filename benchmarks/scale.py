@@ -49,7 +49,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.format.manifest import Manifest
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, check_summaries
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
 
 HIDDEN, LOAD_WORLD_SIZE = 4096, 128
 _PROPS = TensorProperties(dtype=torch.bfloat16)
@@ -282,7 +282,7 @@ def scaled_dcp_wire(exact: dict, tensors, layout: str, world: int) -> dict:
 # -- dcp_zarr's ranks planned for real, on torch's fake process group --------------------------------------------------
 
 # Module-level caches of dcp_zarr's planning, beside its functools caches: emptied for a restarted process's first save
-_PLAN_CACHES = {"dcp_zarr.planning.local_save": "_recent_plans", "dcp_zarr.placement.holdings": "_positions_made"}
+_PLAN_CACHES = {"dcp_zarr.planning.recent_plans": "recent_plans", "dcp_zarr.placement.holdings": "_positions_made"}
 
 
 def clear_caches() -> None:
@@ -295,7 +295,7 @@ def clear_caches() -> None:
                     value.cache_clear()
     for module_name, attribute in _PLAN_CACHES.items():
         cache = getattr(sys.modules.get(module_name), attribute, None)
-        cache = getattr(cache, "_plans", cache)  # planning/local_save.py's _RecentPlans keeps an OrderedDict
+        cache = getattr(cache, "_plans", cache)  # planning/recent_plans.py's RecentPlans keeps an OrderedDict
         if hasattr(cache, "clear"):
             cache.clear()
         else:
@@ -369,7 +369,7 @@ class FakeRank:
         assert isinstance(save, LocallyPlannedSave)
         array_shards = save.settings.open(ticket.staging_location).writes_at_offsets
         start = time.perf_counter()
-        items, _ = save.local.rank_writes(ticket, writer.inner_chunk_bytes, array_shards)
+        items, _ = save.local.rank_writes(ticket, array_shards)
         return time.perf_counter() - start, items
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import harness as h
+from benchmarks import writers
 from dcp_zarr.testing import s3_server
 from dcp_zarr.testing.shardings import LAYOUTS, in_layout
 
@@ -123,7 +124,7 @@ def _obstore(url: str, options: dict):
 
 
 def _kind(kind: str, where: str, options: dict | None) -> dict:
-    """The harness's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
+    """writers.py's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
     if kind == "zarr-obstore":
         return {"spec": "zarr", "path": "", "store": _obstore(where, options or {})}
     return {"spec": OFF if kind == "zarr-off" else kind, "path": where, "storage_options": options}
@@ -131,11 +132,12 @@ def _kind(kind: str, where: str, options: dict | None) -> dict:
 
 def save(kind: str, state, where: str, args, options: dict | None) -> None:
     threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads
-    h.save(state=state, threads=threads, **_kind(kind, where, options))
+    writers.save(state=state, threads=threads, **_kind(kind, where, options))
 
 
 def load(kind: str, target, where: str, args, options: dict | None) -> None:
-    h.load(target=target, threads=args.zarr_threads if kind.startswith("zarr") else None, **_kind(kind, where, options))
+    threads = args.zarr_threads if kind.startswith("zarr") else None
+    writers.load(target=target, threads=threads, **_kind(kind, where, options))
 
 
 def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
@@ -196,7 +198,7 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
                                 found.get("server_cpu_s"))
                     dist.barrier()
                     if ranks.rank == 0 and s3:
-                        h.remove_s3(where, options)
+                        writers.remove_s3(where, options)
                     elif ranks.rank == 0:
                         shutil.rmtree(where, ignore_errors=True)
                     dist.barrier()
@@ -307,7 +309,7 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.loading.metadata import dcp_metadata
     from dcp_zarr.placement.holdings import group_rank_of
     from dcp_zarr.planning.local_save import LocalSave
-    from dcp_zarr.planning.protocol import Ticket
+    from dcp_zarr.planning.protocol import SaveOptions, Ticket
     from dcp_zarr.storage.base import Storage
 
     below = Storage.aggregate_below if collective else 0  # an object store's default
@@ -316,24 +318,24 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     for rank in _fake_ranks(world):
         planner = ZarrSavePlanner()
         planner.set_up_planner(rank_state(layout, world, arrays, shape), None, rank == 0)
-        local = LocalSave(planner.create_local_plan().planner_data, rank, rank == 0, "none", 0, below,
-                          DEFAULT_EXCHANGE_BYTES)
-        items, assignment = local.rank_writes(Ticket("sim", "s3://sim/x", False, frozenset()), INNER, False)
+        local = LocalSave(planner.create_local_plan().planner_data, rank, rank == 0, "none", 0,
+                          SaveOptions(INNER, below, DEFAULT_EXCHANGE_BYTES, None))
+        items, assignment = local.rank_writes(Ticket("sim", "s3://sim/x", False, frozenset()), False)
+        plan = local.plan
         for item in items:
             spec, chunk = assignment.arrays[item.index.fqn], item.tensor_data.chunk
             for coords in spec.layout.chunks_in_box(chunk.offsets, chunk.sizes):
                 puts[rank] += 1
                 put_bytes[rank] += math.prod(spec.layout.chunk_box(coords)[1]) * spec.itemsize
-        for unit in (u for units in local.aggregation(INNER).rounds for u in units if u.owner == rank):
+        for unit in (u for units in plan.aggregation.rounds for u in units if u.owner == rank):
             puts[rank] += 1
             put_bytes[rank] += unit.nbytes
         puts[rank] += len(assignment.describes)
         if rank == 0:
-            specs, shards = local.saved_arrays(INNER, False)
-            nodes = local.global_nodes()
+            specs, shards, nodes = plan.saved_specs, plan.saved_shards, plan.nodes
             entries = {fqn: TensorEntry(fqn, e.path, nodes[fqn], specs[fqn].dtype_name, e.size,
                                         specs[fqn].layout.chunk_shape, specs[fqn].layout.inner_rows, False, shards[fqn])
-                       for fqn, e in local.global_entries().items()}
+                       for fqn, e in plan.entries.items()}
             groups = {g for e in entries.values() for g in parent_groups(e.node)}
             puts[rank] += len(groups) + 1  # each group's zarr.json, the root's
             manifest = Manifest(entries=entries, saved_world_size=world)

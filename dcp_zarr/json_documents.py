@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from dcp_zarr.collector import collector_paused
+from dcp_zarr.gc_pause import collector_paused
 
 # One encoder for every document, as json.dumps keeps one for its defaults: a save encodes a zarr.json per array,
 # and making an encoder for each would add a fixed cost to every document, not small beside encoding a few hundred

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.format.manifest import Manifest
+from dcp_zarr.gc_pause import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.loading.metadata import MANIFEST_IN_STORAGE_DATA, dcp_metadata
 from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.loading.root_once import manifest_read_once
@@ -75,23 +75,13 @@ class ZarrReader(StorageReader):
                  safe_globals: list | None = None, retry: RetryPolicy | None = None, process_group=None,
                  read_once: bool | None = None, read_once_below: int | None = None,
                  exchange_bytes: int = DEFAULT_EXCHANGE_BYTES):
-        if read_once_below is not None and (type(read_once_below) is not int or read_once_below < 0):
-            raise ValueError(f"read_once_below={read_once_below!r}: expected a number of bytes >= 0, or None for the "
-                             "storage's default")
-        if type(exchange_bytes) is not int or exchange_bytes < 1:
-            raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
-        if read_once is not None and type(read_once) is not bool:  # "false" is truthy: never guess
-            raise ValueError(f"read_once={read_once!r}: expected True, False or None for the storage's default")
-        self.process_group = process_group
-        self.read_once = read_once
-        self.read_once_below = read_once_below
-        self.exchange_bytes = exchange_bytes
-        self.path, self.store = store_objects.resolve("ZarrReader", path, store, writable=False)
-        self.retry = retry
-        self._retrying = Retrying(retry)  # shared by every storage this reader opens (retry.py)
-        self.safe_globals = list(safe_globals or [])
-        self.storage_options = storage_options
-        self.thread_count = max(1, int(thread_count))
+        path, store = store_objects.resolve("ZarrReader", path, store, writable=False)
+        # Made once, checked as it is made; every load of this reader runs with it (reset's checkpoint_id= gives a
+        # copy with that path). Its Retrying is shared by every storage this reader opens (retry.py).
+        self.settings = LoadSettings(
+            path=path, store=store, storage_options=storage_options, thread_count=thread_count,
+            safe_globals=list(safe_globals or []), process_group=process_group, read_once=read_once,
+            read_once_below=read_once_below, exchange_bytes=exchange_bytes, retrying=Retrying(retry))
         self.manifest: Manifest | None = None  # the checkpoint's, from read_metadata until the next reset
         self.bytes_read = 0  # by every load and read_entry of this reader
         self._kept_items: list = []  # this rank's read items, from prepare_local_plan to read_data (not sent)
@@ -101,7 +91,7 @@ class ZarrReader(StorageReader):
             if self.store is not None:
                 raise ValueError(f"ZarrReader(store=...) reads its store; checkpoint_id={checkpoint_id!r} cannot name "
                                  "another place: make a reader per store, or pass paths instead")
-            self.path = os.fspath(checkpoint_id)
+            self.settings = dataclasses.replace(self.settings, path=os.fspath(checkpoint_id))
         self.manifest = None
         self._kept_items = []
 
@@ -111,7 +101,7 @@ class ZarrReader(StorageReader):
 
     @step_with_collector_paused
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        settings = self._settings()
+        settings = self.settings
         try:
             self.manifest = manifest_read_once(settings)
         except Exception as exc:
@@ -126,7 +116,7 @@ class ZarrReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         if self.manifest is None:
-            self.manifest = read_manifest(self._settings().open())
+            self.manifest = read_manifest(self.settings.open())
         planner = dcp_internals.dcp_load_planner()  # DCP plans next: its own planner, in arithmetic
         if planner is not None:
             dcp_internals.take_over_load(planner, metadata, load_plan.local_read_items)
@@ -138,7 +128,7 @@ class ZarrReader(StorageReader):
         # the rank, and the plan DCP gathers to the coordinator and scatters back carries none: a few hundred bytes
         # per rank instead of one pickled ReadItem per local shard and tensor.
         self._kept_items = list(plan.items)
-        seen = LoadSummary(*_rank_and_world(self.process_group)) if self._settings().shares_reads() else None
+        seen = LoadSummary(*_rank_and_world(self.settings.process_group)) if self.settings.shares_reads() else None
         return dataclasses.replace(plan, items=[], storage_data=seen)
 
     @step_with_collector_paused
@@ -161,7 +151,7 @@ class ZarrReader(StorageReader):
         items, self._kept_items = plan.items or self._kept_items, []
         reads = self._reads()
         try:
-            with paused_on_main_thread(reads.settings.pauses_collector()):  # collector.py says why
+            with paused_on_main_thread(reads.settings.pauses_collector()):  # gc_pause.py says why
                 committed = reads.read_shared(items, planner) if together else reads.read_directly(items, planner)
                 for item, dest in committed:
                     planner.commit_tensor(item, dest)
@@ -185,11 +175,14 @@ class ZarrReader(StorageReader):
         """This rank's reads of the load under way: DCP calls read_metadata or set_up_storage_reader (each reads the
         manifest) first."""
         assert self.manifest is not None, "read_data before read_metadata or set_up_storage_reader"
-        settings = self._settings()
+        settings = self.settings
         return RankReads(settings, settings.open(), self.manifest)
 
-    def _settings(self) -> LoadSettings:
-        return LoadSettings(
-            path=self.path, store=self.store, storage_options=self.storage_options, thread_count=self.thread_count,
-            safe_globals=self.safe_globals, process_group=self.process_group, read_once=self.read_once,
-            read_once_below=self.read_once_below, exchange_bytes=self.exchange_bytes, retrying=self._retrying)
+    # The source, as given (a LocalStore is its directory's path): read-only, set by reset's checkpoint_id=
+    @property
+    def path(self) -> str:
+        return self.settings.path
+
+    @property
+    def store(self):
+        return self.settings.store

@@ -7,6 +7,7 @@ with the save. Planned locally (DCP's own planner, taken over in ``set_up_storag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import NamedTuple
 
@@ -18,15 +19,16 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.collector import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 from dcp_zarr.format.compression import Compression
+from dcp_zarr.gc_pause import paused_on_main_thread, step_with_collector_paused
 from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState, rank_plan
-from dcp_zarr.saving.dcp_planned import DcpPlannedSave
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
+from dcp_zarr.saving.save import Save
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.staging.async_stager import WriterStaging
 from dcp_zarr.storage import store_objects
@@ -40,8 +42,6 @@ _NO_COLLECTIVES = (
     "default): with DCP's own planner or ZarrSavePlanner, ZarrWriter plans each rank's part locally and DCP's "
     "collectives carry a fixed few bytes per rank, however many tensors a rank holds, which is what "
     "use_collectives=False is for at scale")
-
-Save = LocallyPlannedSave | DcpPlannedSave
 
 
 class _Start(NamedTuple):
@@ -101,31 +101,15 @@ class ZarrWriter(StorageWriter, WriterStaging):
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
                  aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES,
                  compression: str | bool | Compression | None = None):
-        if check_replicas not in replicas.CHECK_MODES:
-            raise ValueError(f"check_replicas={check_replicas!r}: expected one of {', '.join(replicas.CHECK_MODES)}")
-        self.path, self.store = store_objects.resolve("ZarrWriter", path, store, writable=True)
-        self.storage_options = storage_options
-        self.thread_count = max(1, int(thread_count))
-        self.sync_files = sync_files
-        if overwrite not in (None, True, False):
-            raise ValueError(f"overwrite={overwrite!r}: expected True, False or None (replace only where the old "
-                             "checkpoint survives until the new one is complete)")
-        self.overwrite = overwrite
-        self.inner_chunk_bytes = inner_chunk_bytes
-        self.check_replicas = check_replicas
-        self.replica_check_bytes = int(replica_check_bytes)
-        self.retry = retry
-        if aggregate_below is not None and (type(aggregate_below) is not int or aggregate_below < 0):
-            raise ValueError(f"aggregate_below={aggregate_below!r}: expected a number of bytes >= 0, or None for the "
-                             "storage's default")
-        if type(exchange_bytes) is not int or exchange_bytes < 1:
-            raise ValueError(f"exchange_bytes={exchange_bytes!r}: expected a number of bytes >= 1")
-        self.aggregate_below = aggregate_below
-        self.exchange_bytes = exchange_bytes
-        self.compression = Compression.of(compression)
-        # One for every storage this writer opens: whether the store has answered yet decides whether a refused
-        # connection is retried (retry.py).
-        self._retrying = Retrying(retry)
+        path, store = store_objects.resolve("ZarrWriter", path, store, writable=True)
+        # Made once, checked as it is made; every save of this writer runs with it (reset's checkpoint_id= gives a
+        # copy with that path). Its Retrying is one for every storage this writer opens: whether the store has
+        # answered yet decides whether a refused connection is retried (retry.py).
+        self.settings = SaveSettings(
+            path=path, store=store, storage_options=storage_options, thread_count=thread_count, sync_files=sync_files,
+            overwrite=overwrite, inner_chunk_bytes=inner_chunk_bytes, check_replicas=check_replicas,
+            replica_check_bytes=replica_check_bytes, aggregate_below=aggregate_below, exchange_bytes=exchange_bytes,
+            retrying=Retrying(retry), compression=Compression.of(compression))
         WriterStaging.__init__(self, cache_staged_state_dict)
         self._starting: _Start | None = None  # from set_up_storage_writer to the save's first plan
         self._save: Save | None = None  # the save under way (saving/): made at its first plan, dropped with it
@@ -139,7 +123,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             if self.store is not None:
                 raise ValueError(f"ZarrWriter(store=...) saves into its store; checkpoint_id={checkpoint_id!r} cannot "
                                  "name another place: make a writer per store, or pass paths instead")
-            self.path = os.fspath(checkpoint_id)
+            self.settings = dataclasses.replace(self.settings, path=os.fspath(checkpoint_id))
         self._save = None
 
     @classmethod
@@ -152,10 +136,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
         # state dict
         dcp_internals.check_save_planner_unshared()
         # save_id: chosen by the coordinator after this is asked (it is in the manifest)
-        return StorageMeta(checkpoint_id=self._settings().target(), save_id=None)
+        return StorageMeta(checkpoint_id=self.settings.label(), save_id=None)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        if not self.path and self.store is None:
+        settings = self.settings
+        if not settings.path and settings.store is None:
             raise ValueError("ZarrWriter needs a path or a store: pass path or store=, or checkpoint_id= to dcp.save")
         if kwargs.get("use_collectives", True) is False:
             # Every rank gets here before anything is written (DCP calls this first on each rank, and in this mode
@@ -165,13 +150,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
         self._starting = _Start(is_coordinator, kwargs.get("rank"))
         self._save = None
         self.written_keys = []
-        settings = self._settings()
-        if is_coordinator and self.store is not None:
-            # overwrite=True, said explicitly, also replaces an interrupted save; nothing does by default
-            commit.check_stored(settings.open(""), settings.replaces(), replace_interrupted=self.overwrite is True)
+        # overwrite=True, said explicitly, also replaces an interrupted save; nothing does by default
+        replace_interrupted = settings.overwrite is True
+        if is_coordinator and settings.store is not None:
+            commit.check_stored(settings.open(), settings.replaces(), replace_interrupted=replace_interrupted)
         elif is_coordinator:
-            commit.check_target(self.path, self.storage_options, settings.replaces(), retry=self._retrying,
-                                replace_interrupted=self.overwrite is True)
+            commit.check_target(settings.path, settings.storage_options, settings.replaces(),
+                                retry=settings.retrying, replace_interrupted=replace_interrupted)
         # DCP's own planner (planner=None, or a DefaultSavePlanner that plans as DCP does) plans this save locally,
         # as ZarrSavePlanner would: dcp.save(sd, storage_writer=ZarrWriter(p)) is the line users write. DCP asks
         # it for its plan next.
@@ -182,11 +167,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
     @step_with_collector_paused
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         start, self._starting = self._starting or _Start(False, None), None
+        save: Save
         if isinstance(plan.planner_data, RankState):  # planned here, as ZarrSavePlanner plans: a digest goes to DCP
-            self._save = LocallyPlannedSave(self._settings(), plan.planner_data, start.rank, start.is_coordinator)
+            save = LocallyPlannedSave(self.settings, plan.planner_data, start.rank, start.is_coordinator)
         else:
-            self._save = DcpPlannedSave(self._settings(), start.is_coordinator)
-        return self._save.local_plan(plan)
+            save = DcpPlannedSave(self.settings, start.is_coordinator)
+        self._save = save
+        return save.local_plan(plan)
 
     @step_with_collector_paused
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -197,7 +184,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             if locally:
                 raise RuntimeError("prepare_global_plan of a save planned locally needs this rank's "
                                    "prepare_local_plan first")
-            save = self._save = DcpPlannedSave(self._settings(), is_coordinator=True)
+            save = self._save = DcpPlannedSave(self.settings, is_coordinator=True)
         return save.global_plans(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -205,7 +192,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
         assert save is not None, "write_data of a save without its prepare_local_plan"
         future: Future[list[WriteResult]] = Future()
         try:
-            with paused_on_main_thread(save.settings.pauses_collector()):  # collector.py says why
+            with paused_on_main_thread(save.settings.pauses_collector()):  # gc_pause.py says why
                 results = save.write(plan, planner)
             self.written_keys = save.written_keys
         finally:
@@ -220,10 +207,11 @@ class ZarrWriter(StorageWriter, WriterStaging):
         assert save is not None, "finish of a save without its prepare_global_plan"
         save.finish(metadata, results)
 
-    def _settings(self) -> SaveSettings:
-        return SaveSettings(
-            path=self.path, store=self.store, storage_options=self.storage_options, thread_count=self.thread_count,
-            sync_files=self.sync_files, overwrite=self.overwrite, inner_chunk_bytes=self.inner_chunk_bytes,
-            check_replicas=self.check_replicas, replica_check_bytes=self.replica_check_bytes,
-            aggregate_below=self.aggregate_below, exchange_bytes=self.exchange_bytes, retrying=self._retrying,
-            compression=self.compression)
+    # The target, as given (a LocalStore is its directory's path): read-only, set by reset's checkpoint_id=
+    @property
+    def path(self) -> str:
+        return self.settings.path
+
+    @property
+    def store(self):
+        return self.settings.store

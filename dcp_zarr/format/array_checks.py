@@ -9,13 +9,13 @@ import functools
 
 from dcp_zarr.errors import MalformedMetadataError
 from dcp_zarr.format.chunk_layout import ChunkLayout
-from dcp_zarr.format.compression import BloscCodec
+from dcp_zarr.format.codecs import Codec
 from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.encoding import array_metadata, layout_from_array_metadata
 
 
 def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...] | None,
-                   inner_rows: int, dtype: str, codec: BloscCodec | None = None) -> ChunkLayout:
+                   inner_rows: int, dtype: str, codec: Codec | None = None) -> ChunkLayout:
     """The layout of the array whose ``zarr.json`` is ``doc``, for the manifest entry ``fqn`` of global ``shape``,
     grid ``chunk_shape`` (None: early format-1 entries, which leave it to the zarr.json), torch ``dtype`` name and
     ``codec``; MalformedMetadataError naming ``where`` (the store and node) when they disagree."""
@@ -33,8 +33,8 @@ def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chun
             raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {field} {doc.get(field)!r}, but a "
                                          f"{dtype} entry is stored with {expected[field]!r}")
     if layout.codec != codec:
-        said = "no compression" if codec is None else f"blosc {codec.cname} level {codec.clevel}"
-        found = "no compression" if layout.codec is None else f"blosc {layout.codec.cname}"
+        said = "no compression" if codec is None else codec.description
+        found = "no compression" if layout.codec is None else layout.codec.label
         raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {found}, but the manifest says {said}")
     return layout
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from dcp_zarr.errors import InvalidKeyError
-from dcp_zarr.format.compression import BloscCodec
+from dcp_zarr.format.codecs import Codec
 
 # Chunk keys of the arrays a save writes: zarr v3's default encoding with the "." separator (``c.0.1``), so a
 # chunk is a file in its array's directory. "/" (``c/0/1``, what format 1 and 2 stores hold) makes a directory per
@@ -93,7 +93,7 @@ class ChunkLayout(NamedTuple):
     chunk_shape: tuple[int, ...]
     inner_rows: int = 0
     separator: str = CHUNK_KEY_SEPARATOR
-    codec: BloscCodec | None = None
+    codec: Codec | None = None
 
     @property
     def sharded(self) -> bool:
@@ -118,7 +118,7 @@ class ChunkLayout(NamedTuple):
         so ranks write their inner chunks into the shard at those offsets; not so for compressed ones."""
         return self.spans_array and self.codec is None
 
-    def compressed(self, codec: BloscCodec | None) -> ChunkLayout:
+    def compressed(self, codec: Codec | None) -> ChunkLayout:
         """This layout with ``codec``: sharded (one inner chunk per chunk where it was not), so that the shard
         indexes record each compressed chunk's size."""
         if codec is None or not self.chunk_shape:  # a 0-d array is one element: stored as it is

@@ -5,8 +5,8 @@ Every array uses one of two codec chains, both readable by zarr-python and Tenso
 * plain:   ``bytes`` (little endian) -> ``crc32c``: the chunk's C-order bytes followed by their 4-byte crc32c;
 * sharded: ``sharding_indexed`` whose inner chunks use the plain chain, index at the end (16 bytes per inner chunk,
   offset and length as little-endian uint64, then the index's own crc32c);
-* compressed (``ChunkLayout.codec``, always sharded): inner chunks ``bytes`` -> ``blosc`` -> ``crc32c``, the crc32c of
-  the compressed bytes (format/compression.py).
+* compressed (``ChunkLayout.codec``, always sharded): inner chunks ``bytes`` -> the codec -> ``crc32c``, the crc32c
+  of the compressed bytes (format/codecs.py).
 
 Writing the bytes ourselves lets a rank hand tensor memory straight to ``writev`` (no copy) and skip zarr's
 per-chunk pipeline, a fixed cost per chunk that a checkpoint of thousands of chunks multiplies;
@@ -23,7 +23,7 @@ import numpy as np
 
 from dcp_zarr.errors import CorruptChunkError, MalformedMetadataError
 from dcp_zarr.format.chunk_layout import CHUNK_KEY_SEPARATORS, ChunkLayout, dimension_names
-from dcp_zarr.format.compression import BLOSC_OVERHEAD, BloscCodec
+from dcp_zarr.format.codecs import Codec, codec_from_json, codec_kind
 
 CHECKSUM_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -61,7 +61,7 @@ def encode_chunk(data: np.ndarray, layout: ChunkLayout) -> list:
     return _shard(rows, layout)
 
 
-def _compressed(rows: np.ndarray, full_rows: int, codec: BloscCodec) -> list:
+def _compressed(rows: np.ndarray, full_rows: int, codec: Codec) -> list:
     """A compressed inner chunk: its rows padded to ``full_rows`` (zeros), compressed, then their crc32c."""
     if rows.shape[0] != full_rows:
         padded = np.zeros((full_rows, *rows.shape[1:]), dtype=rows.dtype)
@@ -86,7 +86,7 @@ def _plain(rows: np.ndarray, full_rows: int | None) -> list:
     return [payload, crc.to_bytes(CHECKSUM_BYTES, "little")]
 
 
-def _inner_chunks(rows: np.ndarray, inner: int, codec: BloscCodec | None = None) -> list[list]:
+def _inner_chunks(rows: np.ndarray, inner: int, codec: Codec | None = None) -> list[list]:
     """The buffers of each inner chunk holding ``rows``, in order, the last one padded to ``inner`` rows."""
     if codec is not None:
         return [_compressed(rows[start: start + inner], inner, codec) for start in range(0, rows.shape[0], inner)]
@@ -110,9 +110,10 @@ def _shard(rows: np.ndarray, layout: ChunkLayout) -> list:
 
 def inner_chunk_stored_bytes(layout: ChunkLayout, itemsize: int) -> int:
     """The stored size of every inner chunk of a sharded layout: its payload at full size, then its crc32c (for a
-    compressed layout, the most it can be: blosc adds at most its header to data that does not compress)."""
-    overhead = BLOSC_OVERHEAD if layout.codec is not None else 0
-    return math.prod(layout.inner_chunk_shape) * itemsize + overhead + CHECKSUM_BYTES
+    compressed layout, the most it can be: the codec's most on data that does not compress)."""
+    payload = math.prod(layout.inner_chunk_shape) * itemsize
+    overhead = layout.codec.overhead(payload) if layout.codec is not None else 0
+    return payload + overhead + CHECKSUM_BYTES
 
 
 def encode_inner_chunks(rows: np.ndarray, layout: ChunkLayout) -> list:
@@ -235,8 +236,9 @@ def layout_from_array_metadata(meta: dict, where: str) -> ChunkLayout:
         if codecs and codecs[0]["name"] == "sharding_indexed":
             inner_rows = int(codecs[0]["configuration"]["chunk_shape"][0])
             codecs = codecs[0]["configuration"]["codecs"]
-        blosc = [c for c in codecs if isinstance(c, dict) and c.get("name") == "blosc"]
-        codec = BloscCodec.from_json(blosc[0], where) if len(blosc) == 1 else None
+        # a codec the table does not know is left to the zarr.json check (format/array_checks.py), which names it
+        known = [c for c in codecs if isinstance(c, dict) and codec_kind(c.get("name")) is not None]
+        codec = codec_from_json(known[0], where) if len(known) == 1 else None
         separator = meta["chunk_key_encoding"]["configuration"]["separator"]
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise MalformedMetadataError(f"{where}: zarr.json is malformed ({exc!r})") from exc

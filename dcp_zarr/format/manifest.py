@@ -23,7 +23,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from dcp_zarr.collector import collector_paused
 from dcp_zarr.errors import (
     IncompleteCheckpointError,
     InvalidKeyError,
@@ -38,11 +37,12 @@ from dcp_zarr.format.chunk_layout import (
     check_node_name,
     chunk_key,
 )
-from dcp_zarr.format.compression import BloscCodec
+from dcp_zarr.format.codecs import Codec, codec_from_json
 from dcp_zarr.format.dtype_table import STORED_DTYPES
 from dcp_zarr.format.node_copies import MANIFEST_ATTRIBUTE, NodeDocuments, copies_of
 from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
+from dcp_zarr.gc_pause import collector_paused
 from dcp_zarr.json_documents import decode_json
 from dcp_zarr.version import __version__
 
@@ -80,7 +80,7 @@ class TensorEntry:
     requires_grad: bool = False
     saved_shards: int = 1  # non-empty boxes the saving ranks held (what `inspect` reports)
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...} (sources.py)
-    codec: BloscCodec | None = None  # its chunks' compression (format 5), or None: stored as they are
+    codec: Codec | None = None  # its chunks' compression (format 5), or None: stored as they are
     kind: ClassVar[str] = TENSOR
 
     def to_json(self) -> dict:
@@ -323,7 +323,7 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
         if version < COMPRESSED_FORMAT_VERSION:
             raise ValueError(f"codec {codec!r} in a format-{version} store, which holds no compressed arrays")
         try:
-            codec = BloscCodec.from_json(codec, "codec")
+            codec = codec_from_json(codec, "codec")
         except MalformedMetadataError as exc:
             raise ValueError(str(exc)) from None
     return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,

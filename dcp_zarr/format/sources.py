@@ -12,8 +12,9 @@ SHARDED_TENSOR = "sharded_tensor"
 PLAIN_TENSOR = "tensor"
 
 
-def describe_source(value) -> dict:
-    """JSON description of a state-dict value as the saving rank held it."""
+def describe_source(value, sharded_tensor_type: type | None) -> dict:
+    """JSON description of a state-dict value as the saving rank held it. ``sharded_tensor_type``: torch's
+    ``ShardedTensor`` (a private module's, so planning/dcp_internals.py passes it in), None where torch has none."""
     if isinstance(value, DTensor):
         mesh = value.device_mesh
         return {
@@ -22,14 +23,7 @@ def describe_source(value) -> dict:
             "mesh_shape": list(mesh.shape),
             "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
         }
-    sharded: tuple[type, ...] = ()
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        sharded = (ShardedTensor,)
-    except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
-        pass
-    if isinstance(value, sharded):
+    if sharded_tensor_type is not None and isinstance(value, sharded_tensor_type):
         return {"type": SHARDED_TENSOR}
     if isinstance(value, torch.Tensor):
         return {"type": PLAIN_TENSOR}
@@ -40,8 +34,9 @@ class SourceDescriptions:
     """``describe_source`` once per kind of holder: the thousands of DTensors of one model share a mesh and
     placements, so they share one description, which each rank's results then pickle once."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharded_tensor_type: type | None) -> None:
         self._known: dict = {}
+        self._sharded_tensor_type = sharded_tensor_type
 
     def __call__(self, value) -> dict:
         if isinstance(value, DTensor):
@@ -51,10 +46,10 @@ class SourceDescriptions:
         try:
             return self._known[key]
         except KeyError:
-            description = self._known[key] = describe_source(value)
+            description = self._known[key] = describe_source(value, self._sharded_tensor_type)
             return description
         except TypeError:  # an unhashable placement or mesh: describe it alone
-            return describe_source(value)
+            return describe_source(value, self._sharded_tensor_type)
 
 
 def summarize_sources(sources: list[dict]) -> dict:

@@ -5,8 +5,7 @@ Named as TensorStore names them, which TensorStore reads and writes. zarr-python
 arrays without importing dcp_zarr. That is why this module imports neither torch nor the rest of dcp_zarr: zarr
 loads it while it resolves an array's data type. (The one exception, ``dtype_table``, imports only numpy and
 ml_dtypes. It holds the table of stored dtypes, re-exported here, apart from zarr: importing zarr is a noticeable
-part of a command's start-up (``cli_startup.py`` measured it: benchmarks/README.md, "Measured with tools no longer
-kept"), and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
+part of a command's start-up, and the readers behind ``inspect``, ``verify`` and ``diff`` never need it.)
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def _globals_loaded(function: Callable) -> set[str]:
     return {i.argval for i in dis.get_instructions(function) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
 
 
-def _moved_internals() -> list[str]:
+def _missing_internals() -> list[str]:
     moved = missing_attributes(_accelerator_module, _ZARR_FUNCTIONS, "accelerate.accelerator")
     for method, names in _CALLERS.items():
         caller = getattr(_Accelerator, method, None)
@@ -216,7 +216,7 @@ def _moved_internals() -> list[str]:
     return moved
 
 
-require_internals(_DISTRIBUTION, WRITTEN_FOR, _ADAPTER, _moved_internals())
+require_internals(_DISTRIBUTION, WRITTEN_FOR, _ADAPTER, _missing_internals())
 _accelerate_functions: dict[str, Callable] = {name: getattr(_accelerator_module, name) for name in _ZARR_FUNCTIONS}
 
 

@@ -89,7 +89,7 @@ def refuse_unless_committed(path: str | os.PathLike, who: str, instead: str) -> 
 
 
 # What an adapter's ``compression`` argument takes: ZarrWriter's own choices.
-COMPRESSION_CHOICES = (f"pass one of blosc's compressors ({', '.join(map(repr, COMPRESSORS))}), True (lz4), a "
+COMPRESSION_CHOICES = (f"pass one of the compressors ({', '.join(map(repr, COMPRESSORS))}), True (lz4), a "
                        "dcp_zarr.Compression, or None (the default: nothing compressed)")
 
 

@@ -130,7 +130,7 @@ def _attribute(module: ModuleType, dotted: str) -> Any:
     return owner
 
 
-def _moved_internals() -> Iterator[str]:
+def _missing_internals() -> Iterator[str]:
     yield from missing_attributes(_fabric_load, ["_METADATA_FILENAME"], _fabric_load.__name__)
     for module, names in _HELPERS:
         yield from missing_attributes(module, names, module.__name__)
@@ -149,7 +149,7 @@ def _moved_internals() -> Iterator[str]:
             yield from (f"{where} calling {name}" for name in names if name not in _names_looked_up(function))
 
 
-require_internals(_DISTRIBUTION, WRITTEN_FOR, _ADAPTER, _moved_internals())
+require_internals(_DISTRIBUTION, WRITTEN_FOR, _ADAPTER, _missing_internals())
 
 # Any: attributes of modules found as this module runs, which mypy cannot follow to Lightning's classes.
 _TrainerModelParallelStrategy: Any = _trainer_model_parallel.ModelParallelStrategy

@@ -13,11 +13,11 @@ retention, resume, the HF export) with three of its methods overridden, each whe
 * ``_find_load_step``: a ``step-N`` folder holding a committed dcp_zarr store counts, besides torchtitan's own.
   torchtitan counts only folders holding DCP's ``.metadata`` or an HF index: without this a resume starts afresh.
 
-One field is added to the config: ``zarr_compression``, a blosc compressor's name (``"zstd"``, ``"lz4"``, ...) that
+One field is added to the config: ``zarr_compression``, a compressor's name (``"zstd"``, ``"lz4"``, ...) that
 ``ZarrWriter`` compresses the floating-point arrays of each ``step-N`` with, or None (the default) for none; a name
 that is not one fails as the config is built (from the command line or a TOML file), and again as the manager is.
 
-Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_changed_internals``)
+Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_missing_internals``)
 and raises ``FrameworkVersionError`` naming the installed torchtitan and 0.3.0 when one moved.
 """
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import re
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -47,6 +46,7 @@ from dcp_zarr.integrations.framework import (
     require_internals,
 )
 from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.step_forms import TORCHTITAN
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
@@ -58,7 +58,7 @@ WRITTEN_FOR = "0.3.0"
 _ADAPTER = "dcp_zarr.integrations.torchtitan"
 _MANAGER_MODULE = "torchtitan.components.checkpointer.dcp"
 # torchtitan's own step folders (_create_checkpoint_id), matched whole: not a name that merely contains one.
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+_STEP_FOLDER = TORCHTITAN.pattern
 # The methods overridden below, as torchtitan 0.3.0 declares them: its _save, _load and
 # _save_last_step call them with these arguments.
 _OVERRIDDEN = {
@@ -71,7 +71,7 @@ _OVERRIDDEN = {
 _INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager")
 
 
-def _changed_internals(manager_module: ModuleType) -> list[str]:
+def _missing_internals(manager_module: ModuleType) -> list[str]:
     """The internals of torchtitan 0.3.0 this adapter relies on that ``manager_module`` lacks, one line each."""
     missing = missing_attributes(manager_module, ("CheckpointManager", "AsyncMode", "MODEL", "ModelWrapper",
                                                   "filesystem", "GarbageCollection"), _MANAGER_MODULE)
@@ -102,7 +102,7 @@ def _import_manager_module() -> ModuleType:
     except ImportError as exc:  # installed, but the manager is elsewhere now
         require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, [f"module {_MANAGER_MODULE} ({exc})"])
         raise  # unreachable: require_internals raised
-    require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, _changed_internals(module))
+    require_internals("torchtitan", WRITTEN_FOR, _ADAPTER, _missing_internals(module))
     return module
 
 
@@ -116,7 +116,7 @@ _filesystem = _titan.filesystem
 def _compression(name: Any) -> Compression | None:
     return compression_choice(
         name, "ZarrCheckpointManager", "checkpoint.zarr_compression",
-        f"set it to one of blosc's compressors ({', '.join(map(repr, COMPRESSORS))}) or to None (the default: nothing "
+        f"set it to one of the compressors ({', '.join(map(repr, COMPRESSORS))}) or to None (the default: nothing "
         "compressed)")
 
 
@@ -127,7 +127,7 @@ class ZarrCheckpointManager(_CheckpointManager):
     class Config(_CheckpointManager.Config):
         # torchtitan's Config.build() constructs the class that declares the Config: declaring it selects this one.
         zarr_compression: str | None = None
-        """Compress the floating-point arrays of each checkpoint with this blosc compressor: "zstd" (the smallest
+        """Compress the floating-point arrays of each checkpoint with this compressor: "zstd" (the smallest
         checkpoints), "lz4" (the fastest), "lz4hc", "blosclz" or "zlib", at level 1; None (the default): stored as
         they are. Arrays under 64 KiB, and those a sample shows do not shrink, are stored as they are."""
 

@@ -20,12 +20,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from dcp_zarr.lifecycle.root_storage import RootStorage
 from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
-
-if TYPE_CHECKING:  # root.py lists these folders, and this module reads them through it
-    from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.store_io.root_document import holds_dcp_checkpoint, is_committed
 
 FOLDER_NAME = re.compile(r"^checkpoint_(\d+)$")  # accelerate's automatic_checkpoint_naming
 # accelerate's FSDP_MODEL_NAME and OPTIMIZER_NAME, numbered: the stores a ZarrAccelerator writes (its adapter names
@@ -63,13 +61,13 @@ class FolderState:
         return "; ".join(why)
 
 
-def checkpoint_folders(root: CheckpointRoot, expected: Iterable[str] = ()) -> list[FolderState]:
+def checkpoint_folders(root: RootStorage, expected: Iterable[str] = ()) -> list[FolderState]:
     """Every ``checkpoint_N`` directly under ``root``, ascending by N; ``expected``: the stores each must hold."""
     numbered = [(int(match.group(1)), name) for name in root.names() if (match := FOLDER_NAME.match(name))]
     return [folder_state(root, name, expected) for _, name in sorted(numbered)]
 
 
-def folder_state(root: CheckpointRoot, name: str, expected: Iterable[str] = ()) -> FolderState:
+def folder_state(root: RootStorage, name: str, expected: Iterable[str] = ()) -> FolderState:
     """The state of the folder ``name`` of ``root`` (a ``checkpoint_N``)."""
     match = FOLDER_NAME.match(name)
     assert match, f"{name} is not a checkpoint_N folder"
@@ -78,9 +76,9 @@ def folder_state(root: CheckpointRoot, name: str, expected: Iterable[str] = ()) 
     expected = set(expected)
     committed, dcp, unfinished = [], [], []
     for store in sorted({n for n in inside if _STORE_NAME.match(n)} | (expected & inside) | staged):
-        if store in inside and root.is_complete(f"{name}/{store}"):
+        if store in inside and is_committed(root.open(f"{name}/{store}")):
             committed.append(store)
-        elif store in inside and root.holds_dcp_checkpoint(f"{name}/{store}"):
+        elif store in inside and holds_dcp_checkpoint(root.open(f"{name}/{store}")):
             dcp.append(store)
         else:
             unfinished.append(store)

@@ -98,7 +98,7 @@ class Lease:
         if reason:
             raise CheckpointRootBusyError(f"checkpoint root {self.root.url} is {reason}. Two managers on one root "
                                           "would delete each other's saves; stop the other job first")
-        if current is None and self.root.local:
+        if current is None and self.root.directory is not None:
             self._create_exclusively()
         else:
             self.root.write_json(LEASE_KEY, self.record())
@@ -111,7 +111,7 @@ class Lease:
         self._thread.start()
 
     def _create_exclusively(self) -> None:
-        path = os.path.join(self.root.path, LEASE_KEY)
+        path = os.path.join(self.root.directory, LEASE_KEY)
         for last_try in (False, True):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:

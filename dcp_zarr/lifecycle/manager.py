@@ -31,7 +31,10 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
 from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
-from dcp_zarr.lifecycle.root import CheckpointRoot, StepStore, step_name, steps_to_delete
+from dcp_zarr.lifecycle.listing import StepStore
+from dcp_zarr.lifecycle.retention import steps_to_delete
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.step_forms import step_name
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader

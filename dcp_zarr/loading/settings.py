@@ -1,36 +1,38 @@
-"""What a ``ZarrReader`` was made with, fixed for one load."""
+"""What a ``ZarrReader`` was made with: made once per reader, checked as it is made, fixed for each load."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
-from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
-from dcp_zarr.storage.retry import Retrying
+from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
+from dcp_zarr.store_io.target import StoreTarget
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoadSettings:
-    path: str
-    store: Any  # a zarr store object instead of a path (ZarrReader(store=...))
-    storage_options: dict | None
-    thread_count: int
-    safe_globals: list
-    process_group: Any  # the group dcp.load runs on, over which reads are shared
-    read_once: bool | None
-    read_once_below: int | None
-    exchange_bytes: int
-    retrying: Retrying  # shared by every storage the reader opens (retry.py)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class LoadSettings(StoreTarget):
+    safe_globals: list = dataclasses.field(default_factory=list)  # extra types torch.load may build from values
+    process_group: Any = None  # the group dcp.load runs on, over which reads are shared
+    read_once: bool | None = None
+    read_once_below: int | None = None
+    exchange_bytes: int = DEFAULT_EXCHANGE_BYTES
 
-    def open(self) -> Storage:
-        if self.store is not None:
-            return store_objects.open_store(self.store, self.retrying)
-        if not self.path:
-            raise ValueError("ZarrReader needs a path or a store: pass path or store=, or checkpoint_id= to dcp.load")
-        return open_storage(self.path, self.storage_options, read_only=True, retry=self.retrying)
+    owner: ClassVar[str] = "ZarrReader"
+    dcp_call: ClassVar[str] = "dcp.load"
 
-    def label(self) -> str:
-        return store_objects.label(self.store) if self.store is not None else self.path
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        below = self.read_once_below
+        if below is not None and (type(below) is not int or below < 0):
+            raise ValueError(f"read_once_below={below!r}: expected a number of bytes >= 0, or None for the storage's "
+                             "default")
+        if type(self.exchange_bytes) is not int or self.exchange_bytes < 1:
+            raise ValueError(f"exchange_bytes={self.exchange_bytes!r}: expected a number of bytes >= 1")
+        if self.read_once is not None and type(self.read_once) is not bool:  # "false" is truthy: never guess
+            raise ValueError(f"read_once={self.read_once!r}: expected True, False or None for the storage's default")
+
+    def _open_options(self) -> dict:
+        return {"read_only": True}
 
     def shares_reads(self) -> bool:
         """``read_once``, or by default whether the storage's default aggregates. Ranks may decide apart (each sees
@@ -38,8 +40,4 @@ class LoadSettings:
         rank's does (ZarrReader.prepare_global_plan)."""
         if self.read_once is not None:
             return self.read_once
-        return default_aggregate_below(self.path, self.store, self.retrying) > 0  # object stores, shared FS
-
-    def pauses_collector(self) -> bool:
-        """Whether reads run with the garbage collector paused: a local path only (collector.py says why)."""
-        return self.store is None and is_local(self.path)
+        return self.storage_aggregate_below() > 0  # object stores, shared FS

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import MissingKeysError, ParamTableMismatchError
 from dcp_zarr.format.manifest import Manifest
 from dcp_zarr.format.optimizer_tables import OptimizerTable, find_optimizers, tables_of_manifest
+from dcp_zarr.gc_pause import step_with_collector_paused
 from dcp_zarr.loading.metadata import MANIFEST_IN_STORAGE_DATA
 from dcp_zarr.optim.keys import Translation, shape_mismatches, translate
 from dcp_zarr.planning.load_plan import read_items_of

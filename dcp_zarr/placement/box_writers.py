@@ -1,6 +1,8 @@
-"""Who writes what: one writer for every box several ranks hold, and one rank for each array's ``zarr.json``.
+"""Who writes what: one writer for every box several ranks hold, and one rank for each array's ``zarr.json``. Every
+way a save is planned asks here, and nowhere else decides it.
 
-Every rank makes these choices alone, from entries every rank sees alike, so they agree without a message:
+A save planned locally: every rank makes these choices alone, from entries every rank sees alike, so they agree
+without a message (``rank_decisions``):
 
 * an ``EVERY_RANK`` tensor goes to one rank of the world, the largest first, each to the rank with the fewest bytes
   so far (ties: the lowest rank), as DCP's deduplication balances them; every value goes to DCP's coordinator;
@@ -8,6 +10,13 @@ Every rank makes these choices alone, from entries every rank sees alike, so the
   it, balanced the same way over the arrays of one mesh and placement pattern: each rank of such a group sees the
   same arrays with boxes of the same sizes;
 * a DTensor array's ``zarr.json`` is written by the ranks of its root mesh in turn, in key order.
+
+After an exchange (ranks that differ, planning/exchange.py), every distinct box goes to one of its holders, the
+largest first, each to the holder with the fewest bytes so far, and an array's ``zarr.json`` to the writer of its
+first box (``exchange_writers``, ``exchange_decisions``). An array aggregated (collective/aggregation.py) is written
+by its aggregators, not by the holders of its boxes, and described by the aggregator of its first block
+(``without_aggregated``). A save DCP plans: DCP's deduplication chose each box's writer, and an array's ``zarr.json``
+goes to the holder that describes fewest arrays so far (``describing_ranks``).
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Container, Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import NamedTuple, TypeVar
 
@@ -24,7 +34,7 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.placement.chunk_grids import shards_along
-from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Holding, MeshSlice
+from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Holding, Merged, MeshSlice
 
 Key = TypeVar("Key", str, MetadataIndex, tuple)
 
@@ -132,3 +142,59 @@ def rank_decisions(entries: dict[str, Holding], rank: int, world_size: int, box_
             if ranks[k % len(ranks)] == rank:
                 describes.add(fqn)
     return Decisions(frozenset(writes), frozenset(describes))
+
+
+def exchange_writers(holders: Mapping[MetadataIndex, list[int]], sizes: Mapping[MetadataIndex, int],
+                     tensors: frozenset[str]) -> tuple[dict[MetadataIndex, int], dict[str, int]]:
+    """(box -> its writer, array -> the rank writing its zarr.json) of every rank's boxes after an exchange: the
+    largest box first, each to the holder with the fewest bytes so far; an array described by its first box's
+    writer. ``tensors``: the keys that are arrays (values have no zarr.json of their own)."""
+    load: dict[int, int] = defaultdict(int)
+    writers: dict[MetadataIndex, int] = {}
+    for index in sorted(holders, key=lambda i: (-sizes[i], i.fqn, tuple(i.offset or ()))):
+        writer = min(holders[index], key=lambda r: (load[r], r))
+        load[writer] += max(sizes[index], 1)
+        writers[index] = writer
+    describers: dict[str, int] = {}
+    for index in sorted(writers, key=lambda i: (i.fqn, tuple(i.offset or ()))):
+        if index.fqn in tensors:
+            describers.setdefault(index.fqn, writers[index])
+    return writers, describers
+
+
+def exchange_decisions(merged: Merged, rank: int) -> Decisions:
+    """``rank``'s writes (item indexes) and descriptions in the plan of an exchange."""
+    writes = frozenset(index for index, writer in merged.writers.items() if writer == rank)
+    return Decisions(writes, frozenset(fqn for fqn, describer in merged.describers.items() if describer == rank))
+
+
+def without_aggregated(decisions: Decisions, first_aggregators: Mapping[str, int], rank: int) -> Decisions:
+    """``decisions`` without the aggregated arrays' boxes, which their aggregators write; each aggregated array's
+    zarr.json is written by the aggregator of its first block (``first_aggregators``: array -> that rank)."""
+    if not first_aggregators:
+        return decisions
+    writes = frozenset(w for w in decisions.writes if (w if isinstance(w, str) else w.fqn) not in first_aggregators)
+    describes = frozenset(f for f in decisions.describes if f not in first_aggregators)
+    return Decisions(writes, describes | {f for f, first in first_aggregators.items() if first == rank})
+
+
+def describing_ranks(holders_by_rank: Iterable[Iterable[str]], arrays: Container[str]) -> dict[str, int]:
+    """Array -> the one rank that writes its ``zarr.json``, in a save DCP planned (``holders_by_rank``: the keys of
+    each rank's items, in plan order): of the ranks holding part of the array, the one that describes fewest arrays
+    so far. Sharded arrays are held by every rank, and the first holder of each (rank 0) would write all their
+    metadata, making every save wait on rank 0's ``write_data`` (benchmarks/reports/performance.md, "Many entries,
+    files and requests": "Balanced metadata, fewer opens")."""
+    holders: dict[str, list[int]] = defaultdict(list)
+    world_size = 0
+    for rank, fqns in enumerate(holders_by_rank):
+        world_size = rank + 1
+        for fqn in fqns:
+            if fqn in arrays and (not holders[fqn] or holders[fqn][-1] != rank):
+                holders[fqn].append(rank)
+    load = [0] * world_size
+    chosen: dict[str, int] = {}
+    for fqn, ranks in holders.items():
+        rank = min(ranks, key=lambda r: (load[r], r))
+        load[rank] += 1
+        chosen[fqn] = rank
+    return chosen

@@ -1,4 +1,4 @@
-"""Where a rank's box of a DTensor lies, in arithmetic: what torch's ``_compute_local_shape_and_global_offset``
+"""Where a rank's box of a DTensor lies, in arithmetic: what torch's ``compute_local_shape_and_global_offset``
 computes, without its index tensors.
 
 torch builds, for every sharded dim, a tensor of the global indices the rank holds (``torch.arange`` of the piece,
@@ -18,7 +18,6 @@ from functools import lru_cache
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 Runs = list[tuple[int, int]]  # the global indices held along a dim: (start, length), in order
@@ -44,6 +43,18 @@ def index_at(held: Runs, position: int) -> int:
     raise AssertionError("a piece past the indices held")
 
 
+def strided_split_factor(placement) -> int | None:
+    """The split factor of FSDP2-over-TP's strided shard (torch's ``_StridedShard(dim, split_factor=k)``); None for
+    any other placement. Told by what the placement says of itself, not by its class, whose name is private to
+    torch: a ``Placement`` that is no shard, replica or partial by its public methods and carries a ``dim`` and a
+    ``split_factor``. (It is no ``Shard`` subclass in torch 2.11 to 2.15; ``tests/planning/test_local_layouts.py``
+    checks that torch's own class is told so.)"""
+    if type(placement) is Shard or placement.is_shard() or placement.is_replicate() or placement.is_partial():
+        return None
+    factor = getattr(placement, "split_factor", None)
+    return int(factor) if factor is not None and isinstance(getattr(placement, "dim", None), int) else None
+
+
 @lru_cache(maxsize=65536)
 def dtensor_local_box(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple,
                       coordinate: tuple[int, ...]) -> Box | None:
@@ -53,11 +64,11 @@ def dtensor_local_box(size: tuple[int, ...], mesh_shape: tuple[int, ...], placem
     Cached: a model's arrays have few shapes, and a rank has one coordinate per mesh."""
     held: dict[int, Runs] = {}
     for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, _StridedShard):  # before Shard: in some torch versions it is one
+        split_factor = strided_split_factor(placement)
+        if split_factor is not None:
             dim = placement.dim
             runs = held.get(dim, [(0, size[dim])])
-            held[dim] = _strided_piece(runs, mesh_shape[mesh_dim], int(placement.split_factor),
-                                       coordinate[mesh_dim])
+            held[dim] = _strided_piece(runs, mesh_shape[mesh_dim], split_factor, coordinate[mesh_dim])
         elif type(placement) is Shard:
             dim = placement.dim
             runs = held.get(dim, [(0, size[dim])])

@@ -18,11 +18,17 @@ from functools import lru_cache
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, inner_rows_for_chunk
-from dcp_zarr.placement.boxes import Box, dtensor_local_box, index_at, torch_chunk_piece, torch_chunks
+from dcp_zarr.placement.boxes import (
+    Box,
+    dtensor_local_box,
+    index_at,
+    strided_split_factor,
+    torch_chunk_piece,
+    torch_chunks,
+)
 from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, Holding
 
 
@@ -86,10 +92,11 @@ def _splits_per_dim(ndim: int, mesh_shape: tuple[int, ...], placements: tuple) -
     splits: list[list] = [[] for _ in range(ndim)]
     strided: dict[int, tuple[int, int]] = {}  # dim -> (mesh size, split factor) of a _StridedShard waiting its Shard
     for n, placement in zip(mesh_shape, placements):
-        if isinstance(placement, _StridedShard):
+        split_factor = strided_split_factor(placement)
+        if split_factor is not None:
             if placement.dim in strided:
                 return None
-            strided[placement.dim] = (n, int(placement.split_factor))
+            strided[placement.dim] = (n, split_factor)
         elif type(placement) is Shard:
             waiting = strided.pop(placement.dim, None)
             if waiting is None:
@@ -191,7 +198,7 @@ def dtensor_boxes(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements
 
 
 def shards_along(placement) -> bool:
-    return placement.is_shard() or isinstance(placement, _StridedShard)  # _StridedShard is no Shard in torch 2.13
+    return placement.is_shard() or strided_split_factor(placement) is not None
 
 
 def dtensor_box(entry: Holding, rank: int) -> Box:
@@ -201,9 +208,16 @@ def dtensor_box(entry: Holding, rank: int) -> Box:
 
 
 def box_at(size: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coordinate: tuple[int, ...]) -> Box:
-    """boxes.py's arithmetic, or DTensor's own function for placements it does not know."""
+    """boxes.py's arithmetic. A ``Partial`` holds the whole dim on every rank, as a ``Replicate`` does (DCP refuses
+    to save one; a load target may be one); a placement boxes.py does not know is refused, naming it."""
     box = dtensor_local_box(size, mesh_shape, placements, coordinate)
     if box is None:
-        sizes, offsets = _compute_local_shape_and_global_offset(size, mesh_shape, list(coordinate), placements)
-        box = tuple(offsets), tuple(sizes)
+        whole = tuple(Replicate() if placement.is_partial() else placement for placement in placements)
+        box = dtensor_local_box(size, mesh_shape, whole, coordinate)
+    if box is None:
+        unknown = [str(p) for p in placements if not (p.is_shard() or p.is_replicate() or p.is_partial()
+                                                       or strided_split_factor(p) is not None)]
+        raise InvalidEntryError(f"a DTensor of shape {size} on a mesh of shape {mesh_shape} has placements this "
+                                f"version of dcp_zarr cannot place ({', '.join(unknown) or placements}); "
+                                "pip install -U dcp-zarr")
     return box

@@ -205,15 +205,16 @@ def structure_digest(entries: Iterable[Holding]) -> str:
 
 
 def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, rank: int,
-                 group_rank: Callable[[int], int]) -> tuple[dict[str, Holding], dict[str, list[WriteItem]]]:
-    """This rank's entries, and its items by key. ``group_rank`` maps a global rank (a mesh's) to DCP's group."""
+                 group_rank: Callable[[int], int], sharded_tensor_type: Any
+                 ) -> tuple[dict[str, Holding], dict[str, list[WriteItem]]]:
+    """This rank's entries, and its items by key. ``group_rank`` maps a global rank (a mesh's) to DCP's group;
+    ``sharded_tensor_type``: torch's ShardedTensor, passed in by planning (dcp_internals.sharded_tensor_type)."""
     items_by_fqn: dict[str, list[WriteItem]] = {}
     for item in items:
         items_by_fqn.setdefault(item.index.fqn, []).append(item)
     meshes: dict = {}
     roots: dict = {}
-    describe = SourceDescriptions()
-    sharded_type = _sharded_tensor_type()
+    describe = SourceDescriptions(sharded_tensor_type)
     entries = {}
     for fqn, held in items_by_fqn.items():
         path = tuple(mappings.get(fqn, (fqn,)))
@@ -232,7 +233,7 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
             if mesh is None:
                 mesh = meshes[value.device_mesh] = mesh_slice(value.device_mesh, roots, group_rank)
             entries[fqn] = Holding(*common, DTENSOR, mesh, tuple(value.placements), source=source)
-        elif sharded_type is not None and isinstance(value, sharded_type):
+        elif sharded_tensor_type is not None and isinstance(value, sharded_tensor_type):
             shards = tuple(sorted((tuple(s.shard_offsets), tuple(s.shard_sizes), group_rank(s.placement.rank()))
                                   for s in value.metadata().shards_metadata))
             entries[fqn] = Holding(*common, SHARDS, boxes=shards, source=source)
@@ -269,14 +270,6 @@ def group_rank_of(group) -> Callable[[int], int]:
     if group is None or group is dist.group.WORLD:
         return int
     return lambda global_rank: dist.get_group_rank(group, global_rank)
-
-
-def _sharded_tensor_type() -> Any:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
-        return None
-    return ShardedTensor
 
 
 class Merged(NamedTuple):

@@ -1,7 +1,10 @@
 """Everything dcp_zarr reads or sets inside ``torch.distributed.checkpoint`` (DCP), in one place: the frames of a
-``dcp.save`` or ``dcp.load`` under way, the planner methods taken over for one call and given back, and DCP's private
-names. Verified on the torch releases of ``VERIFIED_TORCH``; ``tests/planning/test_dcp_internals.py`` and
-``tests/planning/test_plain_save.py`` fail, saying which, the day torch keeps them elsewhere.
+``dcp.save`` or ``dcp.load`` under way, the planner methods taken over for one call and given back, and torch's private
+names (DCP's, ShardedTensor's, the functional collectives'): no other module of dcp_zarr imports one
+(``tests/project/test_layers.py``). The layers below planning that meet such a name have it passed in
+(``sharded_tensor_type``). Verified on the torch releases of ``VERIFIED_TORCH``;
+``tests/planning/test_dcp_internals.py`` and ``tests/planning/test_plain_save.py`` fail, saying which, the day torch
+keeps them elsewhere.
 
 DCP tells a storage writer or reader nothing of the call it serves, nor hands it the planner before the plans are
 gathered. Both are in the call: ``local_step`` of ``_save_state_dict`` holds DCP's ``planner``, its ``_DistWrapper``
@@ -39,7 +42,11 @@ from torch.distributed.checkpoint import _nested_dict, _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items
@@ -53,6 +60,7 @@ __all__ = [
     "dcp_load_wrapper", "dcp_load_planner", "take_over_load", "give_back_load", "is_dcps_save_planner",
     "is_dcps_load_planner", "save_lookup_is_dcps", "load_lookup_is_dcps", "keeps_dcps", "uses_plan_cache",
     "cached_local_plan", "cached_plans", "state_dict_stager", "staged_bytes", "reported_by_dcp_load",
+    "sharded_tensor_type", "whole_state_dict_planner", "functional_collectives",
 ]
 
 # The torch releases on which DCP was seen to keep its calls' state where this module looks.
@@ -475,3 +483,28 @@ def state_dict_stager(pinned: bool) -> StateDictStager:
 def staged_bytes(stager: StateDictStager) -> int:
     """Bytes of host memory the stager keeps for its next stage."""
     return sum(storage.nbytes() for storage in list(stager._cached_storage_mapping.values()))
+
+
+def sharded_tensor_type() -> type | None:
+    """torch's ``ShardedTensor`` (deprecated in favour of DTensor), or None where a torch no longer has it. Passed
+    to the layers below (``placement.holdings.rank_entries``, ``format.sources.SourceDescriptions``), which name no
+    private module."""
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
+        return None
+    return ShardedTensor
+
+
+def whole_state_dict_planner():
+    """A load planner that loads everything a DCP checkpoint holds into an empty state dict (``dcp.load({}, ...)``),
+    as torch's own ``dcp_to_torch_save`` does; the state dict is then the planner's ``original_state_dict``."""
+    return _EmptyStateDictLoadPlanner()
+
+
+def functional_collectives():
+    """torch's functional collectives module (``torch.distributed._functional_collectives``), which the wire
+    counter of ``dcp_zarr.testing`` counts beside the c10d ones."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol

@@ -7,8 +7,8 @@ knows every rank's entries and plans alike:
 
 * every tensor and value as the boxes the ranks hold (a DTensor's from its mesh and placements, once every rank of
   its mesh is seen holding it; a ShardedTensor's from its shards; others as sent), each distinct box written by
-  one of its holders (the largest first, each to the holder with the fewest bytes so far), after checking that
-  the boxes of one key do not overlap.
+  one of its holders (placement/box_writers.py decides which), after checking that the boxes of one key do not
+  overlap.
 
 Keys whose entries disagree are refused with ``PlanMismatchError`` naming the keys and the ranks, on every rank.
 """
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_zarr.errors import PlanMismatchError, ReplicaMismatchError
+from dcp_zarr.placement.box_writers import exchange_writers
 from dcp_zarr.placement.chunk_grids import Box, dtensor_box
 from dcp_zarr.placement.holdings import BOX, DTENSOR, EVERY_RANK, SHARDS, TENSOR, Holding, Merged, signature
 from dcp_zarr.planning.replicas import mismatch_message, ranks_text
@@ -108,16 +109,8 @@ def merge(every: list[dict[str, Holding]], keep_first_replica: bool = False) -> 
         raise PlanMismatchError(f"{len(problems)} state-dict key{'s' if len(problems) > 1 else ''} cannot be saved "
                                 f"as the ranks hold {'them' if len(problems) > 1 else 'it'}, so nothing was "
                                 f"written:\n{listed}{more}")
-    load: dict[int, int] = defaultdict(int)
-    writers: dict[MetadataIndex, int] = {}
-    for index in sorted(box_holders, key=lambda i: (-sizes[i], i.fqn, tuple(i.offset or ()))):
-        writer = min(box_holders[index], key=lambda r: (load[r], r))
-        load[writer] += max(sizes[index], 1)
-        writers[index] = writer
-    describers: dict[str, int] = {}
-    for index in sorted(writers, key=lambda i: (i.fqn, tuple(i.offset or ()))):
-        if merged[index.fqn].kind == TENSOR:
-            describers.setdefault(index.fqn, writers[index])
+    writers, describers = exchange_writers(box_holders, sizes,
+                                           frozenset(f for f, e in merged.items() if e.kind == TENSOR))
     return Merged(merged, boxes, writers, describers)
 
 

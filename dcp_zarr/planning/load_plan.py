@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
 
-from dcp_zarr.collector import step_with_collector_paused
+from dcp_zarr.gc_pause import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, says_its_own_boxes
 from dcp_zarr.planning.dcp_internals import create_read_items, load_lookup_is_dcps
 

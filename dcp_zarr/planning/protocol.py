@@ -22,6 +22,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 from dcp_zarr.errors import PlanMismatchError
+from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning.replicas import ranks_text
 
 REPORT_FQN = "__dcp_zarr_rank_report__"  # no state dict has it: node names starting "__" are refused
@@ -40,7 +41,23 @@ class Summary(NamedTuple):
     poorly_compressed: frozenset[str] = frozenset()
 
 
-SAVE_OPTIONS = ("inner_chunk_bytes", "aggregate_below", "exchange_bytes", "compression")
+class SaveOptions(NamedTuple):
+    """ZarrWriter's options that decide who writes what and how it is laid out: the inputs of a save's plan besides
+    its entries and world (write_plan.py), which every rank's ``Summary`` carries so that ranks that differ are
+    refused. An option added here is in the plan's cache key and in the check alike."""
+
+    inner_chunk_bytes: int
+    aggregate_below: int
+    exchange_bytes: int
+    compression: Compression | None
+
+    def summarized(self) -> tuple[int | str | None, ...]:
+        """As a ``Summary`` carries them: compression as its one string."""
+        compression = None if self.compression is None else self.compression.key()
+        return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression)
+
+
+SAVE_OPTIONS = SaveOptions._fields
 
 
 class Ticket(NamedTuple):

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from dcp_zarr.collector import step_with_collector_paused
 from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.gc_pause import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.dcp_internals import SAVE_PLANNER_STATE, create_write_items
 from dcp_zarr.planning.protocol import Ticket

@@ -1,57 +1,63 @@
-"""What a ``ZarrWriter`` was made with, fixed for one save: where it saves, and the options every rank must share."""
+"""What a ``ZarrWriter`` was made with: made once per writer, checked as it is made, fixed for each save (a new
+``checkpoint_id`` gives a copy with another path)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
+from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 from dcp_zarr.format.compression import Compression
-from dcp_zarr.storage import Storage, default_aggregate_below, is_local, open_storage, store_objects
-from dcp_zarr.storage.retry import Retrying
+from dcp_zarr.planning import replicas
+from dcp_zarr.storage import storage_class
 from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.target import StoreTarget
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class SaveSettings:
-    path: str
-    store: Any  # a zarr store object instead of a path (ZarrWriter(store=...))
-    storage_options: dict | None
-    thread_count: int
-    sync_files: bool
-    overwrite: bool | None
-    inner_chunk_bytes: int
-    check_replicas: str
-    replica_check_bytes: int
-    aggregate_below: int | None
-    exchange_bytes: int
-    retrying: Retrying  # one for every storage the writer opens: whether the store has answered yet (retry.py)
-    compression: Compression | None = None
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class SaveSettings(StoreTarget):
+    sync_files: bool = True
+    overwrite: bool | None = None
+    inner_chunk_bytes: int = INNER_CHUNK_TARGET_BYTES
+    check_replicas: str = replicas.SMALL
+    replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES
+    aggregate_below: int | None = None
+    exchange_bytes: int = DEFAULT_EXCHANGE_BYTES
+    compression: Compression | None = None  # Compression.of the writer's argument
 
-    def open(self, location: str) -> Storage:
-        if self.store is not None:
-            return store_objects.open_store(self.store, self.retrying)
-        return open_storage(location, self.storage_options, sync_files=self.sync_files, retry=self.retrying)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.check_replicas not in replicas.CHECK_MODES:
+            raise ValueError(f"check_replicas={self.check_replicas!r}: expected one of "
+                             f"{', '.join(replicas.CHECK_MODES)}")
+        object.__setattr__(self, "replica_check_bytes", int(self.replica_check_bytes))
+        if self.overwrite not in (None, True, False):
+            raise ValueError(f"overwrite={self.overwrite!r}: expected True, False or None (replace only where the "
+                             "old checkpoint survives until the new one is complete)")
+        below = self.aggregate_below
+        if below is not None and (type(below) is not int or below < 0):
+            raise ValueError(f"aggregate_below={below!r}: expected a number of bytes >= 0, or None for the storage's "
+                             "default")
+        if type(self.exchange_bytes) is not int or self.exchange_bytes < 1:
+            raise ValueError(f"exchange_bytes={self.exchange_bytes!r}: expected a number of bytes >= 1")
+
+    def _open_options(self) -> dict:
+        return {"sync_files": self.sync_files}
 
     def replaces(self) -> bool:
         """Whether this save replaces a checkpoint at its target: ``overwrite``, or by default where the old one is
-        kept until the new one is complete (a local path, or a ``LocalStore``, which resolve() made a path)."""
+        kept until the new one is complete, which a storage that commits by a rename does (a local path, or a
+        ``LocalStore``, which resolve() made a path)."""
         if self.overwrite is not None:
             return self.overwrite
-        return self.store is None and is_local(self.path)
+        return self.store is None and storage_class(self.path).commits_by_rename
 
     def aggregate_below_bytes(self) -> int:
         """The piece size under which arrays are aggregated: the writer's, else its storage's default."""
         if self.aggregate_below is not None:
             return self.aggregate_below
-        return default_aggregate_below(self.path, self.store, self.retrying)
-
-    def target(self) -> str:
-        return store_objects.label(self.store) if self.store is not None else self.path
+        return self.storage_aggregate_below()
 
     def staging_location(self, save_id: str) -> str:
         # A store object is written in place, by each rank through its own store: the location is only a name.
-        return self.target() if self.store is not None else commit.staging_location(self.path, save_id)
-
-    def pauses_collector(self) -> bool:
-        """Whether transfers run with the garbage collector paused: a local path only (collector.py says why)."""
-        return self.store is None and is_local(self.path)
+        return self.label() if self.store is not None else commit.staging_location(self.path, save_id)

@@ -72,7 +72,7 @@ class Storage(abc.ABC):
     # default; False, written in place, the root zarr.json (written last) the commit, and replacing deletes first.
     # A backend that commits by rename has directories for roots (``directory`` gives one for each location).
     commits_by_rename: ClassVar[bool] = False
-    # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (collector.py): the
+    # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (gc_pause.py): the
     # IO threads are dcp_zarr's own and make no reference cycles (local files); a client library's may.
     transfers_pause_collector: ClassVar[bool] = False
     # Whether ``link_from`` stores an object already stored under another root without moving its bytes through
@@ -185,3 +185,7 @@ class Storage(abc.ABC):
 
     def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)
         """Make everything written so far durable (no-op where the backend has no such notion)."""
+
+    def size_under(self, prefix: str) -> int:
+        """The bytes stored under the name ``prefix`` (every key below it); 0 if nothing is."""
+        raise NotImplementedError(f"{self.url}: this store cannot list its keys")

@@ -220,6 +220,12 @@ class LocalStorage(Storage):
         if self.sync_files and os.path.isdir(self.root):
             _syncfs(self.root)
 
+    def size_under(self, prefix: str) -> int:
+        total = 0
+        for directory, _, files in os.walk(self._path(prefix) if prefix else self.root):
+            total += sum(os.lstat(os.path.join(directory, name)).st_size for name in files)
+        return total
+
 
 def local_path(location: str) -> str:
     """The absolute path of a plain path or a ``file://`` URL."""

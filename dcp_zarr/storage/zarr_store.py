@@ -81,13 +81,9 @@ class ZarrStoreStorage(Storage):
     def remove_all(self) -> None:
         self._call(lambda: sync(self.store.delete_dir("")), "delete everything under", "")
 
-    def list_names(self, prefix: str = "") -> list[str]:
-        async def collect():
-            return [name async for name in self.store.list_dir(prefix)]
-
-        return sorted({name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix)} - {""})
-
     def size(self, key: str) -> int:
+        self._forget_listings()  # s3fs answers from its listings where it has one
+
         async def size_or_none():
             try:
                 return await self.store.getsize(key)
@@ -129,6 +125,24 @@ class ZarrStoreStorage(Storage):
             return found
 
         return self._call(lambda: sync(collect()), "list", "")
+
+    def list_names(self, prefix: str = "") -> list[str]:
+        self._forget_listings()  # other processes write here: list afresh
+
+        async def collect():
+            return [name async for name in self.store.list_dir(prefix)]
+
+        return sorted({name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix)} - {""})
+
+    def size_under(self, prefix: str) -> int:
+        self._forget_listings()
+        return int(self._call(lambda: sync(self.store.getsize_prefix(prefix)), "measure", prefix))
+
+    def _forget_listings(self) -> None:
+        """fsspec file systems cache listings (s3fs does); this store's keys may have changed since."""
+        invalidate = getattr(getattr(self.store, "fs", None), "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate()
 
 
 def _copies_server_side(store: Store) -> bool:

@@ -236,7 +236,7 @@ class RegionReader:
         crc32c checked and its data decompressed, straight into its target where it is the whole piece."""
         codec = self.layout.codec
         assert codec is not None
-        most = inner_chunk_stored_bytes(self.layout, self.dtype.itemsize)  # blosc's header on what does not compress
+        most = inner_chunk_stored_bytes(self.layout, self.dtype.itemsize)  # the codec's most on what does not compress
         for piece in pieces:
             if piece.length is None or not CHECKSUM_BYTES < piece.length <= most:  # before reading: a hostile index
                 raise CorruptChunkError(f"{self._where(piece)}: stored length {piece.length} is not that of a "

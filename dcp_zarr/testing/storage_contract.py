@@ -211,22 +211,6 @@ class StorageContract(LinkContract):
         assert set(storage.first_keys(100)) == keys
         assert len(storage.first_keys(2)) == 2 and set(storage.first_keys(2)) <= keys
 
-    def test_names_are_listed_one_level_under_a_prefix_sorted(self, storage):
-        for key in ("zarr.json", "model/zarr.json", "model/w/zarr.json", "model/w/c.0.0", "optim/v/c.0"):
-            storage.write(key, [b"x"])
-        assert storage.list_names() == ["model", "optim", "zarr.json"]
-        assert storage.list_names("model") == ["w", "zarr.json"]
-        assert storage.list_names("model/w") == ["c.0.0", "zarr.json"]
-        assert storage.list_names("absent") == [], "a prefix holding nothing lists nothing"
-
-    def test_size_is_the_stored_length_and_a_missing_key_is_file_not_found(self, storage):
-        storage.write("model/w/c.0.0", [b"12345", b"678"])
-        storage.write("empty", [])
-        assert storage.size("model/w/c.0.0") == 8
-        assert storage.size("empty") == 0
-        with pytest.raises(FileNotFoundError, match="nope"):
-            storage.size("model/w/nope")
-
     def test_remove_all_empties_this_root_and_nothing_beside_it(self, storage, request):
         sibling = self.make_storage(f"contract-{request.node.name.replace('_', '-')}2")  # shares the name's start
         sibling.write("zarr.json", [b"{}"])
@@ -298,3 +282,27 @@ class StorageContract(LinkContract):
             storage.write("refused", [b"x"])
         if calls is not None:
             assert calls() == 1, "a permanent error is tried once"
+
+    # -- names and sizes (what a checkpoint root's listing asks) -------------------------------------------------------
+
+    def test_names_are_listed_one_level_down_sorted_and_a_missing_prefix_has_none(self, storage):
+        for key in ("step-2.zarr/zarr.json", "step-2.zarr/model/w/c.0.0", "step-10.zarr/zarr.json", "notes.txt"):
+            storage.write(key, [b"x"])
+        assert storage.list_names() == ["notes.txt", "step-10.zarr", "step-2.zarr"]
+        assert storage.list_names("step-2.zarr") == ["model", "zarr.json"]
+        assert storage.list_names("nothing-here") == []
+
+    def test_the_size_under_a_name_sums_every_key_below_it(self, storage):
+        storage.write("step-1.zarr/zarr.json", [b"x" * 10])
+        storage.write("step-1.zarr/model/w/c.0.0", [b"y" * 1000])
+        storage.write("step-10.zarr/zarr.json", [b"z" * 7])
+        assert storage.size_under("step-1.zarr") == 1010
+        assert storage.size_under("missing.zarr") == 0
+
+    def test_size_is_the_stored_length_and_a_missing_key_is_file_not_found(self, storage):
+        storage.write("model/w/c.0.0", [b"12345", b"678"])
+        storage.write("empty", [])
+        assert storage.size("model/w/c.0.0") == 8
+        assert storage.size("empty") == 0
+        with pytest.raises(FileNotFoundError, match="nope"):
+            storage.size("model/w/nope")

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from dcp_zarr.planning.dcp_internals import functional_collectives
+
 __all__ = ["WireCounter", "self_check", "what_grows"]
 
 # Every module-level tensor collective and point-to-point call of distributed_c10d (those a torch lacks are skipped:
@@ -119,8 +121,7 @@ class WireCounter:
         self.object_calls: list[dict[str, Any]] = []
 
     def install(self) -> WireCounter:
-        import torch.distributed._functional_collectives as funcol
-
+        funcol = functional_collectives()
         for names, wrap, modules in ((TENSOR_COLLECTIVES, self._tensor_wrapper, (c10d, dist)),
                                      ({*SENT, *RECEIVED}, self._object_wrapper, (c10d, dist)),
                                      (FUNCTIONAL_COLLECTIVES, self._functional_wrapper, (funcol,))):

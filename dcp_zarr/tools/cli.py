@@ -288,8 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="safetensors: largest shard, e.g. 5GB (the default) or 500MiB")
     p.add_argument("--compression", type=_compression, default=None, metavar="NAME",
-                   help="zarr: compress floating-point arrays with blosc's NAME (zstd: smallest, lz4: fastest; also "
-                        "lz4hc, blosclz, zlib), or none; default: as the source (a DCP directory: none)")
+                   help="zarr: compress floating-point arrays with the compressor NAME (zstd: smallest, lz4: "
+                        "fastest; a NAME it does not know lists them all), or none; default: as the source (a DCP "
+                        "directory: none)")
     p.set_defaults(run=_convert)
 
     p = commands.add_parser("diff", parents=[common], help="per-entry equality / max abs difference of two checkpoints")

@@ -3,7 +3,7 @@
 ``DcpCheckpoint`` offers the reading half of ``checkpoint.Checkpoint`` (entries, ``read_tensor``, ``read_value``,
 ``load_full_state_dict``), so conversion and ``dcp-zarr diff`` treat both formats alike. Unlike a zarr store, a DCP
 directory can only be read whole: the first read loads every entry (``FileSystemReader`` through
-``_EmptyStateDictLoadPlanner``, as torch's own ``dcp_to_torch_save`` does), which needs memory for all of it.
+an empty state dict's planner, as torch's own ``dcp_to_torch_save`` does), which needs memory for all of it.
 
 DCP directories are pickles: ``.metadata`` and every non-tensor value are unpickled on load, exactly as
 ``dcp.load`` would. Open only directories you trust.
@@ -20,7 +20,6 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
@@ -33,6 +32,7 @@ from dcp_zarr.offline import (
     region_box,
     set_by_path,
 )
+from dcp_zarr.planning.dcp_internals import whole_state_dict_planner
 from dcp_zarr.storage import storage_class
 from dcp_zarr.store_io.root_document import DCP_METADATA_FILE as METADATA_FILE
 
@@ -115,7 +115,7 @@ class DcpCheckpoint:
     def _values(self) -> dict:
         """fqn -> loaded value, loading the whole directory the first time."""
         if self._flat is None:
-            planner = _EmptyStateDictLoadPlanner()
+            planner = whole_state_dict_planner()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed.*")
                 dcp.load({}, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)

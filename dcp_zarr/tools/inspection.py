@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from dcp_zarr.errors import TorchNotImportableError
 from dcp_zarr.format.chunk_layout import ChunkLayout
+from dcp_zarr.format.codecs import codec_from_json
 from dcp_zarr.format.manifest import TENSOR, ValueEntry
 from dcp_zarr.offline import Checkpoint, Entry
 from dcp_zarr.tools.listing import depth_groups, matches, natural_key, node_key
@@ -168,9 +169,8 @@ def ratio_text(logical: int, stored: int | None) -> str:
 
 
 def _codec_text(codec: dict) -> str:
-    """``blosc zstd level 1`` of an entry's codec (as its zarr.json names it)."""
-    config = codec.get("configuration", {})
-    return f"{codec.get('name')} {config.get('cname')} level {config.get('clevel')}"
+    """``blosc zstd level 1`` of an entry's codec (as its zarr.json names it, checked when the manifest was read)."""
+    return codec_from_json(codec, "codec").description
 
 
 def _summary_lines(entries: list[dict], *, stored: bool = False) -> list[str]:
@@ -260,7 +260,7 @@ def _layout(row: dict) -> str:
         return "1 chunk (a scalar)"
     stored = "x".join(map(str, row["chunk_shape"]))
     codec = row.get("codec")
-    compressed = f", blosc {codec['configuration']['cname']}" if codec else ""
+    compressed = f", {codec_from_json(codec, 'codec').label}" if codec else ""
     if row["inner_chunk_shape"]:
         inner = "x".join(map(str, row["inner_chunk_shape"]))
         return f"{_plural(row['chunks'], 'shard')} {stored}, chunks {inner}{compressed}"

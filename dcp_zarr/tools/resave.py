@@ -95,14 +95,14 @@ def source_compression(source: Checkpoint) -> Compression | None:
     counts: dict[tuple[str, int], int] = {}
     for stored in source.manifest.entries.values():
         if isinstance(stored, TensorEntry) and stored.codec is not None:
-            key = (stored.codec.cname, stored.codec.clevel)
+            key = stored.codec.written_by()
             counts[key] = counts.get(key, 0) + 1
     if not counts:
         return None
     compressor, level = max(counts, key=lambda k: counts[k])
     try:
         return Compression(compressor=compressor, level=level)
-    except ValueError:  # a level zarr's blosc codec takes and a save never writes (0): the compressor's default
+    except ValueError:  # a level the zarr codec takes and a save never writes (blosc's 0): the compressor's default
         return Compression(compressor=compressor)
 
 

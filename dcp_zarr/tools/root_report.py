@@ -10,7 +10,10 @@ import textwrap
 
 from dcp_zarr.lifecycle.folders import folder_state
 from dcp_zarr.lifecycle.lease import LEASE_KEY, Lease
-from dcp_zarr.lifecycle.root import STEP_NAME_FORMS, CheckpointRoot, StepStore, steps_to_delete
+from dcp_zarr.lifecycle.listing import StepStore
+from dcp_zarr.lifecycle.retention import steps_to_delete
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.step_forms import STEP_NAME_FORMS
 from dcp_zarr.tools.inspection import human_bytes
 
 DCP_SHARD_SUFFIX = ".distcp"

@@ -7,7 +7,7 @@ shard is read one inner chunk at a time, never whole. Nothing here needs torch: 
 
 An inner chunk stored as it is must have exactly its full size. A compressed one (``ChunkLayout.codec``) has the
 length its shard's index gives, which must be more than a crc32c and at most ``inner_chunk_stored_bytes`` (the most
-blosc makes of data that does not compress); a longer one is refused unread, as an index may point anywhere. Then
+its codec makes of data that does not compress); a longer one is refused unread, as an index may point anywhere. Then
 its crc32c is checked and it is decompressed, which must give exactly the inner chunk's bytes
 (``encoding.verify_stored``).
 """

@@ -251,7 +251,7 @@ def test_collective_io_options_are_checked():
         ZarrReader("x", exchange_bytes=-4)
     with pytest.raises(ValueError, match="read_once='false'"):
         ZarrReader("x", read_once="false")
-    assert ZarrReader("x", read_once=False).read_once is False
+    assert ZarrReader("x", read_once=False).settings.read_once is False
 
 
 def async_aggregated(rank, world_size, path, executor):

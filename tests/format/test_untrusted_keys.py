@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from dcp_zarr import InvalidKeyError, MalformedMetadataError, ZarrReader
-from dcp_zarr.planning.dcp_plans import node_paths
+from dcp_zarr.planning.assignments import node_paths
 from dcp_zarr.storage import LocalStorage
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes

@@ -384,7 +384,7 @@ def test_changed_torchtitan_internals_name_both_versions(monkeypatch, change):
 def test_a_bad_zarr_compression_is_refused_as_the_config_is_built_and_as_the_manager_is(value, error, said):
     from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
 
-    message = (rf"ZarrCheckpointManager: checkpoint\.zarr_compression={value!r} {said}: set it to one of blosc's "
+    message = (rf"ZarrCheckpointManager: checkpoint\.zarr_compression={value!r} {said}: set it to one of the "
                r"compressors \('zstd', 'lz4', 'lz4hc', 'blosclz', 'zlib'\) or to None")
     with pytest.raises(error, match=message):  # as tyro builds it from the command line or a TOML file
         ZarrCheckpointManager.Config(enable=True, zarr_compression=value)

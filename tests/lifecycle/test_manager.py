@@ -18,7 +18,9 @@ import torch
 
 from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrSavePlanner
 from dcp_zarr.lifecycle.lease import LEASE_KEY
-from dcp_zarr.lifecycle.root import RECORDS, CheckpointRoot, step_name
+from dcp_zarr.lifecycle.records import RECORDS
+from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.step_forms import step_name
 from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
 from tests.support.compare import assert_state_equal
 from tests.support.faults import crash_state, managed_save_program

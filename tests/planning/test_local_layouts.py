@@ -6,14 +6,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.format.chunk_layout import array_shard_layout, chunk_layout_for_boxes
 from dcp_zarr.placement.box_writers import balanced, box_holders
-from dcp_zarr.placement.boxes import dtensor_local_box
-from dcp_zarr.placement.chunk_grids import dtensor_boxes, dtensor_layout
+from dcp_zarr.placement.boxes import dtensor_local_box, strided_split_factor
+from dcp_zarr.placement.chunk_grids import box_at, dtensor_boxes, dtensor_layout
 from dcp_zarr.placement.holdings import Mesh, MeshSlice
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2)]
@@ -115,6 +116,41 @@ def test_each_rank_s_box_in_arithmetic_is_the_box_torch_computes(mesh_shape):
                 checked += 1
     assert checked >= 96
     assert dtensor_local_box((4,), (2,), (Partial(),), (0,)) is None
+
+
+def test_torch_s_strided_shard_is_told_by_what_it_says_of_itself():
+    """dcp_zarr imports no private torch name outside planning/dcp_internals.py: torch's _StridedShard is told by
+    its public methods and attributes. Every other placement has no split factor."""
+    assert strided_split_factor(_StridedShard(1, split_factor=3)) == 3
+    for placement in (Shard(0), Shard(1), Replicate(), Partial()):
+        assert strided_split_factor(placement) is None
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2), (3, 2)])
+def test_a_partial_placement_holds_the_whole_dim_as_torch_says(mesh_shape):
+    """box_at, which enumerations of every rank's box call, places a Partial as torch does (a load target may be
+    one), with no private torch function."""
+    for placements in itertools.product([Partial(), Replicate(), Shard(0), Shard(1)], repeat=len(mesh_shape)):
+        if not any(p.is_partial() for p in placements):
+            continue
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+            sizes, offsets = _compute_local_shape_and_global_offset((7, 5), mesh_shape, list(coordinate), placements)
+            assert box_at((7, 5), mesh_shape, placements, coordinate) == (tuple(offsets), tuple(sizes))
+
+
+def test_a_placement_dcp_zarr_does_not_know_is_refused_naming_it():
+    class Diagonal(Placement):  # a placement a later torch might add
+        def __str__(self) -> str:
+            return "Diagonal()"
+
+        def __hash__(self) -> int:
+            return 1
+
+        def __eq__(self, other) -> bool:
+            return isinstance(other, Diagonal)
+
+    with pytest.raises(InvalidEntryError, match=r"Diagonal\(\).*pip install -U dcp-zarr"):
+        box_at((4, 4), (2,), (Diagonal(),), (0,))
 
 
 @pytest.mark.parametrize("m", [5, 16, 37])

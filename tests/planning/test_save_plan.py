@@ -1,5 +1,5 @@
-"""The coordinator's per-save decisions (planning/dcp_plans.py): who writes each array's metadata, and the layouts
-sent."""
+"""The coordinator's per-save decisions in a save DCP plans (planning/assignments.py, placement/box_writers.py): who
+writes each array's metadata, and the layouts sent."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcp_zarr.planning.dcp_plans import array_specs_for_plans, assignments, describing_ranks, node_paths
+from dcp_zarr.placement.box_writers import describing_ranks
+from dcp_zarr.planning.assignments import array_specs_for_plans, assignments, node_paths
 
 
 def _row_block(fqn: str, rows: int, rank: int, world: int) -> WriteItem:
@@ -27,7 +28,7 @@ def _plans(fqns_by_rank: list[list[str]], world: int) -> list[SavePlan]:
 
 def _describers(plans: list[SavePlan]) -> dict[str, int]:
     specs = array_specs_for_plans(plans, node_paths(plans), 1 << 20)
-    return describing_ranks(plans, specs)
+    return describing_ranks(([item.index.fqn for item in plan.items] for plan in plans), specs)
 
 
 def test_arrays_every_rank_holds_are_described_evenly_by_all_ranks():

@@ -139,3 +139,21 @@ def test_entries_quick_times_every_kind_interleaved_and_counts_files(tmp_path):
     assert result["files"]["zarr"]["files"] == 2 * 60 + 1 and result["keep_stores"] and result["gc_freeze"]
     assert {"save_speedup_zarr_vs_best_fs", "load_speedup_zarr_vs_raw_io", "save_over_null_s"} <= set(result)
     assert list((tmp_path / "t").iterdir()) == [], "every store is removed at the end"
+
+
+def test_compression_measures_every_kind_on_tmpfs_and_behind_a_throttled_link(tmp_path):
+    """compression at its smallest, on 2 ranks it spawns: a row per kind and target, every load equal, the zarr
+    kinds' per-part ratios, and the bandwidth target's verdicts (python -m benchmarks.compression, no torchrun)."""
+    out = tmp_path / "c.json"
+    run_benchmark("compression", "--mb", "2", "--states", "bf16", "--steps", "1", "--repeats", "1", "--warmup", "0",
+                  "--threads", "2", "--targets", "tmpfs,throttled", "--kinds", "zarr,zarr-zstd,dcp", "--json",
+                  str(out), world_size=None)
+    result = json.loads(out.read_text())
+    assert_stamped(result, out)
+    rows = {(r["target"], r["kind"]): r for r in result["rows"]}
+    assert set(rows) == {(t, k) for t in ("tmpfs", "throttled") for k in ("zarr", "zarr-zstd", "dcp")}
+    assert all(r["ratio"] > 0 and r["save_median_s"] > 0 and r["load_median_s"] > 0 for r in rows.values())
+    assert rows["tmpfs", "zarr-zstd"]["ratio"] > rows["tmpfs", "zarr"]["ratio"], "the compressed kind stores less"
+    assert set(rows["tmpfs", "zarr-zstd"]["ratio_by_group"]) == {"weights", "exp_avg", "exp_avg_sq"}
+    assert result["checks"] and all(result["checks"].values()), result["checks"]
+    assert {v["target"].split(":")[0] for v in result["verdicts"]} == {"tmpfs", "throttled (200 MB/s per rank)"}

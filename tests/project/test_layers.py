@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dcp_zarr"
 
 # Bottom to top. Units of one layer are siblings: neither imports the other.
 LAYERS = [
-    ["errors", "collector"],  # every error class | the garbage collector paused
+    ["errors", "gc_pause"],  # every error class | the garbage collector paused for a step
     ["version", "json_documents", "progress", "torch_floor"],  # helpers with no knowledge of checkpoints
     ["format", "storage"],  # pure: bytes and documents in, typed values out | bytes to and from a backend
     ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit
@@ -111,18 +111,50 @@ def test_no_package_cycle():
 
 
 def test_no_module_imports_itself_back_at_import_time():
-    """Within a package too: a module-level import cycle works or breaks by import order alone."""
-    modules = _modules()
+    """Within a package too: a module-level import cycle works or breaks by import order alone. An import under
+    ``if TYPE_CHECKING:`` counts: a cycle that only type checkers follow still ties the two modules together."""
+    assert _cycles(_import_time_graph(_modules())) == []
+
+
+def test_an_import_cycle_through_type_checking_is_found(tmp_path):
+    """The walk above sees imports under a module-level ``if TYPE_CHECKING:`` (as folders.py once imported root.py,
+    which imported folders.py)."""
+    (tmp_path / "root.py").write_text("from dcp_zarr.lifecycle.folders import folder_state\n")
+    (tmp_path / "folders.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                         "    from dcp_zarr.lifecycle.root import CheckpointRoot\n")
+    (tmp_path / "lazy.py").write_text("def f():\n    from dcp_zarr.lifecycle.root import CheckpointRoot\n")
+    modules = {f"dcp_zarr.lifecycle.{name}": tmp_path / f"{name}.py" for name in ("root", "folders", "lazy")}
+    assert _cycles(_import_time_graph(modules)) == [["dcp_zarr.lifecycle.folders", "dcp_zarr.lifecycle.root"]]
+
+
+def _import_time_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Which module each of ``modules`` imports when it is imported (module level, ``if TYPE_CHECKING:`` blocks
+    included; an import inside a function is lazy and left out)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for module, path in modules.items():
-        for node in ast.parse(path.read_text()).body:  # module level only: a lazy import inside a function is fine
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                holder = ast.Module(body=[node], type_ignores=[])
-                for name in _imported_from(holder, module, path.name == "__init__.py"):
-                    target = _known(name, modules)
-                    if target is not None and target != module and not module.startswith(target + "."):
-                        graph[module].add(target)
-    assert _cycles(graph) == []
+        for node in _module_level_imports(ast.parse(path.read_text()).body):
+            holder = ast.Module(body=[node], type_ignores=[])
+            for name in _imported_from(holder, module, path.name == "__init__.py"):
+                target = _known(name, modules)
+                if target is not None and target != module and not module.startswith(target + "."):
+                    graph[module].add(target)
+    return graph
+
+
+def _module_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            found += _module_level_imports(node.body)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _imported_from(tree: ast.Module, module: str, is_package: bool) -> set[str]:
@@ -212,3 +244,39 @@ def test_no_class_is_longer_than_250_lines():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
                 long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+
+
+def test_the_lifecycle_asks_storage_what_it_can_do_never_which_backend_it_is():
+    """A checkpoint root on a new backend works as soon as the backend answers Storage's calls: lifecycle/ neither
+    imports zarr nor names a backend class nor asks whether a location is local."""
+    found = []
+    for path in (PACKAGE / "lifecycle").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] == "zarr"]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "zarr":
+                found.append(f"{path.name}: from {node.module}")
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                name = node.id if isinstance(node, ast.Name) else node.attr
+                if name in ("is_local", "LocalStorage", "ZarrStoreStorage"):
+                    found.append(f"{path.name}:{node.lineno}: {name}")
+    assert found == []
+
+
+def test_torch_private_names_are_imported_in_dcp_internals_alone():
+    """torch's private modules and names (a component or a name starting with ``_``) are imported by
+    planning/dcp_internals.py alone: the day a torch release moves one, one module changes (docs/compatibility.md)."""
+    private = []
+    for module, path in _modules().items():
+        if module == "dcp_zarr.planning.dcp_internals":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names if alias.name.split(".")[0] == "torch"]
+                private += [f"{module}: import {n}" for n in names if any(p.startswith("_") for p in n.split("."))]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                parts = node.module.split(".")  # type: ignore[union-attr]
+                for alias in node.names:
+                    if any(p.startswith("_") for p in parts) or alias.name.startswith("_"):
+                        private.append(f"{module}: from {node.module} import {alias.name}")
+    assert private == [], "\n".join(private)

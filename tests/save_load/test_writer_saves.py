@@ -12,14 +12,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_zarr import ZarrSavePlanner, ZarrWriter, open_checkpoint
-from dcp_zarr.saving.dcp_planned import DcpPlannedSave
-from dcp_zarr.saving.locally_planned import LocallyPlannedSave
+from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.saving.locally_planned_save import LocallyPlannedSave
 from tests.support.faults import causes
 from tests.support.ranks import run_ranks
 
 # What a save may change on the writer: the path (checkpoint_id=), the keys it wrote, and async staging's own
 # bookkeeping of whether a staged copy is still being saved.
-_PER_SAVE = {"path", "written_keys", "_save_thread", "_staged"}
+_PER_SAVE = {"settings.path", "written_keys", "_save_thread", "_staged"}
 
 
 class _PlansForItself(DefaultSavePlanner):
@@ -30,7 +30,12 @@ class _PlansForItself(DefaultSavePlanner):
 
 
 def _changed(writer: ZarrWriter, before: dict) -> set[str]:
-    return {name for name, value in vars(writer).items() if before.get(name, _changed) is not value}
+    changed = {name for name, value in vars(writer).items() if before.get(name, _changed) is not value}
+    if "settings" in changed:  # checkpoint_id= gives the writer's settings another path, and nothing else
+        old, new = vars(before["settings"]), vars(writer.settings)
+        changed.remove("settings")
+        changed |= {f"settings.{name}" for name in old.keys() | new.keys() if old.get(name) is not new.get(name)}
+    return changed
 
 
 def three_saves(rank: int, world_size: int, root: str):

@@ -81,6 +81,10 @@ class DictStorage(Storage):
     def first_keys(self, limit):
         return self._call("list", "", self._keys)[:limit]
 
+    def size_under(self, prefix):
+        keys = self._call("list", prefix, self._keys)
+        return sum(len(self.objects[f"{self.url}/{key}"]) for key in keys if key.startswith(f"{prefix}/"))
+
     def list_names(self, prefix=""):
         start = f"{prefix.rstrip('/')}/" if prefix else ""
         keys = self._call("list", prefix, self._keys)

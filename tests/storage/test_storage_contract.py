@@ -12,6 +12,7 @@ import zarr.storage
 
 from dcp_zarr.storage import LocalStorage, local, open_storage, store_objects
 from dcp_zarr.storage.retry import Retrying
+from dcp_zarr.storage.throttled import ThrottledStorage
 from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
 
@@ -147,7 +148,7 @@ def test_every_backend_has_a_contract_subclass():
 
     # the package's own: tests subclass backends to count or fail their calls
     implementations = {cls for cls in _subclasses(Storage) if cls.__module__.startswith("dcp_zarr.")}
-    covered = {LocalStorage, ZarrStoreStorage}
+    covered = {LocalStorage, ZarrStoreStorage, ThrottledStorage}  # ThrottledStorage's: tests/storage/test_throttled.py
     assert implementations == covered, f"Storage subclasses without a contract test: {implementations - covered}"
 
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_zarr.loading.rank_reads
-import dcp_zarr.saving.committing
+import dcp_zarr.saving.coordinator
 import dcp_zarr.store_io.write_jobs
 from dcp_zarr import ZarrReader, ZarrWriter
-from dcp_zarr.collector import collector_paused, step_with_collector_paused
+from dcp_zarr.gc_pause import collector_paused, step_with_collector_paused
 from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.store_io.write_jobs import WriteJobs
 
@@ -112,7 +112,7 @@ def _record_transfers(monkeypatch) -> list[tuple[str, bool]]:
 
 
 def test_transfers_pause_the_collector_for_a_local_path_only(tmp_path, monkeypatch, collector_on):
-    """An object store's client keeps its collections for the minutes a transfer may take (collector.py)."""
+    """An object store's client keeps its collections for the minutes a transfer may take (gc_pause.py)."""
     from zarr.storage import MemoryStore
 
     seen = _record_transfers(monkeypatch)
@@ -132,7 +132,7 @@ def test_transfers_pause_the_collector_for_a_local_path_only(tmp_path, monkeypat
 def test_save_and_load_write_and_read_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
     """The decorators sit where the entries' work is done: every batch of jobs of the writer and reader runs paused."""
     seen: list[tuple[str, bool]] = []
-    for module, runner in ((dcp_zarr.store_io.write_jobs, "run_jobs"), (dcp_zarr.saving.committing, "run_jobs"),
+    for module, runner in ((dcp_zarr.store_io.write_jobs, "run_jobs"), (dcp_zarr.saving.coordinator, "run_jobs"),
                            (dcp_zarr.loading.rank_reads, "run_storage_jobs")):
         real = getattr(module, runner)
 
@@ -145,7 +145,7 @@ def test_save_and_load_write_and_read_with_the_collector_paused(tmp_path, monkey
     dcp.save(state, storage_writer=ZarrWriter(tmp_path / "ck"))
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(loaded, storage_reader=ZarrReader(tmp_path / "ck"))
-    assert {name for name, _ in seen} == {"dcp_zarr.store_io.write_jobs", "dcp_zarr.saving.committing",
+    assert {name for name, _ in seen} == {"dcp_zarr.store_io.write_jobs", "dcp_zarr.saving.coordinator",
                                           "dcp_zarr.loading.rank_reads"}
     assert [on for _, on in seen if on] == []
     assert gc.isenabled()

@@ -1,5 +1,7 @@
-"""The coordinator's two moments of a save, whichever way it was planned: before anything is written (the save's id
-and its staging area), and after every rank wrote (every group's zarr.json, the root's, then the commit)."""
+"""The coordinator's two moments of a save, whichever way it was planned: before anything is written (``begin``: the
+save's id and its staging area), and after every rank wrote (``finish``: the replicas' checksums compared, the
+manifest's entries, every group's zarr.json, the root's, then the commit). Both kinds of save (``save.py``) end here,
+so what a manifest entry records and when a save is abandoned are written once."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import uuid
 from functools import partial
 from typing import NamedTuple
 
+from dcp_zarr.errors import ReplicaMismatchError
 from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import parent_groups
 from dcp_zarr.format.encoding import group_metadata
@@ -19,11 +22,13 @@ from dcp_zarr.format.manifest import (
     Manifest,
     ObjectEntry,
     TensorEntry,
+    ValueEntry,
 )
 from dcp_zarr.format.node_copies import encoded_root
 from dcp_zarr.format.optimizer_tables import tables_from_entries
 from dcp_zarr.format.sources import summarize_sources
 from dcp_zarr.json_documents import json_text
+from dcp_zarr.planning import replicas
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io import commit
@@ -46,6 +51,36 @@ def begin(settings: SaveSettings, world_size: int) -> Begun:
     storage = settings.open(location)
     commit.prepare_staging(storage)
     return Begun(save_id, location, storage, world_size)
+
+
+def refuse_differing_replicas(begun: Begun, checksums: list[dict], differing_groups: frozenset[str] = frozenset()
+                              ) -> None:
+    """Raises ``ReplicaMismatchError`` naming the keys whose reported checksums differ between ranks (or, as a
+    backstop, the replica groups whose digests differed), the staging area abandoned: nothing is committed."""
+    try:
+        replicas.compare_checksums(checksums)
+        if differing_groups:  # nothing was written; compare_checksums names the keys, this is the backstop
+            raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(differing_groups)}"
+                                       "; nothing was committed")
+    except ReplicaMismatchError:
+        commit.abandon(begun.storage)
+        raise
+
+
+def tensor_entry(spec: ArraySpec, path: tuple, shape: tuple, requires_grad: bool, saved_shards: int,
+                 source: dict | None) -> TensorEntry:
+    """The manifest entry of a tensor: its array's grid, not the saved boxes (every box is whole chunks of it)."""
+    layout = spec.layout
+    return TensorEntry(fqn=spec.fqn, path=path, node=spec.node, dtype=spec.dtype_name, shape=shape,
+                       chunk_shape=layout.chunk_shape, inner_chunk_rows=layout.inner_rows, requires_grad=requires_grad,
+                       saved_shards=saved_shards, source=source or {"type": "unknown"}, codec=layout.codec)
+
+
+def stored_value_entry(fqn: str, path: tuple, node: str, values: dict, objects: dict) -> Entry:
+    """The manifest entry of a non-tensor value: its JSON document, else the size of its torch.save bytes."""
+    if fqn in values:
+        return ValueEntry(fqn, path, node, values[fqn])
+    return ObjectEntry(fqn, path, node, objects[fqn])
 
 
 def commit_save(settings: SaveSettings, begun: Begun, entries: dict[str, Entry], key_order: list,

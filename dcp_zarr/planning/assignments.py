@@ -22,6 +22,7 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name, zarr_dtype_name
+from dcp_zarr.placement.box_writers import describing_ranks
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
     """One ArraySpec per tensor; with ``array_shards`` (a backend that writes at offsets: local files), an array that
     several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``). With
     ``compression``, every candidate array is compressed: a save DCP plans carries no samples of the data
-    (planning/compression_sample.py serves saves planned locally), and blosc stores blocks that do not compress as
-    they are."""
+    (planning/compression_sample.py serves saves planned locally), and a codec stores data that does not compress
+    within its overhead (format/codecs.py)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO
@@ -123,7 +124,7 @@ def _dtype_names(dtype: torch.dtype) -> tuple[str, int, str]:
 
 def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[str, str],
                 staging_location: str, replica_checks: list[tuple]) -> list[RankAssignment]:
-    describers = describing_ranks(plans, specs)
+    describers = describing_ranks(([item.index.fqn for item in plan.items] for plan in plans), specs)
     result = []
     for rank, (plan, checks) in enumerate(zip(plans, replica_checks)):
         fqns = {item.index.fqn for item in plan.items}
@@ -135,23 +136,3 @@ def assignments(plans: list[SavePlan], specs: dict[str, ArraySpec], nodes: dict[
             replica_checks=checks,
         ))
     return result
-
-
-def describing_ranks(plans: list[SavePlan], specs: dict[str, ArraySpec]) -> dict[str, int]:
-    """fqn -> the one rank that writes the array's ``zarr.json``: of the ranks holding part of the array, the one
-    that describes fewest arrays so far. Sharded arrays are held by every rank, and the first holder of each (rank
-    0) would write all their metadata, making every save wait on rank 0's ``write_data``
-    (benchmarks/reports/performance.md, "Many entries, files and requests": "Balanced metadata, fewer opens")."""
-    holders: dict[str, list[int]] = defaultdict(list)
-    for rank, plan in enumerate(plans):
-        for item in plan.items:
-            fqn = item.index.fqn
-            if fqn in specs and (not holders[fqn] or holders[fqn][-1] != rank):
-                holders[fqn].append(rank)
-    load = [0] * len(plans)
-    chosen: dict[str, int] = {}
-    for fqn, ranks in holders.items():
-        rank = min(ranks, key=lambda r: (load[r], r))
-        load[rank] += 1
-        chosen[fqn] = rank
-    return chosen

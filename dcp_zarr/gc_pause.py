@@ -5,7 +5,7 @@ A step of a save makes and keeps tens of objects per entry (write items, layouts
 with thousands of entries they outlive young collections and set off full ones, each a walk over every object the
 process holds (the model, torch's modules): a large share of a save of thousands of small tensors. With these steps
 paused a save sets off none, and training code between saves meets fewer, not more, so the work is avoided, not
-moved (benchmarks/reports/performance.md, "The plain line and per-entry cost (issue 35), at d69d9f8"). The objects
+moved (measured in benchmarks/reports/performance.md, "The plain line and per-entry cost"). The objects
 need no collector: reference counting frees them when the step ends.
 
 ``gc.disable`` is process-wide. A decode takes milliseconds and pauses it on any thread; a step may take seconds, so

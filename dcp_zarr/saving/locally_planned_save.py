@@ -19,17 +19,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
-from dcp_zarr.errors import ReplicaMismatchError
-from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.planning import replicas
+from dcp_zarr.format.manifest import Entry
 from dcp_zarr.planning.local_save import LocalSave
-from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, Ticket, check_summaries
+from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, SaveOptions, Ticket, check_summaries
 from dcp_zarr.planning.save_planner import RankState
-from dcp_zarr.saving import committing
+from dcp_zarr.saving import coordinator
 from dcp_zarr.saving.item_writes import checked_tensor, write_items
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
-from dcp_zarr.store_io import commit
 
 
 class LocallyPlannedSave:
@@ -37,11 +34,12 @@ class LocallyPlannedSave:
         self.settings = settings
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
+        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.exchange_bytes,
+                              settings.compression)
         self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
-                               settings.aggregate_below_bytes(), settings.exchange_bytes, settings.inner_chunk_bytes,
-                               settings.compression)
+                               options)
         self.written_keys: list[str] = []
-        self._begun: committing.Begun | None = None  # the coordinator's, from global_plans
+        self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_report: RankReport | None = None  # the coordinator's own values and object sizes (not sent)
 
@@ -56,9 +54,8 @@ class LocallyPlannedSave:
             self.local.plan_alone()
             summaries = [self.local.summary]
         exchange, self._detail_groups = check_summaries(summaries)
-        self._begun = begun = committing.begin(self.settings, len(plans))
+        self._begun = begun = coordinator.begin(self.settings, len(plans))
         stored_plain = frozenset().union(*(summary.poorly_compressed for summary in summaries))
-        self.local.stored_plain = stored_plain
         ticket = Ticket(begun.save_id, begun.staging_location, exchange, self._detail_groups, stored_plain)
         return [dataclasses.replace(plan, storage_data=ticket) for plan in plans]
 
@@ -72,7 +69,7 @@ class LocallyPlannedSave:
         nbytes = 0
         if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
             storage = settings.open(ticket.staging_location)
-            items, assignment = local.rank_writes(ticket, settings.inner_chunk_bytes, storage.writes_at_offsets)
+            items, assignment = local.rank_writes(ticket, storage.writes_at_offsets)
             aggregated_keys = self._write_aggregated(storage, planner)
             results, chunk_keys = write_items(storage, items, assignment, planner, settings.thread_count,
                                               with_sources=False)
@@ -93,19 +90,18 @@ class LocallyPlannedSave:
         """The blocks of the arrays aggregated in this save (collective/): every rank of the save takes part in
         every round, on the planner's process group, which is the one DCP saves on (check_summaries): for
         dcp.async_save, the background save's own group, whose collectives nothing else interleaves with."""
-        local, inner_chunk_bytes = self.local, self.settings.inner_chunk_bytes
-        aggregation = local.aggregation(inner_chunk_bytes)
-        if not aggregation.arrays:
+        local = self.local
+        plan = local.plan
+        assert plan is not None  # rank_writes made it
+        if not plan.aggregation.arrays:
             return []
-        entries = local.global_entries()
-        specs = local.array_specs(inner_chunk_bytes, storage.writes_at_offsets, set(aggregation.arrays))
 
         def held() -> dict:  # called inside the exchange, so that a tensor that cannot be saved fails every rank
             return {fqn: [(box, checked_tensor(tensor, fqn)) for box, tensor in boxes]
-                    for fqn, boxes in local.held_pieces(planner, inner_chunk_bytes).items()}
+                    for fqn, boxes in local.held_pieces(planner).items()}
 
-        return write_aggregated(aggregation, entries, specs, held, Group(local.group), storage,
-                                self.settings.thread_count, local.merged)
+        return write_aggregated(plan.aggregation, plan.entries, plan.aggregated_specs, held, Group(local.group),
+                                storage, self.settings.thread_count, plan.merged)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The manifest, from the coordinator's own plan and each rank's one report, then the commit (``metadata``,
@@ -114,32 +110,20 @@ class LocallyPlannedSave:
         assert begun is not None, "finish of a save without its prepare_global_plan"
         reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
                                      if r.index.fqn == REPORT_FQN]
-        try:
-            replicas.compare_checksums([report.checksums for report in reports])
-        except ReplicaMismatchError:
-            commit.abandon(begun.storage)
-            raise
-        if self._detail_groups:  # nothing was written; compare_checksums names the keys, this is the backstop
-            commit.abandon(begun.storage)
-            raise ReplicaMismatchError(f"replicated entries differ between the ranks of {sorted(self._detail_groups)}"
-                                       "; nothing was committed")
+        coordinator.refuse_differing_replicas(begun, [report.checksums for report in reports], self._detail_groups)
         own = self._own_report or RankReport({}, {}, {})
         values = dict(own.values)
         values.update((fqn, v) for report in reports for fqn, v in report.values.items())
         objects = dict(own.objects)
         objects.update((fqn, n) for report in reports for fqn, n in report.objects.items())
-        specs, saved_shards = local.saved_arrays(self.settings.inner_chunk_bytes, begun.storage.writes_at_offsets)
-        nodes = local.global_nodes()
+        plan = local.plan
+        assert plan is not None and plan.saved_specs is not None and plan.saved_shards is not None  # the coordinator's
+        specs, saved_shards = plan.saved_specs, plan.saved_shards
         entries: dict[str, Entry] = {}
-        for fqn, entry in local.global_entries().items():
+        for fqn, entry in plan.entries.items():
             if fqn in specs:
-                entries[fqn] = TensorEntry(
-                    fqn=fqn, path=entry.path, node=nodes[fqn], dtype=specs[fqn].dtype_name, shape=entry.size,
-                    chunk_shape=specs[fqn].layout.chunk_shape, inner_chunk_rows=specs[fqn].layout.inner_rows,
-                    requires_grad=entry.requires_grad, saved_shards=saved_shards[fqn],
-                    source=entry.source or {"type": "unknown"}, codec=specs[fqn].layout.codec)
-            elif fqn in values:
-                entries[fqn] = ValueEntry(fqn, entry.path, nodes[fqn], values[fqn])
+                entries[fqn] = coordinator.tensor_entry(specs[fqn], entry.path, entry.size, entry.requires_grad,
+                                                        saved_shards[fqn], entry.source)
             else:
-                entries[fqn] = ObjectEntry(fqn, entry.path, nodes[fqn], objects[fqn])
-        committing.commit_save(self.settings, begun, entries, local.global_key_order(), specs)
+                entries[fqn] = coordinator.stored_value_entry(fqn, entry.path, plan.nodes[fqn], values, objects)
+        coordinator.commit_save(self.settings, begun, entries, plan.key_order, specs)

@@ -1,6 +1,6 @@
 """A save planned by DCP: a planner that plans for itself (a subclass that rewrites items, DCP's caching planner seen
 through, any ``SavePlanner``). Its global plan says which rank writes which box; the writer adds nodes and chunk
-layouts (planning/dcp_plans.py) and, where ranks hold the same entries, the replica checks (planning/replicas.py).
+layouts (planning/assignments.py) and, where ranks hold the same entries, the replica checks (planning/replicas.py).
 
 ``local_plan``: the items, their dtypes checked. ``global_plans`` (the coordinator): the save begun, a
 ``RankAssignment`` for every rank. ``write``: the rank's items. ``finish`` (the coordinator): the manifest from DCP's
@@ -17,16 +17,14 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_zarr.errors import ReplicaMismatchError
 from dcp_zarr.format.array_spec import ArraySpec
-from dcp_zarr.format.manifest import Entry, ObjectEntry, TensorEntry, ValueEntry
-from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name
+from dcp_zarr.format.manifest import Entry
+from dcp_zarr.format.torch_arrays import numpy_dtype
 from dcp_zarr.planning import dcp_internals, replicas
-from dcp_zarr.planning.dcp_plans import RankAssignment, array_specs_for_plans, assignments, node_paths
-from dcp_zarr.saving import committing
+from dcp_zarr.planning.assignments import RankAssignment, array_specs_for_plans, assignments, node_paths
+from dcp_zarr.saving import coordinator
 from dcp_zarr.saving.item_writes import write_items
 from dcp_zarr.saving.settings import SaveSettings
-from dcp_zarr.store_io import commit
 
 
 class DcpPlannedSave:
@@ -35,7 +33,7 @@ class DcpPlannedSave:
         self.is_coordinator = is_coordinator
         self.written_keys: list[str] = []
         self._local_items: dict = {}  # this rank's items before DCP's deduplication, by index (replicas.py)
-        self._begun: committing.Begun | None = None  # the coordinator's, from global_plans
+        self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans
         self._specs: dict[str, ArraySpec] = {}
         self._nodes: dict[str, str] = {}
 
@@ -57,7 +55,7 @@ class DcpPlannedSave:
             local_plans, plans = dcp_internals.cached_plans()
         checks = replicas.plan_checks(local_plans, settings.check_replicas, settings.replica_check_bytes)
         self._nodes = nodes = node_paths(plans)
-        self._begun = begun = committing.begin(settings, len(plans))
+        self._begun = begun = coordinator.begin(settings, len(plans))
         # One shard file per array, filled by several ranks, needs a backend that writes parts of a file (local
         # files do; an object is written whole, by one writer).
         self._specs = array_specs_for_plans(plans, nodes, settings.inner_chunk_bytes,
@@ -79,36 +77,27 @@ class DcpPlannedSave:
         begun = self._begun
         assert begun is not None, "finish of a save without its prepare_global_plan"
         results, digests = replicas.split_results(results)
-        try:
-            replicas.compare_checksums(digests)
-        except ReplicaMismatchError:
-            commit.abandon(begun.storage)
-            raise
-        by_fqn: dict[str, list] = {}
+        coordinator.refuse_differing_replicas(begun, digests)
+        values: dict[str, object] = {}
+        objects: dict[str, int] = {}
+        sources: dict[str, dict] = {}  # how each tensor was held, as the first rank to write part of it says
         for rank_results in results:
             for result in rank_results:
-                by_fqn.setdefault(result.index.fqn, []).append(result.storage_data)
+                fqn, stored = result.index.fqn, result.storage_data
+                if "source" in stored:
+                    sources.setdefault(fqn, stored["source"])
+                elif "value" in stored:
+                    values.setdefault(fqn, stored["value"])
+                elif "object_nbytes" in stored:
+                    objects.setdefault(fqn, stored["object_nbytes"])
         entries: dict[str, Entry] = {}
         paths = metadata.planner_data or {}
         for fqn, md in metadata.state_dict_metadata.items():
             path = tuple(paths.get(fqn, (fqn,)))
             if isinstance(md, TensorStorageMetadata):
-                entries[fqn] = _entry_from_metadata(fqn, path, self._specs[fqn], md, by_fqn.get(fqn, []))
-            elif "value" in by_fqn[fqn][0]:
-                entries[fqn] = ValueEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["value"])
+                entries[fqn] = coordinator.tensor_entry(
+                    self._specs[fqn], path, tuple(md.size), bool(md.properties.requires_grad),
+                    saved_shards=sum(1 for c in md.chunks if all(c.sizes)), source=sources.get(fqn))
             else:
-                entries[fqn] = ObjectEntry(fqn, path, self._nodes[fqn], by_fqn[fqn][0]["object_nbytes"])
-        committing.commit_save(self.settings, begun, entries, list(paths), self._specs)
-
-
-def _entry_from_metadata(fqn: str, path: tuple, spec: ArraySpec, md: TensorStorageMetadata, stored: list
-                         ) -> TensorEntry:
-    """The manifest entry of a tensor: its grid, not the saved boxes (every box is whole chunks of that grid)."""
-    sources = [s["source"] for s in stored if "source" in s]
-    return TensorEntry(
-        fqn=fqn, path=path, node=spec.node, dtype=torch_dtype_name(md.properties.dtype), shape=tuple(md.size),
-        chunk_shape=spec.layout.chunk_shape, inner_chunk_rows=spec.layout.inner_rows,
-        requires_grad=bool(md.properties.requires_grad),
-        saved_shards=sum(1 for c in md.chunks if all(c.sizes)),
-        source=sources[0] if sources else {"type": "unknown"}, codec=spec.layout.codec,
-    )
+                entries[fqn] = coordinator.stored_value_entry(fqn, path, self._nodes[fqn], values, objects)
+        coordinator.commit_save(self.settings, begun, entries, list(paths), self._specs)

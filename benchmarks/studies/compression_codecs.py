@@ -2,7 +2,7 @@
 on a model and its AdamW state after a few real steps, per kind of array, and each one's speed on one thread.
 
 One process, no ranks: blosc alone through numcodecs, on the arrays a save would compress (64 KiB or more), cut in
-1 MiB chunks as a save cuts them. ``python -m benchmarks.compression_codecs [--hidden 512] [--steps 3]``.
+1 MiB chunks as a save cuts them. ``python -m benchmarks.studies.compression_codecs [--hidden 512] [--steps 3]``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from numcodecs import blosc
 
-from benchmarks.compression import HEAD, _Stack
+from benchmarks.harness import STACK_HEAD, _TransformerLM, stack
 
 CODECS = [("lz4", "bitshuffle"), ("zstd", "bitshuffle"), ("zstd", "shuffle"), ("lz4", "shuffle"), ("zstd", "noshuffle")]
 SHUFFLES = {"noshuffle": blosc.NOSHUFFLE, "shuffle": blosc.SHUFFLE, "bitshuffle": blosc.BITSHUFFLE}
@@ -25,8 +25,8 @@ MIN_BYTES = 64 << 10
 
 def trained(dtype: torch.dtype, hidden: int, steps: int) -> dict[str, list[torch.Tensor]]:
     """The weights, ``exp_avg`` and ``exp_avg_sq`` of every parameter of 64 KiB or more after ``steps`` AdamW steps,
-    initialised as benchmarks/compression.py initialises its model."""
-    model = _Stack(hidden).to(dtype)
+    initialised as harness.trained_stack_state initialises its model."""
+    model = _TransformerLM(stack(hidden, dtype), embed=False).to(dtype)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -37,7 +37,7 @@ def trained(dtype: torch.dtype, hidden: int, steps: int) -> dict[str, list[torch
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps):
         x = torch.randn(4, 32, hidden, generator=g).to(dtype)
-        labels = torch.randint(HEAD, (128,), generator=g)
+        labels = torch.randint(STACK_HEAD, (128,), generator=g)
         F.cross_entropy(model(x).flatten(0, 1).float(), labels).backward()
         optim.step()
         optim.zero_grad()

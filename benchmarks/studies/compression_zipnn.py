@@ -2,9 +2,9 @@
 blosc codec dcp_zarr writes (zstd level 1, bit shuffle), on one thread, on 4096 x 4096 tensors drawn as trained
 weights and AdamW state are distributed.
 
-Needs the ``zipnn`` package, which dcp_zarr does not depend on: run it in a venv of its own,
-``python -m venv /tmp/zvenv && /tmp/zvenv/bin/pip install zipnn numcodecs && /tmp/zvenv/bin/python
-benchmarks/compression_zipnn.py``. The result is in benchmarks/reports/compression.md ("A ZipNN codec?").
+Needs the ``zipnn`` package, which dcp_zarr does not depend on: run it in a venv of its own, from the repository
+root: ``python -m venv /tmp/zvenv && /tmp/zvenv/bin/pip install zipnn numcodecs && /tmp/zvenv/bin/python -m
+benchmarks.studies.compression_zipnn``. The result is in benchmarks/reports/compression.md ("A ZipNN codec?").
 """
 
 from __future__ import annotations

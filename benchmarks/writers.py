@@ -1,0 +1,218 @@
+"""The writer kinds the benchmarks measure (benchmarks/README.md): ``dcp.save`` and ``dcp.load`` with each kind's
+writer and reader, optionally behind a link of limited bandwidth, and raw I/O of the same bytes. Nothing here imports
+dcp_zarr at import time: DCP's own writer can be measured where dcp_zarr does not import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from benchmarks.harness import leaves, local
+
+
+def parse_kind(spec: str) -> tuple[str, dict[str, Any]]:
+    """``zarr-dcp:check_replicas=none:aggregate_below=0`` -> ("zarr-dcp", {"check_replicas": "none", ...}): a kind and
+    the options its ZarrWriter and ZarrReader take (each passes on those it knows); an option without a value is
+    True (``fs:zstd``: FileSystemWriter with DCP's ZStandard extension)."""
+    kind, *options = spec.split(":")
+    parsed: dict[str, Any] = {}
+    for option in options:
+        key, equals, value = option.partition("=")
+        parsed[key] = True if not equals else int(value) if value.lstrip("-").isdigit() else {
+            "True": True, "False": False}.get(value, value)
+    return kind, parsed
+
+
+ZARR_KINDS = ("zarr", "zarr-plain", "zarr-dcp")
+_READER_ONLY = ("read_once", "read_once_below")
+_READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
+
+
+def throttled(path: str, storage_options: dict | None, file_system: Any, bytes_per_second: float | None,
+              zarr: bool) -> tuple[str, dict | None, Any]:
+    """(path, storage_options, DCP FileSystem) for a kind behind this process's link of ``bytes_per_second``
+    (dcp_zarr/storage/throttled.py): dcp_zarr's ``throttled://`` location, DCP's files through a FileSystem whose
+    writes and reads are charged to the same link."""
+    if not bytes_per_second:
+        return path, storage_options, file_system
+    from dcp_zarr.storage.throttled import link, register_throttled
+
+    if zarr:
+        register_throttled()
+        return f"throttled://{path}", {**(storage_options or {}), "bytes_per_second": bytes_per_second}, None
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    bandwidth = link(bytes_per_second)
+
+    class Stream:
+        def __init__(self, stream):
+            self._stream = stream
+
+        def __getattr__(self, name: str):
+            return getattr(self._stream, name)
+
+        def write(self, data) -> int:
+            return bandwidth.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None
+                                   else n)
+
+        def read(self, size: int = -1) -> bytes:
+            return bandwidth.timed(lambda: self._stream.read(size), len)
+
+        def readinto(self, buffer) -> int:
+            return bandwidth.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
+
+    class ThrottledFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                yield Stream(stream)
+
+    return path, storage_options, ThrottledFileSystem()
+
+
+def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
+         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
+    """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
+    alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
+    planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
+    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path;
+    ``file_system``: the ``fs`` kind's DCP ``FileSystem``; ``bytes_per_second``: behind a link (``throttled``)."""
+    kind, options = parse_kind(spec)
+    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
+                                                   kind in ZARR_KINDS)
+    counts = {} if threads is None else {"thread_count": threads}
+    planner = None
+    if kind == "raw":
+        os.makedirs(path, exist_ok=True)
+        return write_raw(state, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
+    if kind in ZARR_KINDS:
+        from dcp_zarr import ZarrSavePlanner, ZarrWriter
+        from dcp_zarr.testing.planners import DCPsPlanning
+
+        options = {k: v for k, v in options.items() if k not in _READER_ONLY}
+        writer: Any = ZarrWriter(path, store=store, storage_options=storage_options, **counts, **options)
+        planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
+    elif kind == "fs":
+        writer = FileSystemWriter(path, sync_files=True, **counts, **_extensions(options))
+        writer.fs = file_system or writer.fs
+    elif kind == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files=False: on an object store DCP's fsync falls back to os.sync(), the whole machine's
+        writer = FsspecWriter(path, sync_files=False, **counts, **_extensions(options), **(storage_options or {}))
+    else:
+        raise ValueError(f"unknown writer kind {spec!r}")
+    dcp.save(state, storage_writer=writer, planner=planner)
+
+
+def _extensions(options: dict[str, Any]) -> dict[str, Any]:
+    """``zstd``: DCP's ZStandard stream extension (its readers decode it from the metadata)."""
+    if not options.get("zstd"):
+        return {}
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return {"_extensions": [ZStandard()]}
+
+
+def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
+         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
+    """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader, FsspecReader: no threads), or read_raw."""
+    kind, options = parse_kind(spec)
+    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
+                                                   kind in ZARR_KINDS)
+    if kind == "raw":
+        return read_raw(target, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
+    if kind in ZARR_KINDS:
+        from dcp_zarr import ZarrReader
+
+        options = {k: v for k, v in options.items() if k in _READER_OPTIONS}
+        reader: Any = ZarrReader(path, store=store, storage_options=storage_options,
+                                 **({} if threads is None else {"thread_count": threads}), **options)
+    elif kind == "fs":
+        reader = FileSystemReader(path)
+        reader.fs = file_system or reader.fs
+    elif kind == "fsspec":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        reader = FsspecReader(path, **(storage_options or {}))
+    else:
+        raise ValueError(f"unknown reader kind {spec!r}")
+    dcp.load(target, storage_reader=reader)
+
+
+def _raw_plan(state: Any, threads: int) -> list[list[tuple[torch.Tensor, int]]]:
+    """This rank's tensors at their offsets in one file, largest first, each to the thread with the fewest bytes."""
+    tensors = sorted(leaves(state), key=lambda t: -local(t).numel() * t.element_size())
+    buckets: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(max(1, threads))]
+    loads, offset = [0] * len(buckets), 0
+    for tensor in tensors:
+        size = local(tensor).numel() * tensor.element_size()
+        least = loads.index(min(loads))
+        buckets[least].append((tensor, offset))
+        loads[least] += size
+        offset += size
+    return buckets
+
+
+def _host_view(tensor: torch.Tensor) -> torch.Tensor:
+    return local(tensor).detach().reshape(-1).view(torch.uint8)  # uint8: numpy has no bfloat16
+
+
+def write_raw(state: Any, path: str, threads: int = 4) -> None:
+    """Raw I/O, the storage's limit: this rank's local tensor bytes (copied to host first, for CUDA tensors) written
+    back to back into one file with ``os.pwrite`` from ``threads`` threads, then fsync. No format, no planning."""
+
+    def write(bucket: list[tuple[torch.Tensor, int]]) -> None:
+        for tensor, offset in bucket:
+            data = memoryview(_host_view(tensor).cpu().numpy())
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(write, _raw_plan(state, threads)))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_raw(target: Any, path: str, threads: int = 4) -> None:
+    """Raw I/O back: ``write_raw``'s file read into ``target``'s local tensors (of the same sharding)."""
+
+    def read(bucket: list[tuple[torch.Tensor, int]]) -> None:
+        for tensor, offset in bucket:
+            view = _host_view(tensor)
+            host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
+            buffer = memoryview(host.numpy())
+            while buffer:
+                got = os.preadv(fd, [buffer], offset)
+                if not got:
+                    raise EOFError(f"{path} ends at {offset}")
+                buffer, offset = buffer[got:], offset + got
+            if host is not view:
+                view.copy_(host)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(read, _raw_plan(target, threads)))
+    finally:
+        os.close(fd)
+
+
+def remove_s3(url: str, storage_options: dict) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=storage_options["key"],
+                      secret=storage_options["secret"], endpoint_url=storage_options["endpoint_url"]).rm(
+        url, recursive=True)

@@ -1,0 +1,47 @@
+"""A locally planned save's plan is a value (planning/write_plan.py): kept under one key naming every input, reused
+while they are the same, made anew when any differs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dcp_zarr import ZarrSavePlanner
+from dcp_zarr.format.compression import Compression
+from dcp_zarr.planning.local_save import LocalSave
+from dcp_zarr.planning.protocol import SAVE_OPTIONS, SaveOptions, Ticket
+from dcp_zarr.planning.write_plan import PlanKey
+
+_OPTIONS = SaveOptions(1 << 20, 0, 1 << 20, None)
+
+
+def _plan(options: SaveOptions, array_shards: bool = True, stored_plain: frozenset[str] = frozenset()):
+    state = {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.zeros(64), "step": 3}
+    planner = ZarrSavePlanner()
+    planner.set_up_planner(state, None, True)
+    local = LocalSave(planner.create_local_plan().planner_data, 0, True, "small", 1 << 20, options)
+    local.rank_writes(Ticket("id", "somewhere", False, frozenset(), stored_plain), array_shards)
+    return local.plan
+
+
+def test_a_plan_is_reused_while_its_inputs_are_the_same():
+    assert _plan(_OPTIONS) is _plan(_OPTIONS)
+
+
+def test_a_plan_is_made_anew_when_any_option_or_input_differs():
+    first = _plan(_OPTIONS)
+    for name in ("inner_chunk_bytes", "aggregate_below", "exchange_bytes"):
+        assert _plan(_OPTIONS._replace(**{name: getattr(_OPTIONS, name) + 512})) is not first, name
+    compressing = _OPTIONS._replace(compression=Compression(min_bytes=0, min_ratio=0))
+    compressed = _plan(compressing)
+    assert compressed is not first and compressed.specs["w"].layout.codec is not None
+    plain = _plan(compressing, stored_plain=frozenset({"w"}))
+    assert plain is not compressed and plain.specs["w"].layout.codec is None
+    assert _plan(_OPTIONS, array_shards=False) is not first
+
+
+def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
+    key_fields = {f.name for f in dataclasses.fields(PlanKey)}
+    assert "options" in key_fields and set(SAVE_OPTIONS) == set(SaveOptions._fields)
+    assert _OPTIONS.summarized() == (1 << 20, 0, 1 << 20, None)
