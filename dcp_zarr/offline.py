@@ -35,18 +35,15 @@ from dcp_zarr.format.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntr
 from dcp_zarr.format.manifest import Entry as ManifestEntry
 from dcp_zarr.optim.wrapper_names import explain_missing_name
 from dcp_zarr.progress import progress_bar
-from dcp_zarr.storage import Storage, is_local, local_path, open_storage, store_objects
+from dcp_zarr.storage import Storage, open_storage, storage_class, store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io.chunks import RegionReader
 from dcp_zarr.store_io.entry_data import stored_object_bytes, stored_value, tensor_reader
-from dcp_zarr.store_io.root_document import read_manifest
+from dcp_zarr.store_io.root_document import holds_dcp_checkpoint, read_manifest
 from dcp_zarr.store_io.scheduler import run_storage_jobs
 
 if TYPE_CHECKING:
     import torch
-
-# torch's own checkpoint directories hold this file (dcp_dir.py reads them; noticing one needs no torch).
-DCP_METADATA_FILE = ".metadata"
 
 # A region is basic indexing with step 1: a tuple of slices, ints and at most one Ellipsis (``(slice(0, 8), 3)``).
 # A basic-slicing region: one index, or a tuple (or list) of them; region_box also takes 0-d integer tensors.
@@ -283,8 +280,8 @@ def open_checkpoint(path: str | os.PathLike | None = None, storage_options: dict
         return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
     if not location:
         raise ValueError("open_checkpoint needs a path or a store: pass path or store=")
-    if is_local(location):
-        local = local_path(location)
+    local = storage_class(location).directory(location)
+    if local is not None:
         if not os.path.exists(local):
             raise NotACheckpointError(f"{local} does not exist")
         refuse_a_file(local)
@@ -297,9 +294,11 @@ def open_checkpoint(path: str | os.PathLike | None = None, storage_options: dict
 
 
 def is_dcp_directory(path: str | os.PathLike) -> bool:
-    """A local torch.distributed.checkpoint directory (``.metadata`` + ``.distcp`` files)?"""
+    """A local torch.distributed.checkpoint directory (``.metadata`` + ``.distcp`` files)? Only a directory is one:
+    DCP's FileSystemReader, which dcp_dir.py reads them with, reads nothing else."""
     location = os.fspath(path)
-    return is_local(location) and os.path.isfile(os.path.join(local_path(location), DCP_METADATA_FILE))
+    directory = storage_class(location).directory(location)
+    return directory is not None and holds_dcp_checkpoint(open_storage(directory, read_only=True))
 
 
 def refuse_a_file(local: str) -> None:

@@ -70,13 +70,15 @@ class Storage(abc.ABC):
     # How a save becomes the checkpoint (store_io/commit.py): True, staged in a directory beside the target and
     # renamed onto it in one atomic step, which also swaps out a checkpoint it replaces, so replacing is safe by
     # default; False, written in place, the root zarr.json (written last) the commit, and replacing deletes first.
+    # A backend that commits by rename has directories for roots (``directory`` gives one for each location).
     commits_by_rename: ClassVar[bool] = False
     # Whether a save's or load's transfers run with Python's cyclic garbage collector paused (gc_pause.py): the
     # IO threads are dcp_zarr's own and make no reference cycles (local files); a client library's may.
     transfers_pause_collector: ClassVar[bool] = False
     # Whether ``link_from`` stores an object already stored under another root without moving its bytes through
     # this process (a hard link; an object store's server-side copy). Where False, link_from reads and writes.
-    links_objects: ClassVar[bool] = False
+    # Not a ClassVar: an opened storage may know more than its class (zarr's stores: only an S3 one copies in place).
+    links_objects: bool = False
 
     @classmethod
     def open(cls, location: str, storage_options: dict | None, *, sync_files: bool, read_only: bool,
@@ -110,7 +112,8 @@ class Storage(abc.ABC):
     def link_from(self, source: Storage, key: str) -> None:
         """Store at ``key`` the object ``source`` holds at ``key``, bytes identical (incremental saves reuse what an
         earlier checkpoint stored). A backend with ``links_objects`` does it without the bytes passing through this
-        process; this default reads them and writes them."""
+        process; this default reads them and writes them. A hard link shares one file with ``source``: writing to
+        ``key`` afterwards would change the source's too, so a linked key is removed before it is written again."""
         self.write(key, [source.read(key)])
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:

@@ -134,6 +134,9 @@ class ThrottledStorage(Storage):
     def size(self, key: str) -> int:
         return self.inner.size(key)
 
+    def size_under(self, prefix: str) -> int:
+        return self.inner.size_under(prefix)
+
     def requests_in_flight(self, thread_count: int) -> int:
         return self.inner.requests_in_flight(thread_count)
 

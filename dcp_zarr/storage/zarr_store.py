@@ -15,6 +15,9 @@ from dcp_zarr.storage.retry import Retrying, call_with_retry
 # round trip), not on a core, so the thread count asked for (sized for CPUs) would leave latency unhidden
 # (benchmarks/reports/performance.md, "Many entries, files and requests": "Round trips on object stores").
 REQUESTS_IN_FLIGHT = 32
+# fsspec protocols whose file systems copy an object within the service, the bytes never reaching the client
+# (s3fs's _cp_file is S3's CopyObject).
+SERVER_SIDE_COPY = frozenset({"s3", "s3a"})
 
 
 class ZarrStoreStorage(Storage):
@@ -41,6 +44,8 @@ class ZarrStoreStorage(Storage):
         self.url = url
         self.retrying = retrying or Retrying()
         self._prototype = default_buffer_prototype()
+        # A class says what all its stores can do; this one knows its file system (an S3 store copies in place).
+        self.links_objects = _copies_server_side(store)
 
     def _call(self, operation, what: str, key: str):
         if key:  # "" is the root itself (delete everything under, list)
@@ -76,6 +81,40 @@ class ZarrStoreStorage(Storage):
     def remove_all(self) -> None:
         self._call(lambda: sync(self.store.delete_dir("")), "delete everything under", "")
 
+    def size(self, key: str) -> int:
+        self._forget_listings()  # s3fs answers from its listings where it has one
+
+        async def size_or_none():
+            try:
+                return await self.store.getsize(key)
+            except Exception:
+                # a missing key is FileNotFoundError in fsspec's stores, obstore's own NotFoundError in ObjectStore
+                if await self.store.exists(key):
+                    raise
+                return None
+
+        size = self._call(lambda: sync(size_or_none()), "look up the size of", key)
+        if size is None:
+            raise FileNotFoundError(f"{self.url}: no key {key!r}")
+        return size
+
+    def link_from(self, source: Storage, key: str) -> None:
+        """A server-side copy where both stores are one S3 file system's (``links_objects``); else read and write."""
+        if not (self.links_objects and isinstance(source, ZarrStoreStorage) and _same_file_system(source, self)):
+            return super().link_from(source, key)
+        fs = self.store.fs  # type: ignore[attr-defined]  # an FsspecStore: _copies_server_side said so
+        origin, destination = _fsspec_path(source.store, key), _fsspec_path(self.store, key)
+
+        async def copy() -> bool:
+            try:
+                await fs._cp_file(origin, destination)
+            except FileNotFoundError:
+                return False
+            return True
+
+        if not self._call(lambda: sync(copy()), "copy", key):
+            raise FileNotFoundError(f"{source.url}: no key {key!r}")
+
     def first_keys(self, limit: int) -> list[str]:
         async def collect():
             found = []
@@ -93,7 +132,7 @@ class ZarrStoreStorage(Storage):
         async def collect():
             return [name async for name in self.store.list_dir(prefix)]
 
-        return sorted(name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix))
+        return sorted({name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix)} - {""})
 
     def size_under(self, prefix: str) -> int:
         self._forget_listings()
@@ -104,6 +143,25 @@ class ZarrStoreStorage(Storage):
         invalidate = getattr(getattr(self.store, "fs", None), "invalidate_cache", None)
         if invalidate is not None:
             invalidate()
+
+
+def _copies_server_side(store: Store) -> bool:
+    from zarr.storage import FsspecStore
+
+    if not isinstance(store, FsspecStore):
+        return False
+    protocol = store.fs.protocol
+    return bool(SERVER_SIDE_COPY.intersection(protocol if isinstance(protocol, (tuple, list)) else (protocol,)))
+
+
+def _same_file_system(a: ZarrStoreStorage, b: ZarrStoreStorage) -> bool:
+    """Whether both stores are reached through one file system (fsspec compares the options it was made with:
+    endpoint, credentials), so that one server may copy from one to the other."""
+    return _copies_server_side(a.store) and a.store.fs == b.store.fs  # type: ignore[attr-defined]
+
+
+def _fsspec_path(store, key: str) -> str:
+    return f"{store.path.rstrip('/')}/{key}"
 
 
 def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:

@@ -5,18 +5,22 @@ A subclass provides ``make_storage(name, retry)``: a fresh, empty ``Storage`` of
 (two names sharing a prefix, ``ckpt`` and ``ckpt2``, must be two separate roots), whose object-store calls retry by
 ``retry``; and ``break_next_calls(storage, count, error)``, which makes the backend's next ``count`` calls fail with
 ``error`` underneath the Storage (a store method, a system call), so that retries are tested where they happen.
+Where it can, it also says how to count the bytes a call moves (``counting_transfers``) and whether two keys are one
+stored object (``same_object``), so that ``link_from`` is held to what ``links_objects`` claims.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import numpy as np
 import pytest
 
 from dcp_zarr.errors import InvalidKeyError, MetadataTooLargeError, ObjectStoreError
+from dcp_zarr.storage import open_storage, storage_class
 from dcp_zarr.storage.base import Storage
 from dcp_zarr.storage.retry import RetryPolicy
 
@@ -24,10 +28,77 @@ from dcp_zarr.storage.retry import RetryPolicy
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.0, max_delay=0.0)
 
 
-class StorageContract:
+class LinkContract:
+    """What ``link_from`` owes incremental saves (an object of an earlier checkpoint stored under a new root), held
+    to what ``links_objects`` claims; part of ``StorageContract``."""
+
+    links_objects: ClassVar[bool] = False
+
+    def make_storage(self, name: str, retry: RetryPolicy = FAST_RETRY) -> Storage:
+        raise NotImplementedError("a StorageContract subclass says how to make its backend's storage")
+
+    @contextlib.contextmanager
+    def counting_transfers(self) -> Iterator[Callable[[], int | None]]:
+        """Yields how many bytes went between this process and the backend since (read or written); None where the
+        backend cannot count them."""
+        yield lambda: None
+
+    def same_object(self, source: Storage, target: Storage, key: str) -> bool | None:
+        """Whether ``target``'s ``key`` is the very object ``source`` stores (a hard link), where the backend can
+        tell; None where it cannot."""
+        return None
+
+    def _source(self, request) -> Storage:
+        return self.make_storage(f"contract-{request.node.name.split('[')[0].replace('_', '-')}-source")
+
+    def test_a_linked_object_holds_the_sources_bytes_moving_none_where_the_backend_links(self, storage, request):
+        assert storage.links_objects is self.links_objects
+        source = self._source(request)
+        payload = np.random.default_rng(1).integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()
+        source.write("model/w/c.0.0", [payload])
+        with self.counting_transfers() as moved:
+            storage.link_from(source, "model/w/c.0.0")
+            through_client = moved()
+        assert storage.read("model/w/c.0.0") == payload and storage.size("model/w/c.0.0") == len(payload)
+        assert source.read("model/w/c.0.0") == payload, "the source keeps its object"
+        if through_client is not None:
+            if self.links_objects:
+                assert through_client == 0, "a backend that links objects moves no bytes through the client"
+            else:
+                assert through_client >= 2 * len(payload), "read from the source, written here"
+        shared = self.same_object(source, storage, "model/w/c.0.0")
+        assert shared is None or shared is self.links_objects
+
+    def test_a_link_replaces_a_value_already_there(self, storage, request):
+        source = self._source(request)
+        source.write("model/w/c.0.0", [b"from the source"])
+        storage.write("model/w/c.0.0", [b"a much longer value written here first"])
+        storage.link_from(source, "model/w/c.0.0")
+        assert storage.read("model/w/c.0.0") == b"from the source"
+
+    def test_a_linked_key_removed_then_written_leaves_the_source_as_it_was(self, storage, request):
+        source = self._source(request)
+        source.write("model/w/c.0.0", [b"the earlier step's"])
+        storage.link_from(source, "model/w/c.0.0")
+        storage.remove("model/w/c.0.0")
+        storage.write("model/w/c.0.0", [b"this step's"])
+        assert source.read("model/w/c.0.0") == b"the earlier step's"
+        assert storage.read("model/w/c.0.0") == b"this step's"
+
+    def test_linking_a_key_the_source_lacks_is_file_not_found_naming_it(self, storage, request):
+        source = self._source(request)
+        source.write("model/zarr.json", [b"{}"])
+        with pytest.raises(FileNotFoundError, match="c.9.9"):
+            storage.link_from(source, "model/w/c.9.9")
+        assert not storage.exists("model/w/c.9.9")
+
+
+class StorageContract(LinkContract):
     # What the backend says of itself, checked against what it does.
     writes_at_offsets: ClassVar[bool] = False
     retries_transient_faults: ClassVar[bool] = True  # object stores do; a local file system's errors are final
+    # Whether the storage is opened from a location (a path, a URL), not from a store object given as it is.
+    opened_from_locations: ClassVar[bool] = True
 
     def make_storage(self, name: str, retry: RetryPolicy = FAST_RETRY) -> Storage:
         raise NotImplementedError("a StorageContract subclass says how to make its backend's storage")
@@ -36,6 +107,10 @@ class StorageContract:
                          monkeypatch) -> Callable[[], int] | None:
         """Make the next ``count`` calls fail; returns how to count the calls made since, where the backend can."""
         raise NotImplementedError("a StorageContract subclass says how to make its backend's calls fail")
+
+    def storage_options(self) -> dict | None:
+        """What ``open_storage`` needs besides a location of this backend (an endpoint, credentials)."""
+        return None
 
     @pytest.fixture
     def storage(self, request) -> Storage:
@@ -148,6 +223,17 @@ class StorageContract:
         storage.write("model/w/c.0.0", [b"again"])  # a save may start afresh in an emptied root
         assert storage.read("model/w/c.0.0") == b"again"
 
+    # -- which class serves a location (registry.py) -------------------------------------------------------------------
+
+    def test_a_location_under_its_root_opens_as_this_backend(self, storage):
+        if not self.opened_from_locations:
+            pytest.skip("a store object is opened as it is given, never from a location")
+        storage.write("inner/model/zarr.json", [b"{}"])
+        location = storage.location("inner")
+        assert storage_class(location) is type(storage)
+        inner = open_storage(location, self.storage_options(), retry=FAST_RETRY)
+        assert type(inner) is type(storage) and inner.read("model/zarr.json") == b"{}"
+
     # -- what the commit needs -----------------------------------------------------------------------------------------
 
     def test_the_commit_marker_is_the_one_key_that_says_complete(self, storage):
@@ -212,3 +298,11 @@ class StorageContract:
         storage.write("step-10.zarr/zarr.json", [b"z" * 7])
         assert storage.size_under("step-1.zarr") == 1010
         assert storage.size_under("missing.zarr") == 0
+
+    def test_size_is_the_stored_length_and_a_missing_key_is_file_not_found(self, storage):
+        storage.write("model/w/c.0.0", [b"12345", b"678"])
+        storage.write("empty", [])
+        assert storage.size("model/w/c.0.0") == 8
+        assert storage.size("empty") == 0
+        with pytest.raises(FileNotFoundError, match="nope"):
+            storage.size("model/w/nope")

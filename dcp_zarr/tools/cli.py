@@ -114,16 +114,17 @@ def _refuse_a_mixed_folder(path: str, storage_options: dict | None) -> None:
     both, and how to keep one."""
     from dcp_zarr.lifecycle.root import CheckpointRoot
     from dcp_zarr.offline import is_dcp_directory
-    from dcp_zarr.storage import local_path
+    from dcp_zarr.storage import storage_class
     from dcp_zarr.tools.root_report import mixed_folder
 
-    if not is_dcp_directory(path):
+    directory = storage_class(path).directory(path)
+    if directory is None or not is_dcp_directory(directory):
         return
-    parent, name = os.path.split(local_path(path).rstrip(os.sep))
+    parent, name = os.path.split(directory.rstrip(os.sep))
     root = CheckpointRoot(parent, storage_options)
     mixed = mixed_folder(root, name) if root.is_complete(name) else None
     if mixed:
-        raise NotACheckpointError(f"{local_path(path)} {mixed}")
+        raise NotACheckpointError(f"{directory} {mixed}")
 
 
 def _emit_verify(args, document: dict, text: str) -> None:
@@ -192,10 +193,11 @@ def _prune_root(args) -> int:
 
 def _checkpoint_root(args):
     from dcp_zarr.lifecycle.root import CheckpointRoot
-    from dcp_zarr.storage import is_local, local_path
+    from dcp_zarr.storage import storage_class
 
-    if is_local(args.root) and not os.path.isdir(local_path(args.root)):
-        what = "is a file" if os.path.exists(local_path(args.root)) else "does not exist"
+    directory = storage_class(args.root).directory(args.root)
+    if directory is not None and not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "does not exist"
         raise UsageError(f"{args.root} {what}; expected the directory a CheckpointManager saves into")
     return CheckpointRoot(args.root, args.storage_options)
 

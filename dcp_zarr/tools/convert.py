@@ -12,7 +12,7 @@ import os
 
 from dcp_zarr.errors import ConversionError
 from dcp_zarr.offline import Checkpoint, is_dcp_directory, open_checkpoint, refuse_a_file
-from dcp_zarr.storage import is_local, local_path
+from dcp_zarr.storage import storage_class
 from dcp_zarr.tools.outputs import check_local_output, staging_name, swap_into_place
 from dcp_zarr.tools.safetensors_export import DEFAULT_SAFETENSORS_SHARD_BYTES, to_safetensors
 
@@ -30,8 +30,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, overwrit
     if to == "zarr":
         from dcp_zarr.tools.resave import dcp_to_zarr, zarr_to_zarr
 
-        if is_local(src):
-            refuse_a_file(local_path(src))
+        directory = storage_class(src).directory(os.fspath(src))
+        if directory is not None:
+            refuse_a_file(directory)
         if is_dcp_directory(src):
             dcp_to_zarr(src, dst, overwrite=overwrite, storage_options=storage_options, **options)
         else:

@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from dcp_zarr.errors import IncompleteCheckpointError, NotACheckpointError
 from dcp_zarr.format.manifest import TENSOR, VALUE
 from dcp_zarr.format.torch_arrays import tensor_as_numpy
-from dcp_zarr.offline import DCP_METADATA_FILE as METADATA_FILE
 from dcp_zarr.offline import (
     Entry,
     is_dcp_directory,
@@ -34,14 +33,16 @@ from dcp_zarr.offline import (
     set_by_path,
 )
 from dcp_zarr.planning.dcp_internals import whole_state_dict_planner
-from dcp_zarr.storage import local_path
+from dcp_zarr.storage import storage_class
+from dcp_zarr.store_io.root_document import DCP_METADATA_FILE as METADATA_FILE
 
 
 class DcpCheckpoint:
     """A DCP directory, checked for completeness on open and loaded whole on first read."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = local_path(os.fspath(path))
+        location = os.fspath(path)
+        self.path = storage_class(location).directory(location) or location  # a URL is refused below, named
         self.url = self.path
         refuse_a_file(self.path)
         if not is_dcp_directory(self.path):

@@ -8,7 +8,7 @@ import shutil
 import uuid
 
 from dcp_zarr.errors import CheckpointExistsError, ConversionError
-from dcp_zarr.storage import is_local, local_path
+from dcp_zarr.storage import storage_class
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -16,9 +16,9 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 def check_local_output(dst: str | os.PathLike, overwrite: bool) -> str:
     """The absolute local path of an output, refusing URLs and anything we must not replace."""
     location = os.fspath(dst)
-    if not is_local(location):
+    target = storage_class(location).directory(location)
+    if target is None:
         raise ConversionError(f"{location}: torch and safetensors outputs must be local paths")
-    target = local_path(location)
     if not os.path.lexists(target):
         if not os.path.isdir(os.path.dirname(target)):
             raise ConversionError(f"{target}: the parent directory does not exist")

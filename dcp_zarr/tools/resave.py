@@ -14,7 +14,7 @@ from dcp_zarr.errors import CheckpointExistsError, ConversionError, IncompleteCh
 from dcp_zarr.format.compression import COMPRESSORS, Compression
 from dcp_zarr.format.manifest import TensorEntry
 from dcp_zarr.offline import Checkpoint, open_checkpoint
-from dcp_zarr.storage import is_local, local_path
+from dcp_zarr.storage import storage_class
 from dcp_zarr.store_io import commit
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
 from dcp_zarr.writer import ZarrWriter
@@ -53,7 +53,7 @@ def zarr_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: b
     if compression == KEEP:
         chosen = source_compression(source)
     if _same_store(src, dst):
-        if not is_local(os.fspath(src)):
+        if not storage_class(os.fspath(src)).commits_by_rename:
             raise ConversionError(f"{os.fspath(src)}: converting a store into itself needs a local path (an object "
                                   "store's overwrite deletes the old store before the new one is complete)")
         if not overwrite:
@@ -108,6 +108,7 @@ def source_compression(source: Checkpoint) -> Compression | None:
 
 def _same_store(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
     a, b = os.fspath(src), os.fspath(dst)
-    if is_local(a) and is_local(b):
-        return os.path.realpath(local_path(a)) == os.path.realpath(local_path(b))
+    directory_a, directory_b = storage_class(a).directory(a), storage_class(b).directory(b)
+    if directory_a is not None and directory_b is not None:
+        return os.path.realpath(directory_a) == os.path.realpath(directory_b)
     return a.rstrip("/") == b.rstrip("/")

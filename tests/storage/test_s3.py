@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from dcp_zarr import NotACheckpointError, ZarrCheckpointError, ZarrReader, ZarrSavePlanner, ZarrWriter
 from dcp_zarr.offline import open_checkpoint
+from dcp_zarr.storage import open_storage, storage_class
 from dcp_zarr.storage.zarr_store import REQUESTS_IN_FLIGHT
 from dcp_zarr.tools.cli import main as cli_main
 from dcp_zarr.tools.verify import verify_checkpoint
@@ -163,3 +164,34 @@ def test_an_unreachable_endpoint_fails_with_a_clear_error_in_bounded_time():
         open_checkpoint("s3://ckpts/any.zarr", options)
 
     assert time.monotonic() - start < 10  # a store that never answered is not retried (it took 40 s before)
+
+
+@pytest.mark.s3
+def test_an_s3_store_copies_within_the_server_and_says_so(s3):
+    base = f"s3://{s3.bucket}/links-{uuid.uuid4().hex[:8]}"
+    source, target = (open_storage(f"{base}/{name}", s3.storage_options()) for name in ("step-1", "step-2"))
+    assert source.links_objects and target.links_objects, "an S3 store links: CopyObject"
+    source.write("model/w/c.0.0", [bytes(range(256)) * 512])
+    with s3.counting() as traffic:
+        target.link_from(source, "model/w/c.0.0")
+    assert traffic.requests["PUT"] == 1 and traffic.bytes_in == 0 and traffic.bytes_out == 0, traffic
+    assert target.read("model/w/c.0.0") == bytes(range(256)) * 512
+
+
+@pytest.mark.s3
+def test_a_store_reached_with_other_options_is_read_and_written_not_copied_in_place(s3):
+    """Another endpoint or other credentials may not reach the source: a server-side copy is only tried within one
+    file system (fsspec compares the options it was made with)."""
+    base = f"s3://{s3.bucket}/links-{uuid.uuid4().hex[:8]}"
+    source = open_storage(f"{base}/step-1", s3.storage_options(default_block_size=1 << 20))
+    target = open_storage(f"{base}/step-2", s3.storage_options())
+    source.write("model/w/c.0.0", [b"x" * 4096])
+    with s3.counting() as traffic:
+        target.link_from(source, "model/w/c.0.0")
+    assert traffic.bytes_out >= 4096 and traffic.bytes_in >= 4096, traffic
+    assert target.read("model/w/c.0.0") == b"x" * 4096
+
+
+def test_a_memory_url_store_does_not_claim_to_link():
+    storage = open_storage(f"memory://links-{uuid.uuid4().hex[:8]}")
+    assert not storage.links_objects and storage_class("memory://x").links_objects is False

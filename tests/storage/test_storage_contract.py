@@ -3,6 +3,8 @@ MemoryStore given as a store object, an fsspec URL (memory://), s3fs and obstore
 
 from __future__ import annotations
 
+import contextlib
+import os
 import uuid
 
 import pytest
@@ -46,9 +48,25 @@ class ZarrStoreContract(StorageContract):
         return lambda: failing.calls
 
 
+class S3Contract(ZarrStoreContract):
+    """Against the loopback S3 server, which counts the bytes of every request's body."""
+
+    @contextlib.contextmanager
+    def counting_transfers(self):
+        with self.server.counting() as traffic:
+            yield lambda: traffic.bytes_in + traffic.bytes_out
+
+    def storage_options(self):
+        return self.server.storage_options()
+
+
 class TestLocalStorage(StorageContract):
     writes_at_offsets = True
     retries_transient_faults = False  # a local file system's errors are final: surfaced at once, naming the file
+    links_objects = True  # a hard link
+
+    def same_object(self, source, target, key):
+        return os.path.samefile(source.location(key), target.location(key))
 
     @pytest.fixture(autouse=True)
     def _root(self, tmp_path):
@@ -75,6 +93,8 @@ class TestLocalStorage(StorageContract):
 class TestMemoryStoreObject(ZarrStoreContract):
     """zarr's MemoryStore given as ``store=``: the whole store is the root, so each name is a store of its own."""
 
+    opened_from_locations = False
+
     @pytest.fixture(autouse=True)
     def _stores(self):
         self.stores: dict[str, zarr.storage.MemoryStore] = {}
@@ -93,7 +113,8 @@ class TestFsspecMemoryURL(ZarrStoreContract):
 
 
 @pytest.mark.s3
-class TestS3fs(ZarrStoreContract):
+class TestS3fs(S3Contract):
+    links_objects = True  # S3's CopyObject: the server copies
     @pytest.fixture(autouse=True)
     def _server(self, s3):
         self.server, self.prefix = s3, f"s3fs-{uuid.uuid4().hex[:8]}"
@@ -104,7 +125,10 @@ class TestS3fs(ZarrStoreContract):
 
 
 @pytest.mark.s3
-class TestObstoreS3(ZarrStoreContract):
+class TestObstoreS3(S3Contract):
+    """zarr's ObjectStore given as ``store=``: links by reading and writing, which the server's counts show."""
+
+    opened_from_locations = False
     @pytest.fixture(autouse=True)
     def _server(self, s3):
         self.server, self.prefix = s3, f"obstore-{uuid.uuid4().hex[:8]}"

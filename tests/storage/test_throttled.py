@@ -44,11 +44,14 @@ class TestThrottledStorage(StorageContract):
     retries_transient_faults = False
 
     @pytest.fixture(autouse=True)
-    def _root(self, tmp_path):
+    def _root(self, tmp_path, registered):
         self.root = tmp_path
 
     def make_storage(self, name, retry=FAST_RETRY):
         return ThrottledStorage(LocalStorage(str(self.root / name)), Link(1e15))
+
+    def storage_options(self):
+        return {"bytes_per_second": 1e15}
 
     def break_next_calls(self, storage, count, error, monkeypatch):
         real, left = local.os.pwritev, [count]
@@ -127,7 +130,7 @@ def test_threads_share_the_link_and_together_wait_for_all_their_bytes(tmp_path):
 def test_a_throttled_location_opens_its_inner_storage_at_the_rate_given(tmp_path, registered):
     assert storage_class(f"throttled://{tmp_path}/c") is ThrottledStorage
     storage = open_storage(f"throttled://{tmp_path}/c", {"bytes_per_second": 1e12})
-    assert isinstance(storage, ThrottledStorage) and isinstance(storage.inner, LocalStorage)
+    assert type(storage) is ThrottledStorage and type(storage.inner) is LocalStorage
     assert storage.inner.root == str(tmp_path / "c") and storage.link.rate == 1e12
     assert storage.writes_at_offsets and storage.location("x") == f"throttled://{tmp_path}/c/x"
     again = open_storage(f"throttled://{tmp_path}/d", {"bytes_per_second": 1e12})
