@@ -317,7 +317,7 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
             specs, shards, nodes = plan.saved_specs, plan.saved_shards, plan.nodes
             entries = {fqn: TensorEntry(fqn, e.path, nodes[fqn], specs[fqn].dtype_name, e.size,
                                         specs[fqn].layout.chunk_shape, specs[fqn].layout.inner_rows, False, shards[fqn])
-                       for fqn, e in plan.entries.items()}
+                       for fqn, e in local.save_entries().items()}
             groups = {g for e in entries.values() for g in parent_groups(e.node)}
             puts[rank] += len(groups) + 1  # each group's zarr.json, the root's
             manifest = Manifest(entries=entries, saved_world_size=world)

@@ -15,7 +15,7 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from dcp_zarr.placement.holdings import TENSOR
+from dcp_zarr.placement.holdings import TENSOR, Holding
 from dcp_zarr.planning import replicas
 from dcp_zarr.planning.assignments import RankAssignment
 from dcp_zarr.planning.compression_sample import poorly_compressed
@@ -73,6 +73,20 @@ class LocalSave:
             describes=frozenset(f for f in plan.decisions.describes if f in plan.specs),
         )
         return items, assignment
+
+    def save_entries(self) -> dict[str, Holding]:
+        """Every entry of this save, as this save holds them: the rank's own, or every rank's after an exchange."""
+        merged = self.plan.merged if self.plan is not None else None
+        return merged.entries if merged is not None else self.part.entries
+
+    def save_key_order(self) -> list[str]:
+        """This save's state dict's key order (DCP's planner_data), which numbers a flat optimizer's params; after
+        an exchange, the keys only other ranks hold follow."""
+        merged = self.plan.merged if self.plan is not None else None
+        key_order = self.part.key_order
+        if merged is None:
+            return key_order
+        return key_order + [fqn for fqn in merged.entries if fqn not in set(key_order)]
 
     def held_pieces(self, planner) -> dict[str, list]:
         """fqn -> [(box, data)] of this rank's non-empty boxes of every aggregated array (its items' data)."""

@@ -45,9 +45,11 @@ class PlanKey:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class WritePlan:
-    entries: dict[str, Holding]  # every entry of the save: the coordinator's own, or every rank's after an exchange
-    nodes: dict[str, str]  # fqn -> zarr node of each of them
-    key_order: list[str]
+    """What the save's structure and options decide. Not the entries themselves: the key stands for their structure,
+    not for what each save reads of them anew (the state dict's key order, each tensor's source), which the save
+    takes from its own part (``LocalSave.save_entries``, ``save_key_order``)."""
+
+    nodes: dict[str, str]  # fqn -> zarr node of every entry of the save
     merged: Merged | None  # the exchange's plan, when the ranks differed
     aggregation: Aggregation
     decisions: Decisions  # this rank's writes and descriptions
@@ -75,11 +77,10 @@ def plan_for(part: RankPart, options: SaveOptions, array_shards: bool, stored_pl
 def make_plan(part: RankPart, key: PlanKey, merged: Merged | None) -> WritePlan:
     options = key.options
     if merged is None:
-        entries, nodes, key_order = part.entries, part.nodes, part.key_order
+        entries, nodes = part.entries, part.nodes
     else:
         entries = merged.entries
         nodes = checked_node_paths((f, e.path) for f, e in entries.items())
-        key_order = part.key_order + [fqn for fqn in entries if fqn not in set(part.key_order)]
     aggregation = plan_aggregation(entries, key.world_size, options.aggregate_below, options.inner_chunk_bytes,
                                    options.exchange_bytes, merged)
     if merged is None:
@@ -95,7 +96,7 @@ def make_plan(part: RankPart, key: PlanKey, merged: Merged | None) -> WritePlan:
     if key.coordinator:
         saved_specs = layouts.specs(entries, nodes, entries)
         saved_shards = {fqn: layouts.layout(entries[fqn])[1] for fqn in saved_specs}
-    return WritePlan(entries, nodes, key_order, merged, aggregation, decisions, specs,
+    return WritePlan(nodes, merged, aggregation, decisions, specs,
                      layouts.specs(entries, nodes, aggregation.arrays), saved_specs, saved_shards)
 
 

@@ -100,7 +100,7 @@ class LocallyPlannedSave:
             return {fqn: [(box, checked_tensor(tensor, fqn)) for box, tensor in boxes]
                     for fqn, boxes in local.held_pieces(planner).items()}
 
-        return write_aggregated(plan.aggregation, plan.entries, plan.aggregated_specs, held, Group(local.group),
+        return write_aggregated(plan.aggregation, local.save_entries(), plan.aggregated_specs, held, Group(local.group),
                                 storage, self.settings.thread_count, plan.merged)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -120,10 +120,10 @@ class LocallyPlannedSave:
         assert plan is not None and plan.saved_specs is not None and plan.saved_shards is not None  # the coordinator's
         specs, saved_shards = plan.saved_specs, plan.saved_shards
         entries: dict[str, Entry] = {}
-        for fqn, entry in plan.entries.items():
+        for fqn, entry in local.save_entries().items():
             if fqn in specs:
                 entries[fqn] = coordinator.tensor_entry(specs[fqn], entry.path, entry.size, entry.requires_grad,
                                                         saved_shards[fqn], entry.source)
             else:
                 entries[fqn] = coordinator.stored_value_entry(fqn, entry.path, plan.nodes[fqn], values, objects)
-        coordinator.commit_save(self.settings, begun, entries, plan.key_order, specs)
+        coordinator.commit_save(self.settings, begun, entries, local.save_key_order(), specs)

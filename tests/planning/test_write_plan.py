@@ -45,3 +45,31 @@ def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
     key_fields = {f.name for f in dataclasses.fields(PlanKey)}
     assert "options" in key_fields and set(SAVE_OPTIONS) == set(SaveOptions._fields)
     assert _OPTIONS.summarized() == (1 << 20, 0, 1 << 20, None)
+
+
+def test_a_kept_plan_never_carries_a_save_s_key_order_into_the_next(tmp_path):
+    """The key stands for the entries' structure, which sorts them: two state dicts of one structure in another key
+    order share a plan, and each store still holds its own state dict's order (the root's attributes, the manifest,
+    the optimizer tables' numbering), byte for byte what a process that never planned the first would write."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_zarr import ZarrWriter
+    from dcp_zarr.planning.recent_plans import recent_plans
+
+    def state(order):
+        values = {"x": torch.arange(6.0), "y": torch.ones(4), "n": 3}
+        return {key: values[key] for key in order}
+
+    def root_document(path):
+        import re
+
+        text = (path / "zarr.json").read_text()
+        return re.sub(r'"save_id": ?"[0-9a-f]+"', "", text)
+
+    dcp.save(state("xyn"), storage_writer=ZarrWriter(tmp_path / "first"), no_dist=True)
+    dcp.save(state("nyx"), storage_writer=ZarrWriter(tmp_path / "after"), no_dist=True)
+    recent_plans.clear()
+    dcp.save(state("nyx"), storage_writer=ZarrWriter(tmp_path / "fresh"), no_dist=True)
+
+    assert root_document(tmp_path / "after") == root_document(tmp_path / "fresh")
+    assert root_document(tmp_path / "after") != root_document(tmp_path / "first")
