@@ -112,8 +112,9 @@ class Storage(abc.ABC):
     def link_from(self, source: Storage, key: str) -> None:
         """Store at ``key`` the object ``source`` holds at ``key``, bytes identical (incremental saves reuse what an
         earlier checkpoint stored). A backend with ``links_objects`` does it without the bytes passing through this
-        process; this default reads them and writes them. A hard link shares one file with ``source``: writing to
-        ``key`` afterwards would change the source's too, so a linked key is removed before it is written again."""
+        process; this default reads them and writes them. A hard link shares one file with ``source``: ``write``
+        replaces a linked key's file, never writes into it, but ``write_at`` writes into it and would change the
+        source's too, so a key ranks fill at offsets is never linked."""
         self.write(key, [source.read(key)])
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:

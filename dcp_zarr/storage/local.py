@@ -91,8 +91,9 @@ class LocalStorage(Storage):
 
     def write(self, key: str, buffers: Sequence) -> None:
         # A fresh store is written into a staging directory, so plain create+write is atomic enough there; a
-        # temporary name would only add a rename per chunk.
-        self._write(key, os.O_TRUNC, 0, buffers)
+        # temporary name would only add a rename per chunk. O_EXCL: a file already there is replaced, never
+        # truncated, since it may be a hard link to an earlier checkpoint's file (link_from) that must not change.
+        self._write(key, os.O_EXCL, 0, buffers)
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:
         self._write(key, 0, offset, buffers)
@@ -103,7 +104,11 @@ class LocalStorage(Storage):
         if directory not in self._directories:
             _make_directory(directory)
             self._directories.add(directory)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+        except FileExistsError:  # O_EXCL's: a new store never meets one, so a fresh write costs no extra call
+            os.remove(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
         try:
             pending = [memoryview(b).cast("B") for b in buffers if len(b)]
             while pending:

@@ -64,3 +64,27 @@ def test_an_object_of_another_backend_is_copied_into_the_directory(tmp_path):
     target.link_from(source, "model/w/c.0.0")
     assert target.read("model/w/c.0.0") == b"from memory"
     assert os.stat(target.location("model/w/c.0.0")).st_nlink == 1
+
+
+def test_writing_a_linked_key_replaces_its_file_and_leaves_the_earlier_checkpoint_alone(tmp_path):
+    source, target = LocalStorage(str(tmp_path / "step-1.zarr")), LocalStorage(str(tmp_path / "step-2.zarr"))
+    source.write("model/w/c.0.0", [b"weights"])
+    target.link_from(source, "model/w/c.0.0")
+
+    target.write("model/w/c.0.0", [b"new!"])
+
+    assert (source.read("model/w/c.0.0"), target.read("model/w/c.0.0")) == (b"weights", b"new!")
+    assert os.stat(source.location("model/w/c.0.0")).st_nlink == 1
+
+
+def test_a_write_never_follows_a_symbolic_link_left_at_its_key(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    storage = LocalStorage(str(tmp_path / "ckpt.zarr"))
+    storage.write("model/w/zarr.json", [b"{}"])
+    os.remove(storage.location("model/w/zarr.json"))
+    os.symlink(outside, storage.location("model/w/zarr.json"))
+
+    storage.write("model/w/zarr.json", [b"{}"])
+
+    assert outside.read_bytes() == b"keep"
