@@ -223,10 +223,7 @@ class Bench:
 
 def entry(rank_bytes: list[int], runs: list[list[float]]) -> dict[str, Any]:
     """A measurement from its repeats' per-rank times: the slowest rank's each time, their median and GB/s."""
-    times = [max(run) for run in runs]
-    median = statistics.median(times)
-    return {"times_s": times, "rank_times_s": runs, "median_s": median, "min_s": min(times),
-            "gbps": sum(rank_bytes) / median / h.GB}
+    return {**h.speed([max(run) for run in runs], sum(rank_bytes)), "rank_times_s": runs}
 
 
 def ratios(measurements: dict[str, dict]) -> dict[str, float]:

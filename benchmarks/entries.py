@@ -146,9 +146,8 @@ def run(args, ranks: h.Ranks) -> tuple[dict, str]:
                 times["load"] = h.timed(frozen(lambda: load(kind, threads, target, path), args.gc_freeze))[0]
                 if not all(h.gather(h.equal(target, state))):
                     raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
-            for op, seconds in times.items():
-                if repeat:
-                    samples.setdefault(f"{op}/{kind}/{threads}", []).append(seconds)
+            for op, seconds in times.items() if repeat else ():
+                samples.setdefault(f"{op}/{kind}/{threads}", []).append(seconds)
             if ranks.rank == 0:
                 files.setdefault(kind, h.footprint(path))
                 if not args.keep_stores:

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -99,16 +100,12 @@ class Peaks:
             torch.cuda.synchronize(self.device)
             self.gpu_extra_bytes = torch.cuda.max_memory_allocated(self.device) - self.gpu_before
 
-    @property
-    def rss_extra_bytes(self) -> int:
-        return max(0, self.rss_peak - self.rss_before)
-
 
 def measurement(nbytes: int, times: list[float], peaks: list[Peaks]) -> dict:
-    gpu, median = [p.gpu_extra_bytes for p in peaks if p.gpu_extra_bytes is not None], statistics.median(times)
-    return {"bytes": nbytes, "times_s": times, "median_s": median, "min_s": min(times), "gbps": nbytes / median / h.GB,
-            "peak_rss_extra_bytes": max(p.rss_extra_bytes for p in peaks),  # beyond the RSS before each repeat
-            "peak_gpu_extra_bytes": max(gpu) if gpu else None}  # None without CUDA
+    gpu = [p.gpu_extra_bytes for p in peaks if p.gpu_extra_bytes is not None]
+    return {"bytes": nbytes, **h.speed(times, nbytes),  # RSS: beyond the RSS before each repeat; GPU: None without CUDA
+            "peak_rss_extra_bytes": max(max(0, p.rss_peak - p.rss_before) for p in peaks),
+            "peak_gpu_extra_bytes": max(gpu) if gpu else None}
 
 
 class GpuBench:
@@ -250,11 +247,10 @@ class GpuBench:
                 writers.load("zarr", target, path, self.args.threads)
                 equal = h.equal(target, state)
             shutil.rmtree(path)
-        later = blocking[1:] or blocking
-        runs = {"first_blocking_s": blocking[0], "first_total_s": total[0], "blocking_times_s": later,
-                "total_times_s": total[1:] or total, "median_blocking_s": statistics.median(later),
-                "median_total_s": statistics.median(total[1:] or total)}
-        return runs, peaks, equal
+        later, later_total = blocking[1:] or blocking, total[1:] or total
+        return {"first_blocking_s": blocking[0], "first_total_s": total[0], "blocking_times_s": later,
+                "total_times_s": later_total, "median_blocking_s": statistics.median(later),
+                "median_total_s": statistics.median(later_total)}, peaks, equal
 
     def run(self) -> dict[str, Any]:
         from torch.distributed.tensor import DTensor, Shard
@@ -268,10 +264,9 @@ class GpuBench:
                                      self.ranks.mesh, [Shard(0)], run_check=False)
             for name, shape, dtype in state_layout(int(self.args.size_gb * 1e9), self.args.hidden)}}, catch=False)
         target = self.step("allocate the load target", lambda: h.zeroed(state), catch=False)
-        tensors, by_dtype = h.leaves(state), {}
+        tensors, by_dtype = h.leaves(state), Counter[str]()
         for t in tensors:
-            key = str(t.dtype).removeprefix("torch.")
-            by_dtype[key] = by_dtype.get(key, 0) + h.local(t).numel() * t.element_size()
+            by_dtype[str(t.dtype).removeprefix("torch.")] += h.local(t).numel() * t.element_size()
         s = h.stamp()
         self.result.update(
             schema=SCHEMA, dry_run=self.args.dry_run, stamp=s, date=s["date"], torch=torch.__version__,
@@ -280,7 +275,7 @@ class GpuBench:
             device=torch.cuda.get_device_name(device) if cuda else f"CPU ({os.cpu_count()} cores)",
             python=s["python"], zarr=s["zarr"], backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
             threads=self.args.threads, repeats=self.args.repeats, state={
-                "bytes": sum(by_dtype.values()), "tensors": len(tensors), "bytes_by_dtype": by_dtype,
+                "bytes": sum(by_dtype.values()), "tensors": len(tensors), "bytes_by_dtype": dict(by_dtype),
                 "largest_bytes": max(h.local(t).numel() * t.element_size() for t in tensors)},
             # the GPU-memory target: what the IO threads may hold on the device at once, one inner chunk each
             gpu_bound_bytes=self.args.threads * INNER_CHUNK_TARGET_BYTES, targets={}, ratios={}, targets_met={},
@@ -435,9 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layout-only", action="store_true", help="print the state dict's layout as JSON and exit")
     p.add_argument("--check", nargs="+", metavar="FILE", help="check these results' schema and exit (1 if any fails)")
     args = p.parse_args(argv)
-    args.size_gb = args.size_gb or (0.032 if args.dry_run else 8.0)
-    args.hidden = args.hidden or (256 if args.dry_run else 4096)
-    args.repeats = args.repeats or (1 if args.dry_run else 3)
+    for key, dry_run, full in (("size_gb", 0.032, 8.0), ("hidden", 256, 4096), ("repeats", 1, 3)):
+        setattr(args, key, getattr(args, key) or (dry_run if args.dry_run else full))
     if args.check:
         failed = 0
         for path in args.check:
@@ -445,9 +439,9 @@ def main(argv: list[str] | None = None) -> None:
                 validate_result(json.loads(Path(path).read_text()))
                 print(f"{path}: valid")
             except (ValueError, KeyError, TypeError) as exc:
-                failed += 1
+                failed = 1
                 print(f"{path}: invalid: {exc!r}")
-        raise SystemExit(1 if failed else 0)
+        raise SystemExit(failed)
     if args.layout_only:
         print(json.dumps([[name, list(shape), str(dtype)] for name, shape, dtype in state_layout(
             int(args.size_gb * 1e9), args.hidden)]))

@@ -5,6 +5,7 @@ writer can be measured where dcp_zarr does not import.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import gc
@@ -68,6 +69,12 @@ def stamp() -> dict[str, Any]:
 def table(head: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
+def add_options(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """``--name`` for each ``name=default`` (``zarr_threads``: ``--zarr-threads``), of the default's type."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
 
 
 def write_result(name: str, out: str | None, result: dict[str, Any], text: str = "") -> None:
@@ -162,8 +169,7 @@ def gather(value: Any) -> list[Any]:
 # The forkserver imports these once; every rank is then a fork of it. torch._dynamo: fully_shard and DTensor import
 # it lazily, about 1.4 s per rank otherwise.
 _PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "dcp_zarr",
-            "benchmarks.harness",
-            "benchmarks.writers"]
+            "benchmarks.harness", "benchmarks.writers"]
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800) -> list[Any]:
@@ -252,6 +258,12 @@ def rotated(kinds: list[Any] | tuple[Any, ...], turn: int) -> list[Any]:
 
 def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def speed(times: list[float], nbytes: float) -> dict[str, Any]:
+    """A measurement's repeats (seconds): them, their median and minimum, and GB/s at the median."""
+    median = statistics.median(times)
+    return {"times_s": times, "median_s": median, "min_s": min(times), "gbps": nbytes / median / GB}
 
 
 def footprint(path: str) -> dict[str, int]:
@@ -377,10 +389,6 @@ def fsdp_model_state(cfg: ModelConfig, mesh, device: torch.device, seed: int = 0
 STACK_LAYERS, STACK_HEAD = 4, 2048
 
 
-def stack(hidden: int, dtype: torch.dtype) -> ModelConfig:
-    return ModelConfig(STACK_LAYERS, hidden, STACK_HEAD, str(dtype).removeprefix("torch."))
-
-
 def stack_hidden(mb: float, dtype: torch.dtype) -> int:
     """The hidden size (a multiple of 64) whose stack, with AdamW's two states, holds closest to ``mb`` MB."""
     per_param = 3 * torch.empty(0, dtype=dtype).element_size()
@@ -392,7 +400,8 @@ def trained_stack_state(mb: float, dtype: torch.dtype, steps: int, mesh, rank: i
     """``({"model", "optim"}, its shape)`` of a stack of about ``mb`` MB FSDP2-sharded on ``mesh`` after ``steps``
     AdamW steps on random inputs and labels, each rank its own: optimizer state as training makes it."""
     hidden, generator = stack_hidden(mb, dtype), torch.Generator().manual_seed(1234 + rank)
-    model, optim = _sharded(stack(hidden, dtype), mesh, torch.device("cpu"), generator, embed=False)
+    cfg = ModelConfig(STACK_LAYERS, hidden, STACK_HEAD, str(dtype).removeprefix("torch."))
+    model, optim = _sharded(cfg, mesh, torch.device("cpu"), generator, embed=False)
     for _ in range(steps):
         x = torch.randn(4, 32, hidden, generator=generator).to(dtype)
         labels = torch.randint(STACK_HEAD, (4 * 32,), generator=generator)

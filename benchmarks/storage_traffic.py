@@ -30,6 +30,7 @@ import statistics
 import threading
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -71,18 +72,11 @@ class LocalCalls:
 
         return counted
 
-    def _stream(self, mode: str):
-        """A DCP stream opened: one open counted, then the bytes written or read through it."""
-        what, calls = "writes" if "w" in mode else "reads", self
-        calls.add(what, 0, 1)
-
-        class Meter:
-            def timed(self, transfer, nbytes):
-                result = transfer()
-                calls.add(what, nbytes(result), 0)
-                return result
-
-        return Meter()
+    def _stream(self, mode: str) -> SimpleNamespace:
+        """A DCP stream opened: one open counted, then the bytes written or read through it (its meter's ``timed``)."""
+        what = "writes" if "w" in mode else "reads"
+        self.add(what, 0, 1)
+        return SimpleNamespace(timed=lambda transfer, size: self._counted(transfer, what, lambda _, r: size(r), 0)())
 
     def add(self, what: str, nbytes: int, opens: int) -> None:
         with self.lock:
@@ -105,21 +99,12 @@ def _obstore(url: str, options: dict):
                                secret_access_key=options["secret"], client_options={"allow_http": True}))
 
 
-def _kind(kind: str, where: str, options: dict | None) -> dict:
-    """writers.py's spec, path and storage for a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
-    if kind == "zarr-obstore":
-        return {"spec": "zarr", "path": "", "store": _obstore(where, options or {})}
-    return {"spec": OFF if kind == "zarr-off" else kind, "path": where, "storage_options": options}
-
-
-def save(kind: str, state, where: str, args, options: dict | None, file_system=None) -> None:
-    threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads
-    writers.save(state=state, threads=threads, file_system=file_system, **_kind(kind, where, options))
-
-
-def load(kind: str, target, where: str, args, options: dict | None, file_system=None) -> None:
-    threads = args.zarr_threads if kind.startswith("zarr") else None
-    writers.load(target=target, threads=threads, file_system=file_system, **_kind(kind, where, options))
+def transfer(op: str, kind: str, state, where: str, args, options: dict | None, file_system=None) -> None:
+    """``writers.save`` or ``writers.load`` (``op``) of a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
+    threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads if op == "save" else None
+    store = _obstore(where, options or {}) if kind == "zarr-obstore" else None
+    spec = "zarr" if store else OFF if kind == "zarr-off" else kind
+    getattr(writers, op)(spec, state, "" if store else where, threads, None if store else options, store, file_system)
 
 
 def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
@@ -166,9 +151,9 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
                     label = f"{name}-{kind}-{latency:g}-{repeat}"
                     where = f"s3://{BUCKET}/{label}" if s3 else os.path.join(args.local_dir, label)
                     opts, fs = (options, None) if s3 else (None, calls and calls.file_system)
-                    save_s, save_counts = counted(lambda: save(kind, state, where, args, opts, fs), s3)
+                    save_s, save_counts = counted(lambda: transfer("save", kind, state, where, args, opts, fs), s3)
                     target = h.zeroed(state)
-                    load_s, load_counts = counted(lambda: load(kind, target, where, args, opts, fs), s3)
+                    load_s, load_counts = counted(lambda: transfer("load", kind, target, where, args, opts, fs), s3)
                     if not all(h.gather(h.equal(target, state))):
                         raise SystemExit(f"{kind} {name}: the loaded state differs from the saved one")
                     if not s3 and ranks.rank == 0:
@@ -179,10 +164,8 @@ def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
                             counts.setdefault((kind, op), {**found, "server_cpu_s": []})["server_cpu_s"].append(
                                 found.get("server_cpu_s"))
                     dist.barrier()
-                    if ranks.rank == 0 and s3:
-                        writers.remove_s3(where, options)
-                    elif ranks.rank == 0:
-                        shutil.rmtree(where, ignore_errors=True)
+                    if ranks.rank == 0:
+                        writers.remove_s3(where, options) if s3 else shutil.rmtree(where, ignore_errors=True)
                     dist.barrier()
             for (kind, op), samples in times.items():
                 cpu = [c for c in counts[(kind, op)].pop("server_cpu_s") if c is not None]
@@ -384,20 +367,16 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-sizes", help="comma-separated (default 2,4,8; 2 with --model)")
     p.add_argument("--latency-ms", default="0,20", help="comma-separated added latencies (default 0,20)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--arrays", type=int, default=240)
-    p.add_argument("--shape", default="96x40")
+    h.add_options(p, repeats=3, arrays=240, shape="96x40")
     p.add_argument("--model", action="store_true", help="the FSDP2 model's state instead of the arrays")
     p.add_argument("--layers", type=int, default=8, help="--model's blocks (default 8: the 2 GB model)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=32000)
+    h.add_options(p, hidden=1024, vocab=32000)
     p.add_argument("--quick", action="store_true", help="--model: a 16 MB model, 1 repeat")
     p.add_argument("--local-dir", help="a local directory to measure too ('' for none; default: one on tmpfs, "
                    "none with --model)")
     p.add_argument("--off", action="store_true", help="also dcp_zarr without collective I/O (zarr-off)")
     p.add_argument("--backends", default="s3fs", help="dcp_zarr's S3 clients: s3fs (a URL), obstore (store=)")
-    p.add_argument("--zarr-threads", type=int, default=4)
-    p.add_argument("--fsspec-threads", type=int, default=4)
+    h.add_options(p, zarr_threads=4, fsspec_threads=4)
     p.add_argument("--simulate", help="world sizes to simulate instead, as 8,64,256,1024")
     p.add_argument("--out", help="result JSON (default benchmarks/results/storage_traffic.json)")
     args = p.parse_args(argv)

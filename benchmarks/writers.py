@@ -154,20 +154,6 @@ def load(spec: str, target: Any, path: str, threads: int | None = None, storage_
     dcp.load(target, storage_reader=reader)
 
 
-def _raw_plan(state: Any, threads: int) -> list[list[tuple[torch.Tensor, int]]]:
-    """This rank's tensors at their offsets in one file, largest first, each to the thread with the fewest bytes."""
-    tensors = sorted(leaves(state), key=lambda t: -local(t).numel() * t.element_size())
-    buckets: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(max(1, threads))]
-    loads, offset = [0] * len(buckets), 0
-    for tensor in tensors:
-        size = local(tensor).numel() * tensor.element_size()
-        least = loads.index(min(loads))
-        buckets[least].append((tensor, offset))
-        loads[least] += size
-        offset += size
-    return buckets
-
-
 def _host_view(tensor: torch.Tensor) -> torch.Tensor:
     return local(tensor).detach().reshape(-1).view(torch.uint8)  # uint8: numpy has no bfloat16
 
@@ -176,42 +162,50 @@ def write_raw(state: Any, path: str, threads: int = 4) -> None:
     """Raw I/O, the storage's limit: this rank's local tensor bytes (copied to host first, for CUDA tensors) written
     back to back into one file with ``os.pwrite`` from ``threads`` threads, then fsync. No format, no planning."""
 
-    def write(bucket: list[tuple[torch.Tensor, int]]) -> None:
-        for tensor, offset in bucket:
-            data = memoryview(_host_view(tensor).cpu().numpy())
-            while data:
-                written = os.pwrite(fd, data, offset)
-                data, offset = data[written:], offset + written
+    def write(fd: int, tensor: torch.Tensor, offset: int) -> None:
+        data = memoryview(_host_view(tensor).cpu().numpy())
+        while data:
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(write, _raw_plan(state, threads)))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _raw_io(state, path, threads, write, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
 
 def read_raw(target: Any, path: str, threads: int = 4) -> None:
     """Raw I/O back: ``write_raw``'s file read into ``target``'s local tensors (of the same sharding)."""
 
-    def read(bucket: list[tuple[torch.Tensor, int]]) -> None:
-        for tensor, offset in bucket:
-            view = _host_view(tensor)
-            host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
-            buffer = memoryview(host.numpy())
-            while buffer:
-                got = os.preadv(fd, [buffer], offset)
-                if not got:
-                    raise EOFError(f"{path} ends at {offset}")
-                buffer, offset = buffer[got:], offset + got
-            if host is not view:
-                view.copy_(host)
+    def read(fd: int, tensor: torch.Tensor, offset: int) -> None:
+        view = _host_view(tensor)
+        host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
+        buffer = memoryview(host.numpy())
+        while buffer:
+            got = os.preadv(fd, [buffer], offset)
+            if not got:
+                raise EOFError(f"{path} ends at {offset}")
+            buffer, offset = buffer[got:], offset + got
+        if host is not view:
+            view.copy_(host)
 
-    fd = os.open(path, os.O_RDONLY)
+    _raw_io(target, path, threads, read, os.O_RDONLY)
+
+
+def _raw_io(state: Any, path: str, threads: int, io: Callable[[int, torch.Tensor, int], None], flags: int) -> None:
+    """``io(fd, tensor, offset)`` for this rank's tensors at their offsets in one file, largest first, each to the
+    thread with the fewest bytes; the file fsynced after writes."""
+    buckets: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(max(1, threads))]
+    loads, offset = [0] * len(buckets), 0
+    for tensor in sorted(leaves(state), key=lambda t: -local(t).numel() * t.element_size()):
+        size = local(tensor).numel() * tensor.element_size()
+        least = loads.index(min(loads))
+        buckets[least].append((tensor, offset))
+        loads[least] += size
+        offset += size
+    fd = os.open(path, flags, 0o644)
     try:
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            list(pool.map(read, _raw_plan(target, threads)))
+            list(pool.map(lambda bucket: [io(fd, tensor, at) for tensor, at in bucket], buckets))
+        if flags & os.O_WRONLY:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
