@@ -17,9 +17,6 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
-from torch.futures import Future
 
 from benchmarks import harness as h
 from benchmarks import writers
@@ -30,72 +27,11 @@ WORKLOADS = {  # name: (count, shape)
     "large": (16, (65536, 256)),  # 64 MiB each
     "small": (5000, (64,)),  # 64 floats each
 }
-SAVE_ONLY = ("null", "raw")  # writers of nothing loadable
 
 
-class NullWriter(StorageWriter):
-    """Resolves every item, as a writer must, and stores nothing."""
-
-    def reset(self, checkpoint_id=None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return True
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        pass
-
-    def prepare_local_plan(self, plan):
-        return plan
-
-    def prepare_global_plan(self, plans):
-        return plans
-
-    def store(self, item, data) -> int:
-        return 0
-
-    def write_data(self, plan, planner):
-        future: Future = Future()
-        future.set_result([WriteResult(item.index, self.store(item, h.local(planner.resolve_data(item))), None)
-                           for item in plan.items])
-        return future
-
-    def finish(self, metadata, results) -> None:
-        pass
-
-
-class RawWriter(NullWriter):
-    """``pwrite``s each item's bytes into one file per rank, and nothing else (no checksum, metadata or fsync)."""
-
-    def __init__(self, path: str):
-        self.path, self.fd, self.offset = path, -1, 0
-
-    def write_data(self, plan, planner):
-        os.makedirs(self.path, exist_ok=True)
-        self.fd, self.offset = os.open(os.path.join(self.path, f"rank{dist.get_rank()}"), os.O_WRONLY | os.O_CREAT,
-                                       0o644), 0
-        try:
-            return super().write_data(plan, planner)
-        finally:
-            os.close(self.fd)
-
-    def store(self, item, data) -> int:
-        view = data.numpy().data.cast("B")
-        os.pwrite(self.fd, view, self.offset)
-        self.offset += len(view)
-        return len(view)
-
-
-def save(kind: str, threads: int, state, path: str) -> None:
-    if kind in SAVE_ONLY:
-        dcp.save(state, storage_writer=NullWriter() if kind == "null" else RawWriter(path))
-    else:  # raw-io: writers.py's raw I/O; thread count 0: the writer's default
-        writers.save("raw" if kind == "raw-io" else kind, state, path, threads or None)
-
-
-def load(kind: str, threads: int, target, path: str) -> None:
-    writers.load("raw" if kind == "raw-io" else kind, target, path, threads or None)
+def transfer(op: str, kind: str, threads: int, state, path: str) -> None:
+    """``writers.save`` or ``writers.load`` (raw-io: writers.py's raw I/O; thread count 0: the writer's default)."""
+    getattr(writers, op)("raw" if kind == "raw-io" else kind, state, path, threads or None)
 
 
 def build_state(count: int, shape: tuple[int, ...], mesh, owned: bool) -> dict[str, torch.Tensor]:
@@ -119,7 +55,6 @@ def frozen(operation, freeze: bool):
             return operation()
         finally:
             gc.unfreeze()
-
     return run_frozen if freeze else operation
 
 
@@ -131,8 +66,7 @@ def run(args, ranks: h.Ranks) -> tuple[dict, str]:
     counts = {"fs": [int(t) for t in args.fs_threads.split(",")], "zarr": zarr_threads, "raw-io": [4]}
     peers = [(kind, threads) for kind in args.kinds  # other kinds: the first zarr thread count, or 1
              for threads in counts.get(kind, [zarr_threads[0] if kind.startswith("zarr") else 1])]
-    samples: dict[str, list[float]] = {}
-    files: dict[str, dict] = {}
+    samples, files = {}, {}  # "save/zarr/0" -> seconds of each repeat; kind -> its store's files and directories
     if ranks.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
@@ -140,12 +74,11 @@ def run(args, ranks: h.Ranks) -> tuple[dict, str]:
     for repeat in range(args.repeats + 1):  # round 0 warms up
         for kind, threads in h.rotated(peers, repeat):
             path = os.path.join(root, f"{peers.index((kind, threads))}-{repeat}")  # kinds hold ':' and '='
-            times = {"save": h.timed(frozen(lambda: save(kind, threads, state, path), args.gc_freeze))[0]}
-            if kind not in SAVE_ONLY:
-                target = {k: torch.zeros_like(v) for k, v in state.items()}
-                times["load"] = h.timed(frozen(lambda: load(kind, threads, target, path), args.gc_freeze))[0]
-                if not all(h.gather(h.equal(target, state))):
-                    raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
+            times = {"save": h.timed(frozen(lambda: transfer("save", kind, threads, state, path), args.gc_freeze))[0]}
+            target = {k: torch.zeros_like(v) for k, v in state.items()}
+            times["load"] = h.timed(frozen(lambda: transfer("load", kind, threads, target, path), args.gc_freeze))[0]
+            if not all(h.gather(h.equal(target, state))):
+                raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
             for op, seconds in times.items() if repeat else ():
                 samples.setdefault(f"{op}/{kind}/{threads}", []).append(seconds)
             if ranks.rank == 0:
@@ -179,12 +112,6 @@ def ratios(medians: dict[str, float], threads: int, nbytes: int) -> dict:
         found.update({f"{op}_speedup_zarr_vs_{peer}": s / zarr for peer, s in peers.items() if s is not None})
         if op == "save":
             found["zarr_save_GBps"] = nbytes / zarr / h.GB
-            null = medians.get("save/null/1")
-            if null is not None and fs:
-                # what each writer adds to dcp.save's own cost (the null writer's), and their ratio
-                found["save_over_null_s"] = {"zarr": zarr - null, "fs": min(fs.values()) - null}
-                if zarr > null:  # ZarrSavePlanner skips most of what DCP's planning costs the null writer
-                    found["save_over_null_speedup_zarr_vs_best_fs"] = (min(fs.values()) - null) / (zarr - null)
     return found
 
 
@@ -209,10 +136,8 @@ def main(argv=None) -> None:
     p.add_argument("--entry-bytes", type=int, default=1 << 20, help="bytes per tensor, rows of 256 floats (1 MiB)")
     p.add_argument("--shape", help="each tensor's shape instead, as 1025x255")
     p.add_argument("--owned", action="store_true", help="plain tensors, each held by one rank, not DTensors")
-    p.add_argument("--kinds", default="zarr,zarr-plain,zarr-dcp,fs,null,raw,raw-io", help="comma-separated (default: "
+    p.add_argument("--kinds", default="zarr,zarr-plain,zarr-dcp,fs,raw-io", help="comma-separated (default: "
                    "all; benchmarks/README.md says what each is)")
-    p.add_argument("--raw", action="store_true", help="add the raw kind (in the default kinds)")
-    p.add_argument("--zarr-dcp", action="store_true", help="add the zarr-dcp kind (in the default kinds)")
     p.add_argument("--zarr-threads", default="0", help="ZarrWriter/Reader thread counts, first compared (0: default)")
     p.add_argument("--fs-threads", default="1,2,4,8", help="FileSystemWriter thread counts (default 1,2,4,8)")
     p.add_argument("--repeats", type=int, default=3)
@@ -228,7 +153,6 @@ def main(argv=None) -> None:
     args.shape = tuple(int(n) for n in args.shape.split("x")) if args.shape else (
         (args.entry_bytes // 4,) if args.owned else (max(16, args.entry_bytes // 1024), 256))
     args.kinds = [k for k in args.kinds.split(",") if k]
-    args.kinds += [k for k, asked in (("raw", args.raw), ("zarr-dcp", args.zarr_dcp)) if asked and k not in args.kinds]
     h.on_ranks("entries", args.out, lambda ranks: run(args, ranks))
 
 

@@ -22,7 +22,6 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)" || { echo "gpu_check: cannot create
 export BENCH_COMMIT="${GPU_CHECK_COMMIT:-${BENCH_COMMIT:-}}" PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 START=$SECONDS
 step() { echo "[gpu_check $((SECONDS - START))s] $*"; }
-
 if [ "$INSTALL" = 1 ]; then  # 1. the environment
   SITE="${GPU_CHECK_SITE:-/tmp/gpu-check-site}"
   shopt -s nullglob; wheels=(.whl/*.whl); shopt -u nullglob

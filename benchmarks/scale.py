@@ -535,10 +535,8 @@ def measure_planning(rows: list[dict], args, wire: bool = True) -> dict:
 
 
 def _size(n: float) -> str:
-    for unit, step in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= step:
-            return f"{n / step:.{1 if n < 100 * step else 0}f} {unit}"
-    return f"{n:.0f} B"
+    unit, step = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)) if n >= s), ("B", 1))
+    return f"{n / step:.{1 if unit != 'B' and n < 100 * step else 0}f} {unit}"
 
 
 def table(rows: list[dict]) -> str:

@@ -154,16 +154,12 @@ def load(spec: str, target: Any, path: str, threads: int | None = None, storage_
     dcp.load(target, storage_reader=reader)
 
 
-def _host_view(tensor: torch.Tensor) -> torch.Tensor:
-    return local(tensor).detach().reshape(-1).view(torch.uint8)  # uint8: numpy has no bfloat16
-
-
 def write_raw(state: Any, path: str, threads: int = 4) -> None:
     """Raw I/O, the storage's limit: this rank's local tensor bytes (copied to host first, for CUDA tensors) written
     back to back into one file with ``os.pwrite`` from ``threads`` threads, then fsync. No format, no planning."""
 
     def write(fd: int, tensor: torch.Tensor, offset: int) -> None:
-        data = memoryview(_host_view(tensor).cpu().numpy())
+        data = memoryview(local(tensor).detach().reshape(-1).view(torch.uint8).cpu().numpy())  # numpy has no bf16
         while data:
             written = os.pwrite(fd, data, offset)
             data, offset = data[written:], offset + written
@@ -175,7 +171,7 @@ def read_raw(target: Any, path: str, threads: int = 4) -> None:
     """Raw I/O back: ``write_raw``'s file read into ``target``'s local tensors (of the same sharding)."""
 
     def read(fd: int, tensor: torch.Tensor, offset: int) -> None:
-        view = _host_view(tensor)
+        view = local(tensor).detach().reshape(-1).view(torch.uint8)
         host = view if view.device.type == "cpu" else torch.empty_like(view, device="cpu")
         buffer = memoryview(host.numpy())
         while buffer:
@@ -213,6 +209,4 @@ def _raw_io(state: Any, path: str, threads: int, io: Callable[[int, torch.Tensor
 def remove_s3(url: str, storage_options: dict) -> None:
     import s3fs
 
-    s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, key=storage_options["key"],
-                      secret=storage_options["secret"], endpoint_url=storage_options["endpoint_url"]).rm(
-        url, recursive=True)
+    s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, **storage_options).rm(url, recursive=True)
