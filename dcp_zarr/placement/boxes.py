@@ -46,10 +46,11 @@ def index_at(held: Runs, position: int) -> int:
 def strided_split_factor(placement) -> int | None:
     """The split factor of FSDP2-over-TP's strided shard (torch's ``_StridedShard(dim, split_factor=k)``); None for
     any other placement. Told by what the placement says of itself, not by its class, whose name is private to
-    torch: a ``Placement`` that is no shard, replica or partial by its public methods and carries a ``dim`` and a
-    ``split_factor``. (It is no ``Shard`` subclass in torch 2.11 to 2.15; ``tests/planning/test_local_layouts.py``
-    checks that torch's own class is told so.)"""
-    if type(placement) is Shard or placement.is_shard() or placement.is_replicate() or placement.is_partial():
+    torch: a ``Placement`` other than a plain ``Shard``, a replica or a partial (by their public methods) that
+    carries a ``dim`` and a ``split_factor``. ``is_shard()`` is not asked: it is False for torch 2.11 to 2.15's, and
+    would be True were it a ``Shard`` subclass again. ``tests/planning/test_local_layouts.py`` checks that torch's
+    own class is told so."""
+    if type(placement) is Shard or placement.is_replicate() or placement.is_partial():
         return None
     factor = getattr(placement, "split_factor", None)
     return int(factor) if factor is not None and isinstance(getattr(placement, "dim", None), int) else None

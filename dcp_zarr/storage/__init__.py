@@ -11,14 +11,8 @@ from dcp_zarr.storage.local import local_path as _local_path
 from dcp_zarr.storage.registry import register_storage, storage_class, unregister_storage
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
-__all__ = ["Storage", "LocalStorage", "default_aggregate_below", "is_local", "local_path", "open_storage",
+__all__ = ["Storage", "LocalStorage", "default_aggregate_below", "local_path", "open_storage",
            "register_storage", "storage_class", "unregister_storage"]
-
-
-def is_local(location: str | os.PathLike) -> bool:
-    """Whether ``location`` is a local directory. Only storage/ asks this: the layers above ask the storage's
-    capabilities (``storage_class(location).commits_by_rename``, ``.directory(location)``)."""
-    return storage_class(location) is LocalStorage
 
 
 def local_path(location: str | os.PathLike) -> str:

@@ -121,9 +121,9 @@ class ThrottledStorage(Storage):
         self.url = f"{SCHEME}://{inner.url}"
         self.batch_bytes, self.max_bytes_in_flight = inner.batch_bytes, inner.max_bytes_in_flight
         self.aggregate_below = inner.aggregate_below
-        # Per instance: what the inner storage can do is this one's (the class-level answers are the safe ones).
+        # Per instance: the inner storage's writes at offsets are this one's (asked of the opened storage). What
+        # is asked of the class before opening (the commit, the collector pause) keeps the class's safe answers.
         self.writes_at_offsets = inner.writes_at_offsets  # type: ignore[misc]
-        self.transfers_pause_collector = inner.transfers_pause_collector  # type: ignore[misc]
 
     def location(self, name: str) -> str:
         return f"{SCHEME}://{self.inner.location(name)}"

@@ -10,7 +10,9 @@ strategies, chosen by what the storage says it can (``Storage.commits_by_rename`
   root ``zarr.json`` (written last) is the commit. Replacing an existing checkpoint there first deletes it, so it is
   refused unless ``overwrite=True``.
 
-Whether a store holds a complete checkpoint is ``root_document.read_manifest``'s answer alone.
+Whether a store holds a complete checkpoint is ``root_document``'s answer: ``read_manifest`` (the whole manifest
+checked) before a save replaces it and when it is loaded, ``is_committed`` (its commit mark alone, cheap) where a
+root's checkpoints are listed.
 """
 
 from __future__ import annotations
