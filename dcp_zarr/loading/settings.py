@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.store_io.target import StoreTarget
+from dcp_zarr.store_io.target import StoreTarget, check_bytes
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -22,12 +22,8 @@ class LoadSettings(StoreTarget):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        below = self.read_once_below
-        if below is not None and (type(below) is not int or below < 0):
-            raise ValueError(f"read_once_below={below!r}: expected a number of bytes >= 0, or None for the storage's "
-                             "default")
-        if type(self.exchange_bytes) is not int or self.exchange_bytes < 1:
-            raise ValueError(f"exchange_bytes={self.exchange_bytes!r}: expected a number of bytes >= 1")
+        check_bytes("read_once_below", self.read_once_below, 0, none_for_default=True)
+        check_bytes("exchange_bytes", self.exchange_bytes, 1)
         if self.read_once is not None and type(self.read_once) is not bool:  # "false" is truthy: never guess
             raise ValueError(f"read_once={self.read_once!r}: expected True, False or None for the storage's default")
 

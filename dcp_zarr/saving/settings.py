@@ -11,7 +11,7 @@ from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning import replicas
 from dcp_zarr.storage import storage_class
 from dcp_zarr.store_io import commit
-from dcp_zarr.store_io.target import StoreTarget
+from dcp_zarr.store_io.target import StoreTarget, check_bytes
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -34,12 +34,8 @@ class SaveSettings(StoreTarget):
         if self.overwrite not in (None, True, False):
             raise ValueError(f"overwrite={self.overwrite!r}: expected True, False or None (replace only where the "
                              "old checkpoint survives until the new one is complete)")
-        below = self.aggregate_below
-        if below is not None and (type(below) is not int or below < 0):
-            raise ValueError(f"aggregate_below={below!r}: expected a number of bytes >= 0, or None for the storage's "
-                             "default")
-        if type(self.exchange_bytes) is not int or self.exchange_bytes < 1:
-            raise ValueError(f"exchange_bytes={self.exchange_bytes!r}: expected a number of bytes >= 1")
+        check_bytes("aggregate_below", self.aggregate_below, 0, none_for_default=True)
+        check_bytes("exchange_bytes", self.exchange_bytes, 1)
 
     def _open_options(self) -> dict:
         return {"sync_files": self.sync_files}

@@ -14,6 +14,16 @@ from dcp_zarr.storage import Storage, default_aggregate_below, open_storage, sto
 from dcp_zarr.storage.retry import Retrying
 
 
+def check_bytes(name: str, value: Any, minimum: int, *, none_for_default: bool = False) -> None:
+    """Refuse a byte count an option was given that is not an int of at least ``minimum`` (None where the option
+    means the storage's default by it), naming the option."""
+    if value is None and none_for_default:
+        return
+    if type(value) is not int or value < minimum:
+        default = ", or None for the storage's default" if none_for_default else ""
+        raise ValueError(f"{name}={value!r}: expected a number of bytes >= {minimum}{default}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class StoreTarget:
     path: str
