@@ -34,6 +34,8 @@ __all__ = [
     "FrameworkVersionError",
     "SharedPlannerError",
     "UnverifiedTorchWarning",
+    "IncrementalBaseError",
+    "IncrementalSaveWarning",
 ]
 
 
@@ -173,3 +175,14 @@ class UnverifiedTorchWarning(UserWarning):
     """The installed torch keeps a ``dcp.save``'s or ``dcp.load``'s planner and process group elsewhere than the
     releases dcp_zarr was verified on: the save or load follows DCP's own protocol, correct and slower. Once a
     process for saves and once for loads."""
+
+
+class IncrementalBaseError(ZarrCheckpointError, ValueError):
+    """An incremental save's ``incremental_from`` cannot serve: not a complete checkpoint, the save's own path,
+    on other storage, or of another format version. Raised before anything is written."""
+
+
+class IncrementalSaveWarning(UserWarning):
+    """An incremental save that stores more than it would: the earlier checkpoint records no chunks, or its chunks
+    cannot be linked (another file system, a store that cannot copy on its side) and are copied through the process
+    instead. The new checkpoint is complete either way."""

@@ -34,6 +34,7 @@ from dcp_zarr.staging.async_stager import WriterStaging
 from dcp_zarr.storage import store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
 from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.chunk_reuse import ReuseCounts
 
 _NO_COLLECTIVES = (
     "ZarrWriter does not save with dcp.save(..., use_collectives=False): in that mode no rank hears of another, "
@@ -92,6 +93,13 @@ class ZarrWriter(StorageWriter, WriterStaging):
             (bit shuffle then lz4), ``"zstd"`` or another blosc compressor compress at level 1; a
             ``dcp_zarr.Compression`` sets the level, the smallest array compressed and the ratio a sample must reach
             (docs/compression.md).
+        incremental: lay the checkpoint out for incremental saves (one object per chunk of about
+            ``inner_chunk_bytes``, each chunk's digest recorded in the manifest), so that a later save can reuse its
+            chunks. Implied by ``incremental_from``. Default: a full save, laid out as before.
+        incremental_from: the path of an earlier checkpoint on the same storage: this save stores only the chunks
+            whose bytes differ from it; the others are hard links to its files (local file systems) or server-side
+            copies (object stores), so the new checkpoint is complete on its own, and deleting the earlier one never
+            touches it (docs/incremental.md). Checked before anything is written (``IncrementalBaseError``).
     """
 
     def __init__(self, path: str | os.PathLike = "", *, store=None, storage_options: dict | None = None,
@@ -100,7 +108,8 @@ class ZarrWriter(StorageWriter, WriterStaging):
                  cache_staged_state_dict: bool | None = None, check_replicas: str = replicas.SMALL,
                  replica_check_bytes: int = replicas.DEFAULT_MAX_BYTES, retry: RetryPolicy | None = None,
                  aggregate_below: int | None = None, exchange_bytes: int = DEFAULT_EXCHANGE_BYTES,
-                 compression: str | bool | Compression | None = None):
+                 compression: str | bool | Compression | None = None, incremental: bool | None = None,
+                 incremental_from: str | os.PathLike | None = None):
         path, store = store_objects.resolve("ZarrWriter", path, store, writable=True)
         # Made once, checked as it is made; every save of this writer runs with it (reset's checkpoint_id= gives a
         # copy with that path). Its Retrying is one for every storage this writer opens: whether the store has
@@ -109,11 +118,15 @@ class ZarrWriter(StorageWriter, WriterStaging):
             path=path, store=store, storage_options=storage_options, thread_count=thread_count, sync_files=sync_files,
             overwrite=overwrite, inner_chunk_bytes=inner_chunk_bytes, check_replicas=check_replicas,
             replica_check_bytes=replica_check_bytes, aggregate_below=aggregate_below, exchange_bytes=exchange_bytes,
-            retrying=Retrying(retry), compression=Compression.of(compression))
+            retrying=Retrying(retry), compression=Compression.of(compression),
+            incremental=incremental_from is not None if incremental is None else incremental,
+            incremental_from=None if incremental_from is None else os.fspath(incremental_from))
         WriterStaging.__init__(self, cache_staged_state_dict)
         self._starting: _Start | None = None  # from set_up_storage_writer to the save's first plan
         self._save: Save | None = None  # the save under way (saving/): made at its first plan, dropped with it
         self.written_keys: list[str] = []  # this rank's chunk keys in the last save: lets tests prove ownership
+        # this rank's chunks linked and written in the last save, where it recorded its chunks (incremental)
+        self.reuse_counts: ReuseCounts | None = None
 
     # -- StorageWriter interface -------------------------------------------------------------------------------------
 
@@ -195,6 +208,7 @@ class ZarrWriter(StorageWriter, WriterStaging):
             with paused_on_main_thread(save.settings.pauses_collector()):  # gc_pause.py says why
                 results = save.write(plan, planner)
             self.written_keys = save.written_keys
+            self.reuse_counts = save.reuse_counts
         finally:
             if not save.is_coordinator:  # the coordinator's finish still needs it
                 self._save = None  # it holds the planner, and so the state dict: not kept past the save

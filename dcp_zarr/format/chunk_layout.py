@@ -118,6 +118,14 @@ class ChunkLayout(NamedTuple):
         so ranks write their inner chunks into the shard at those offsets; not so for compressed ones."""
         return self.spans_array and self.codec is None
 
+    def one_object_per_chunk(self) -> ChunkLayout:
+        """This layout with each inner chunk an outer chunk of its own: the layout of a save that records its chunks
+        (incremental), whose unit of reuse is one stored object, so a few changed rows cost a few chunks. The grid
+        refines this one's, so every chunk still lies in one saved box."""
+        if not self.sharded:
+            return self
+        return ChunkLayout(self.shape, self.inner_chunk_shape, 0, self.separator, self.codec)
+
     def compressed(self, codec: Codec | None) -> ChunkLayout:
         """This layout with ``codec``: sharded (one inner chunk per chunk where it was not), so that the shard
         indexes record each compressed chunk's size."""

@@ -143,6 +143,9 @@ class Manifest:
     meshes: list = field(default_factory=list)
     optimizers: tuple[OptimizerTable, ...] | None = None  # None: a store written before tables were recorded
     format_version: int = FORMAT_VERSION
+    # the manifest's "chunks": the chunk record of a save that records its chunks (format/chunk_record.py), as JSON,
+    # checked by the next incremental save that reads it; nothing reads it to load
+    chunk_record: dict | None = field(default=None, repr=False, compare=False)
     # node -> its zarr.json copied into the root (node_copies.py): the manifest's "nodes", which encoded_root adds
     # and to_json leaves out, or zarr's consolidated metadata (formats 4, 5); empty for stores saved without either
     node_documents: NodeDocuments = field(default_factory=NodeDocuments, repr=False, compare=False)
@@ -162,6 +165,7 @@ class Manifest:
             "meshes": self.meshes,
             "entries": {fqn: entry.to_json() for fqn, entry in self.entries.items()},
             "optimizers": None if self.optimizers is None else [t.to_json() for t in self.optimizers],
+            **({} if self.chunk_record is None else {"chunks": self.chunk_record}),
         }
 
     @classmethod
@@ -191,7 +195,9 @@ class Manifest:
                 optimizers = tuple(OptimizerTable.from_json(table) for table in optimizers)
             except MalformedMetadataError as exc:
                 raise MalformedMetadataError(f"{url}: {exc}") from None
-        return cls(entries=entries, optimizers=optimizers, format_version=version, **header)
+        chunk_record = document.get("chunks")
+        return cls(entries=entries, optimizers=optimizers, format_version=version,
+                   chunk_record=chunk_record if isinstance(chunk_record, dict) else None, **header)
 
 
 def _unreadable_version(version, url: str) -> str:

@@ -51,12 +51,15 @@ class CheckpointManager:
         storage_options: for fsspec URLs (credentials, ``endpoint_url``, ...).
         reader_options: passed to each ``ZarrReader`` (``safe_globals``, ``thread_count``, ``retry``).
         lease_timeout_s: a manager that stops refreshing its lease for this long is presumed gone (lease.py).
+        incremental: each save stores only the chunks that changed since the newest complete checkpoint (its
+            ``incremental_from``), the first one in full; every checkpoint still loads on its own, and retention
+            deletes any of them without touching the others (docs/incremental.md). Default: full saves.
         **writer_options: passed to each ``ZarrWriter`` (``thread_count``, ``sync_files``, ``overwrite``, ...).
     """
 
     def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, keep_every: int | None = None,
                  storage_options: dict | None = None, reader_options: dict | None = None,
-                 lease_timeout_s: float = DEFAULT_TIMEOUT_S, **writer_options):
+                 lease_timeout_s: float = DEFAULT_TIMEOUT_S, incremental: bool = False, **writer_options):
         self.keep_last = _positive_or_none("keep_last", keep_last)
         self.keep_every = _positive_or_none("keep_every", keep_every)
         self.storage_options = storage_options
@@ -64,6 +67,14 @@ class CheckpointManager:
         self.writer_options = writer_options
         if "path" in writer_options or "store" in writer_options:
             raise TypeError("CheckpointManager: the manager chooses each step's path; do not pass path= or store=")
+        if "incremental_from" in writer_options:
+            raise TypeError("CheckpointManager: the manager chooses each save's incremental_from (the newest complete "
+                            "step); pass incremental=True instead")
+        if incremental not in (True, False):
+            raise TypeError(f"CheckpointManager: incremental={incremental!r}, expected True or False")
+        self.incremental = incremental
+        if incremental:
+            writer_options["incremental"] = True
         ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
         self.root = CheckpointRoot(root, storage_options)
         self._distributed = dist.is_available() and dist.is_initialized()
@@ -117,7 +128,8 @@ class CheckpointManager:
             self._lease.check()
             # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
             self.root.write_record("saving", step, {"step": step, "manager": self._lease.id, "time": time.time()})
-        writer = ZarrWriter(self.path(step), storage_options=self.storage_options, **self.writer_options)
+        writer = ZarrWriter(self.path(step), storage_options=self.storage_options, **self.writer_options,
+                            incremental_from=self._incremental_base(step))
         try:
             if async_save:
                 group = self._group_for_async()
@@ -206,6 +218,16 @@ class CheckpointManager:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------------------------------
+
+    def _incremental_base(self, step: int) -> str | None:
+        """The store an incremental save of ``step`` reuses: the newest complete checkpoint of another step, as rank
+        0 sees the root (every rank must pass the same one). Retention never deletes it while this save runs: it
+        runs after a save, and keeps the newest complete checkpoint."""
+        if not self.incremental:
+            return None
+        base = max((s for s in self.steps() if s != step), default=None) if self._rank == 0 else None
+        base = self._from_rank0(base)
+        return None if base is None else self.path(base)
 
     def _check_open(self) -> None:
         if self._closed:

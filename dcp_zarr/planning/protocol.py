@@ -19,7 +19,7 @@ A load: each rank's ``LoadSummary`` (its place in the reader's process group) an
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.compression import Compression
@@ -50,11 +50,12 @@ class SaveOptions(NamedTuple):
     aggregate_below: int
     exchange_bytes: int
     compression: Compression | None
+    records_chunks: bool = False  # incremental: one object per chunk, each recorded (format/chunk_record.py)
 
-    def summarized(self) -> tuple[int | str | None, ...]:
+    def summarized(self) -> tuple[int | str | bool | None, ...]:
         """As a ``Summary`` carries them: compression as its one string."""
         compression = None if self.compression is None else self.compression.key()
-        return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression)
+        return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression, self.records_chunks)
 
 
 SAVE_OPTIONS = SaveOptions._fields
@@ -72,6 +73,7 @@ class RankReport(NamedTuple):
     values: dict  # fqn -> JSON document of each value this rank wrote
     objects: dict  # fqn -> bytes of each torch.save value this rank wrote
     checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
+    chunks: Any = None  # in a save that records its chunks: the rank's saving/incremental.ChunkReport
 
 
 class LoadSummary(NamedTuple):

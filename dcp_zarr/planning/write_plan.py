@@ -125,8 +125,11 @@ class _Layouts:
         assert entry.dtype is not None  # a tensor entry
         codec = self.codec(entry)
         # compressed inner chunks have no sizes known in advance, so ranks cannot write them into one shard file
+        records = self.key.options.records_chunks
         layout, count = entry_layout(entry, entry.dtype.itemsize, self.key.options.inner_chunk_bytes,
-                                     self.key.array_shards and codec is None, boxes)
+                                     self.key.array_shards and codec is None and not records, boxes)
+        if records:
+            layout = layout.one_object_per_chunk()
         aggregated = self.aggregation.arrays.get(entry.fqn)
         return (layout if aggregated is None else aggregated.layout).compressed(codec), count
 

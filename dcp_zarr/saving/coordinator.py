@@ -5,6 +5,7 @@ so what a manifest entry records and when a save is abandoned are written once."
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from functools import partial
 from typing import NamedTuple
@@ -84,8 +85,9 @@ def stored_value_entry(fqn: str, path: tuple, node: str, values: dict, objects: 
 
 
 def commit_save(settings: SaveSettings, begun: Begun, entries: dict[str, Entry], key_order: list,
-                specs: dict[str, ArraySpec]) -> None:
+                specs: dict[str, ArraySpec], chunk_record: dict | None = None) -> None:
     """Every group's zarr.json, then the root's (the manifest, every node's zarr.json copied), then the commit.
+    ``chunk_record``: the manifest's ``chunks``, in a save that records its chunks (saving/incremental.py).
     A group's values are its attributes too, for zarr tools (format/group_attributes.py). The arrays' zarr.json
     files were written by the ranks (RankAssignment.describes); ``specs`` makes their copies."""
     storage = begun.storage
@@ -94,7 +96,7 @@ def commit_save(settings: SaveSettings, begun: Begun, entries: dict[str, Entry],
               for group in {g for entry in entries.values() for g in parent_groups(entry.node)}}
     run_jobs([(0, partial(storage.write_json, f"{group}/zarr.json", doc)) for group, doc in groups.items()],
              storage.requests_in_flight(settings.thread_count), storage.batch_bytes)
-    manifest = _manifest(entries, key_order, begun)
+    manifest = dataclasses.replace(_manifest(entries, key_order, begun), chunk_record=chunk_record)
     copies = {group: json_text(document) for group, document in groups.items()}
     copies.update(_array_copies(entries, specs))
     manifest_document = manifest.to_json()

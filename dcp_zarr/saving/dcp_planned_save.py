@@ -13,7 +13,7 @@ import dataclasses
 
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -22,9 +22,10 @@ from dcp_zarr.format.manifest import Entry
 from dcp_zarr.format.torch_arrays import numpy_dtype
 from dcp_zarr.planning import dcp_internals, replicas
 from dcp_zarr.planning.assignments import RankAssignment, array_specs_for_plans, assignments, node_paths
-from dcp_zarr.saving import coordinator
+from dcp_zarr.saving import coordinator, incremental
 from dcp_zarr.saving.item_writes import write_items
 from dcp_zarr.saving.settings import SaveSettings
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse, ReuseCounts
 
 
 class DcpPlannedSave:
@@ -36,6 +37,8 @@ class DcpPlannedSave:
         self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans
         self._specs: dict[str, ArraySpec] = {}
         self._nodes: dict[str, str] = {}
+        self.earlier = incremental.open_earlier(settings)  # before anything is written
+        self.reuse_counts: ReuseCounts | None = None  # this rank's, in a save that records its chunks
 
     def local_plan(self, plan: SavePlan) -> SavePlan:
         items = plan.items if plan.usable or plan.items else dcp_internals.cached_local_plan().items
@@ -60,7 +63,8 @@ class DcpPlannedSave:
         # files do; an object is written whole, by one writer).
         self._specs = array_specs_for_plans(plans, nodes, settings.inner_chunk_bytes,
                                             array_shards=begun.storage.writes_at_offsets,
-                                            compression=settings.compression)
+                                            compression=settings.compression,
+                                            records_chunks=settings.incremental)
         # usable=True: a caching planner then takes these plans, this save's, not the ones it cached
         return [dataclasses.replace(plan, storage_data=assignment, usable=True)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, begun.staging_location,
@@ -70,13 +74,23 @@ class DcpPlannedSave:
         assignment: RankAssignment = plan.storage_data
         results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
         storage = self.settings.open(assignment.staging_location)
-        written, self.written_keys = write_items(storage, plan.items, assignment, planner, self.settings.thread_count)
+        reuse = ChunkReuse(self.earlier) if self.settings.incremental else None
+        written, self.written_keys = write_items(storage, plan.items, assignment, planner, self.settings.thread_count,
+                                                 reuse=reuse)
+        if reuse is not None:  # one more result, which finish takes out
+            report = incremental.ChunkReport.of(reuse)
+            self.reuse_counts = report.counts
+            written.append(WriteResult(index=MetadataIndex(incremental.CHUNKS_FQN), size_in_bytes=0,
+                                       storage_data=report))
         return results + written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         begun = self._begun
         assert begun is not None, "finish of a save without its prepare_global_plan"
         results, digests = replicas.split_results(results)
+        chunk_reports = [r.storage_data for rank_results in results for r in rank_results
+                         if r.index.fqn == incremental.CHUNKS_FQN]
+        results = [[r for r in rank_results if r.index.fqn != incremental.CHUNKS_FQN] for rank_results in results]
         coordinator.refuse_differing_replicas(begun, digests)
         values: dict[str, object] = {}
         objects: dict[str, int] = {}
@@ -100,4 +114,6 @@ class DcpPlannedSave:
                     saved_shards=sum(1 for c in md.chunks if all(c.sizes)), source=sources.get(fqn))
             else:
                 entries[fqn] = coordinator.stored_value_entry(fqn, path, self._nodes[fqn], values, objects)
-        coordinator.commit_save(self.settings, begun, entries, list(paths), self._specs)
+        record = incremental.chunk_record(self._specs, chunk_reports, self.earlier) if self.settings.incremental \
+            else None
+        coordinator.commit_save(self.settings, begun, entries, list(paths), self._specs, record)

@@ -23,10 +23,11 @@ from dcp_zarr.format.manifest import Entry
 from dcp_zarr.planning.local_save import LocalSave
 from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, SaveOptions, Ticket, check_summaries
 from dcp_zarr.planning.save_planner import RankState
-from dcp_zarr.saving import coordinator
+from dcp_zarr.saving import coordinator, incremental
 from dcp_zarr.saving.item_writes import checked_tensor, write_items
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse, ReuseCounts
 
 
 class LocallyPlannedSave:
@@ -35,13 +36,15 @@ class LocallyPlannedSave:
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
         options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.exchange_bytes,
-                              settings.compression)
+                              settings.compression, settings.incremental)
+        self.earlier = incremental.open_earlier(settings)  # before anything is written
         self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
                                options)
         self.written_keys: list[str] = []
         self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans
         self._detail_groups: frozenset[str] = frozenset()  # replica groups whose digests differed (protocol.py)
         self._own_report: RankReport | None = None  # the coordinator's own values and object sizes (not sent)
+        self.reuse_counts: ReuseCounts | None = None  # this rank's, in a save that records its chunks
 
     def local_plan(self, plan: SavePlan) -> SavePlan:
         """What DCP gathers in place of ``plan`` (whose planner_data made this save): the rank's Summary."""
@@ -67,12 +70,17 @@ class LocallyPlannedSave:
         checksums = local.reported_checksums(ticket)
         values, objects = {}, {}
         nbytes = 0
+        chunks = None
         if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
             storage = settings.open(ticket.staging_location)
             items, assignment = local.rank_writes(ticket, storage.writes_at_offsets)
             aggregated_keys = self._write_aggregated(storage, planner)
+            reuse = ChunkReuse(self.earlier) if settings.incremental else None
             results, chunk_keys = write_items(storage, items, assignment, planner, settings.thread_count,
-                                              with_sources=False)
+                                              with_sources=False, reuse=reuse)
+            if reuse is not None:
+                chunks = incremental.ChunkReport.of(reuse)
+                self.reuse_counts = chunks.counts
             for result in results:
                 nbytes += result.size_in_bytes
                 if "value" in result.storage_data:
@@ -81,9 +89,9 @@ class LocallyPlannedSave:
                     objects[result.index.fqn] = result.storage_data["object_nbytes"]
             self.written_keys = aggregated_keys + chunk_keys
         if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
-            self._own_report = RankReport(values, objects, {})
-            values, objects = {}, {}
-        report = RankReport(values, objects, checksums)
+            self._own_report = RankReport(values, objects, {}, chunks)
+            values, objects, chunks = {}, {}, None
+        report = RankReport(values, objects, checksums, chunks)
         return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
 
     def _write_aggregated(self, storage: Storage, planner: SavePlanner) -> list[str]:
@@ -111,7 +119,7 @@ class LocallyPlannedSave:
         reports: list[RankReport] = [r.storage_data for rank_results in results for r in rank_results
                                      if r.index.fqn == REPORT_FQN]
         coordinator.refuse_differing_replicas(begun, [report.checksums for report in reports], self._detail_groups)
-        own = self._own_report or RankReport({}, {}, {})
+        own = self._own_report or RankReport({}, {}, {}, None)
         values = dict(own.values)
         values.update((fqn, v) for report in reports for fqn, v in report.values.items())
         objects = dict(own.objects)
@@ -126,4 +134,8 @@ class LocallyPlannedSave:
                                                         saved_shards[fqn], entry.source)
             else:
                 entries[fqn] = coordinator.stored_value_entry(fqn, entry.path, plan.nodes[fqn], values, objects)
-        coordinator.commit_save(self.settings, begun, entries, local.save_key_order(), specs)
+        record = None
+        if self.settings.incremental:
+            chunk_reports = [r.chunks for r in (own, *reports) if r.chunks is not None]
+            record = incremental.chunk_record(specs, chunk_reports, self.earlier)
+        coordinator.commit_save(self.settings, begun, entries, local.save_key_order(), specs, record)

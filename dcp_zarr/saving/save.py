@@ -16,12 +16,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_zarr.saving.settings import SaveSettings
+from dcp_zarr.store_io.chunk_reuse import ReuseCounts
 
 
 class Save(Protocol):
     settings: SaveSettings
     is_coordinator: bool
     written_keys: list[str]  # this rank's chunk keys, once ``write`` ran
+    reuse_counts: ReuseCounts | None  # in a save that records its chunks, this rank's linked and written, once ran
 
     def local_plan(self, plan: SavePlan) -> SavePlan:
         """What DCP gathers from this rank (every rank)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
@@ -24,6 +25,8 @@ class SaveSettings(StoreTarget):
     aggregate_below: int | None = None
     exchange_bytes: int = DEFAULT_EXCHANGE_BYTES
     compression: Compression | None = None  # Compression.of the writer's argument
+    incremental: bool = False  # one object per chunk, each recorded, so that a later save can reuse them
+    incremental_from: str | None = None  # the checkpoint this save reuses chunks of (saving/incremental.py)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,6 +39,14 @@ class SaveSettings(StoreTarget):
                              "old checkpoint survives until the new one is complete)")
         check_bytes("aggregate_below", self.aggregate_below, 0, none_for_default=True)
         check_bytes("exchange_bytes", self.exchange_bytes, 1)
+        if self.incremental_from is not None:
+            if not isinstance(self.incremental_from, (str, os.PathLike)) or not os.fspath(self.incremental_from):
+                raise ValueError(f"incremental_from={self.incremental_from!r}: expected the path or URL of an earlier "
+                                 "checkpoint")
+            if not self.incremental:
+                raise ValueError(f"incremental_from={self.incremental_from!r} with incremental=False: an incremental "
+                                 "save is one that records its chunks; leave incremental at its default")
+            object.__setattr__(self, "incremental_from", os.fspath(self.incremental_from))
 
     def _open_options(self) -> dict:
         return {"sync_files": self.sync_files}
@@ -52,6 +63,8 @@ class SaveSettings(StoreTarget):
         """The piece size under which arrays are aggregated: the writer's, else its storage's default."""
         if self.aggregate_below is not None:
             return self.aggregate_below
+        if self.incremental:  # an aggregated block is rewritten at every save: pieces stay chunks of their own
+            return 0
         return self.storage_aggregate_below()
 
     def staging_location(self, save_id: str) -> str:

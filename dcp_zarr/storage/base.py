@@ -109,13 +109,15 @@ class Storage(abc.ABC):
         """The stored size of ``key`` in bytes; ``FileNotFoundError`` if absent."""
         return len(self.read(key))
 
-    def link_from(self, source: Storage, key: str) -> None:
+    def link_from(self, source: Storage, key: str) -> bool:
         """Store at ``key`` the object ``source`` holds at ``key``, bytes identical (incremental saves reuse what an
         earlier checkpoint stored). A backend with ``links_objects`` does it without the bytes passing through this
         process; this default reads them and writes them. A hard link shares one file with ``source``: ``write``
         replaces a linked key's file, never writes into it, but ``write_at`` writes into it and would change the
-        source's too, so a key ranks fill at offsets is never linked."""
+        source's too, so a key ranks fill at offsets is never linked. True where no bytes passed through this
+        process (linked, or copied by the backend), False where they were read and written."""
         self.write(key, [source.read(key)])
+        return False
 
     def write_at(self, key: str, offset: int, buffers: Sequence) -> None:
         """Write the concatenation of ``buffers`` at ``offset`` of ``key``, creating it if absent, keeping the rest:

@@ -51,7 +51,7 @@ class LocalStorage(Storage):
     def size(self, key: str) -> int:
         return os.stat(self._path(key)).st_size
 
-    def link_from(self, source: Storage, key: str) -> None:
+    def link_from(self, source: Storage, key: str) -> bool:
         """A hard link to ``source``'s file; where that is impossible (another file system, a source that is not
         a local directory, a file system without links) the bytes are copied."""
         path = self._path(key)
@@ -62,15 +62,15 @@ class LocalStorage(Storage):
         if isinstance(source, LocalStorage):
             try:
                 os.link(source._path(key), path)
-                return
+                return True
             except FileExistsError:
                 os.remove(path)
                 os.link(source._path(key), path)
-                return
+                return True
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise
-        super().link_from(source, key)
+        return super().link_from(source, key)
 
     def __init__(self, root: str, *, sync_files: bool = True):
         self.root = os.path.abspath(root)

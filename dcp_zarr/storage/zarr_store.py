@@ -98,7 +98,7 @@ class ZarrStoreStorage(Storage):
             raise FileNotFoundError(f"{self.url}: no key {key!r}")
         return size
 
-    def link_from(self, source: Storage, key: str) -> None:
+    def link_from(self, source: Storage, key: str) -> bool:
         """A server-side copy where both stores are one S3 file system's (``links_objects``); else read and write."""
         if not (self.links_objects and isinstance(source, ZarrStoreStorage) and _same_file_system(source, self)):
             return super().link_from(source, key)
@@ -114,6 +114,7 @@ class ZarrStoreStorage(Storage):
 
         if not self._call(lambda: sync(copy()), "copy", key):
             raise FileNotFoundError(f"{source.url}: no key {key!r}")
+        return True
 
     def first_keys(self, limit: int) -> list[str]:
         async def collect():

@@ -41,12 +41,23 @@ def chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequen
 
     The box must be a union of whole chunks (``chunk_layout_for_boxes`` guarantees it).
     """
+    for _, key, region in numbered_chunk_regions(layout, box_offsets, sizes):
+        yield key, region
+
+
+def numbered_chunk_regions(layout: ChunkLayout, box_offsets: Sequence[int], sizes: Sequence[int]
+                           ) -> Iterator[tuple[int, str, tuple[slice, ...]]]:
+    """``chunk_regions``, each with the chunk's index in the grid's C order (the chunk record's order)."""
+    grid = layout.grid_shape
     for coords in layout.chunks_in_box(box_offsets, sizes):
         offsets, extent = layout.chunk_box(coords)
         start = [o - b for o, b in zip(offsets, box_offsets)]
         if any(s < 0 or s + e > n for s, e, n in zip(start, extent, sizes)):
             raise AssertionError(f"chunk {coords} is not inside the saved box at {tuple(box_offsets)}")
-        yield layout.chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
+        index = 0
+        for c, n in zip(coords, grid):
+            index = index * n + c
+        yield index, layout.chunk_key(coords), tuple(slice(s, s + e) for s, e in zip(start, extent))
 
 
 def chunks_of_box(

@@ -34,7 +34,15 @@ from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.format.values import NotJSONError, encode_value
 from dcp_zarr.json_documents import json_text
 from dcp_zarr.storage import Storage
-from dcp_zarr.store_io.chunks import chunk_regions, chunks_of_box, inner_chunk_runs, write_chunk, write_inner_chunks
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse
+from dcp_zarr.store_io.chunks import (
+    chunk_regions,
+    chunks_of_box,
+    inner_chunk_runs,
+    numbered_chunk_regions,
+    write_chunk,
+    write_inner_chunks,
+)
 from dcp_zarr.store_io.entry_data import untrusted_types
 from dcp_zarr.store_io.scheduler import run_jobs
 
@@ -49,10 +57,13 @@ Job = tuple[int, Callable[[], object]]  # (bytes it moves, the call)
 
 class WriteJobs:
     """One rank's writes into ``storage``, and the chunk keys they write (``"node/c.0.0"``, or ``"node/c.0.0#3"``
-    per inner chunk of an array-spanning shard), which lets tests prove that no chunk is written by two ranks."""
+    per inner chunk of an array-spanning shard), which lets tests prove that no chunk is written by two ranks.
+    ``reuse``: in a save that records its chunks (incremental), each chunk goes through it, linked from the earlier
+    checkpoint where it can be."""
 
-    def __init__(self, storage: Storage):
+    def __init__(self, storage: Storage, reuse: ChunkReuse | None = None):
         self.storage = storage
+        self.reuse = reuse
         self.jobs: list[Job] = []
         self.chunk_keys: list[str] = []
         self._devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
@@ -93,7 +104,9 @@ class WriteJobs:
         on_host = _on_host(tensor)
         if not on_host:
             self._devices.add(tensor.device)
-        if layout.fixed_offsets and self.storage.writes_at_offsets:
+        if self.reuse is not None:
+            self._recorded_chunks(spec, tensor, offsets, on_host)
+        elif layout.fixed_offsets and self.storage.writes_at_offsets:
             self._shard_runs(spec, tensor, offsets[0], on_host)
         elif on_host:
             for chunk, data in chunks_of_box(layout, offsets, tensor_as_numpy(tensor)):
@@ -109,6 +122,21 @@ class WriteJobs:
                 self.chunk_keys.append(key)
                 nbytes = math.prod(s.stop - s.start for s in region) * tensor.element_size()
                 self.jobs.append((nbytes, partial(_write_from_device, self.storage, key, tensor, region, layout)))
+
+    def _recorded_chunks(self, spec: ArraySpec, tensor: torch.Tensor, offsets: Sequence[int], on_host: bool) -> None:
+        """One job per chunk, through the save's ``ChunkReuse`` (an incremental save's layouts have one object per
+        chunk: planning/write_plan.py); a device tensor's chunk is copied to host on the IO thread, as below."""
+        reuse, layout = self.reuse, spec.layout
+        assert reuse is not None and not layout.fixed_offsets  # no array-spanning shards in a save that records
+        earlier = reuse.earlier_array(spec.node, encoded_array_metadata(spec))
+        host = tensor_as_numpy(tensor) if on_host else None
+        for index, chunk, region in numbered_chunk_regions(layout, offsets, tensor.shape):
+            key = f"{spec.node}/{chunk}"
+            self.chunk_keys.append(key)
+            nbytes = math.prod(s.stop - s.start for s in region) * tensor.element_size()
+            data = host[region] if host is not None else None
+            self.jobs.append((nbytes, partial(_store_recorded, reuse, self.storage, spec.node, index, key, data,
+                                              tensor, region, layout, earlier)))
 
     def _shard_runs(self, spec: ArraySpec, tensor: torch.Tensor, first_row: int, on_host: bool) -> None:
         """Runs of this rank's inner chunks of an array-spanning shard, at their offsets; the index goes with the
@@ -171,6 +199,13 @@ def _write_rows_from_device(storage: Storage, key: str, tensor: torch.Tensor, ro
 def _write_from_device(storage: Storage, key: str, tensor: torch.Tensor, region: tuple[slice, ...],
                        layout: ChunkLayout) -> None:
     write_chunk(storage, key, tensor_as_numpy(tensor[region].to("cpu")), layout)
+
+
+def _store_recorded(reuse: ChunkReuse, storage: Storage, node: str, index: int, key: str, data, tensor: torch.Tensor,
+                    region: tuple[slice, ...], layout: ChunkLayout, earlier) -> None:
+    if data is None:  # a device tensor's chunk, copied to host here, on the IO thread
+        data = tensor_as_numpy(tensor[region].to("cpu"))
+    reuse.store(storage, node, index, key, data, layout, earlier)
 
 
 def _wait_for_current_streams(devices: set[torch.device]) -> None:

@@ -1,0 +1,96 @@
+"""The chunk record: what an incremental save needs to know of an earlier checkpoint's chunks without reading them.
+
+For each array whose every chunk was written as one object by the chunk path (``store_io/chunk_reuse.py``), the
+manifest's ``chunks`` table holds the digest of the array's ``zarr.json`` (its shape, grid, data type and codecs) and,
+for each chunk in the grid's C order, 28 bytes: the xxh3-128 digest of the chunk's data as the state dict held it
+(before padding and encoding), the stored object's size, and its last four bytes (the crc32c that ends every stored
+chunk, or a shard's index). A later save whose array has the same ``zarr.json`` and whose chunk's data has the same
+digest stores the same bytes, so it links the earlier object instead of writing it (docs/design.md, "Incremental
+saves", says why a 128-bit digest is exact enough); the size and tail let it check the object it linked.
+
+The record is information for the next save only: nothing reads it to load a checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import xxhash
+
+HASH_NAME = "xxh3_128"
+_ENTRY = struct.Struct("<16sQ4s")  # digest, stored size, stored tail
+
+
+class StoredChunk(NamedTuple):
+    digest: bytes  # xxh3-128 of the chunk's data, 16 bytes
+    size: int  # bytes of the stored object
+    tail: bytes  # its last 4 bytes
+
+
+def data_digest(buffer) -> bytes:
+    """The 16-byte xxh3-128 digest of a chunk's data (any contiguous buffer)."""
+    return xxhash.xxh3_128_digest(buffer)
+
+
+def metadata_digest(encoded_zarr_json: str) -> str:
+    """The hex digest of an array's encoded ``zarr.json``: equal digests mean equal layouts, data types and codecs."""
+    return xxhash.xxh3_128_hexdigest(encoded_zarr_json.encode())
+
+
+class ArrayRecord(NamedTuple):
+    metadata: str  # metadata_digest of the array's zarr.json
+    chunks: tuple[StoredChunk, ...]  # in the grid's C order
+
+    def to_json(self) -> dict:
+        packed = b"".join(_ENTRY.pack(c.digest, c.size, c.tail) for c in self.chunks)
+        return {"metadata": self.metadata, "chunks": base64.b64encode(packed).decode()}
+
+    @classmethod
+    def from_json(cls, document) -> ArrayRecord:
+        if not isinstance(document, dict) or not isinstance(document.get("metadata"), str) \
+                or not isinstance(document.get("chunks"), str):
+            raise ValueError("an array's record needs 'metadata' and 'chunks' strings")
+        packed = base64.b64decode(document["chunks"], validate=True)
+        if len(packed) % _ENTRY.size:
+            raise ValueError(f"an array's chunks are {len(packed)} bytes, not a multiple of {_ENTRY.size}")
+        return cls(document["metadata"], tuple(StoredChunk(*fields) for fields in _ENTRY.iter_unpack(packed)))
+
+
+class ChunkRecord(NamedTuple):
+    """Node -> the record of each array saved whole through the chunk path; ``origin``: where reused chunks came
+    from (``{"path", "save_id", "reused_chunks", "reused_bytes"}``), information only."""
+
+    arrays: Mapping[str, ArrayRecord]
+    origin: dict | None = None
+
+    def to_json(self) -> dict:
+        arrays = {node: self.arrays[node].to_json() for node in sorted(self.arrays)}
+        document: dict = {"hash": HASH_NAME, "arrays": arrays}
+        if self.origin is not None:
+            document["incremental_from"] = self.origin
+        return document
+
+    @classmethod
+    def from_json(cls, document, where: str) -> ChunkRecord:
+        """The record of a manifest's ``chunks`` table; ValueError naming ``where`` if it is malformed or hashed
+        otherwise."""
+        if not isinstance(document, dict) or document.get("hash") != HASH_NAME \
+                or not isinstance(document.get("arrays"), dict):
+            raise ValueError(f"{where}: the manifest's chunk record is not an {HASH_NAME} record")
+        try:
+            arrays = {node: ArrayRecord.from_json(raw) for node, raw in document["arrays"].items()}
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: the manifest's chunk record is malformed: {exc}") from None
+        return cls(arrays, document.get("incremental_from"))
+
+
+def array_record(metadata: str, chunk_count: int, chunks: Iterable[tuple[int, StoredChunk]]) -> ArrayRecord | None:
+    """The record of an array from ``(index in the grid's C order, chunk)`` pairs the ranks reported, or None
+    unless every one of its ``chunk_count`` chunks is among them (an array written otherwise, in part or whole)."""
+    by_index = dict(chunks)
+    if len(by_index) != chunk_count or any(i not in by_index for i in range(chunk_count)):
+        return None
+    return ArrayRecord(metadata, tuple(by_index[i] for i in range(chunk_count)))
