@@ -57,8 +57,9 @@ class LinkContract:
         payload = np.random.default_rng(1).integers(0, 256, 256 << 10, dtype=np.uint8).tobytes()
         source.write("model/w/c.0.0", [payload])
         with self.counting_transfers() as moved:
-            storage.link_from(source, "model/w/c.0.0")
+            moved_nothing = storage.link_from(source, "model/w/c.0.0")
             through_client = moved()
+        assert moved_nothing is self.links_objects, "link_from says whether the bytes stayed out of the process"
         assert storage.read("model/w/c.0.0") == payload and storage.size("model/w/c.0.0") == len(payload)
         assert source.read("model/w/c.0.0") == payload, "the source keeps its object"
         if through_client is not None:
