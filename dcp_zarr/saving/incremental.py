@@ -4,7 +4,6 @@ is written (``open_earlier``), and the new store's chunk record made by the coor
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -15,8 +14,7 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_record import ChunkRecord, StoredChunk, array_record, metadata_digest
 from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.saving.settings import SaveSettings
-from dcp_zarr.storage.registry import scheme_of
-from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts, check_earlier_location
 from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.store_io.write_jobs import encoded_array_metadata
 
@@ -41,18 +39,7 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
     earlier = settings.incremental_from
     if earlier is None:
         return None
-    if settings.store is not None:
-        raise IncrementalBaseError(
-            f"incremental_from={earlier!r}: an incremental save needs the writer's path or URL (the earlier "
-            "checkpoint is opened beside it), not store=; pass the path instead")
-    if _same_location(earlier, settings.path):
-        raise IncrementalBaseError(
-            f"incremental_from={earlier!r} is the save's own path: a checkpoint cannot be saved from itself; pass "
-            "the path of the previous checkpoint")
-    if scheme_of(earlier) != scheme_of(settings.path):
-        raise IncrementalBaseError(
-            f"incremental_from={earlier!r} is on other storage than the save ({settings.path!r}): chunks are "
-            "linked or copied within one storage; pass a checkpoint on the same storage, or save in full")
+    check_earlier_location(earlier, settings.path, settings.store)
     storage = settings.open(earlier)
     try:
         manifest = read_manifest(storage)
@@ -96,11 +83,3 @@ def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], ea
     origin = None if earlier is None else {"path": earlier.location, "save_id": earlier.save_id,
                                            "reused_chunks": linked_chunks, "reused_bytes": linked_bytes}
     return ChunkRecord(arrays, origin).to_json()
-
-
-def _same_location(a: str, b: str) -> bool:
-    if scheme_of(a) != scheme_of(b):
-        return False
-    if "://" not in a:
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a.rstrip("/") == b.rstrip("/")

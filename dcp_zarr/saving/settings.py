@@ -12,6 +12,7 @@ from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning import replicas
 from dcp_zarr.storage import storage_class
 from dcp_zarr.store_io import commit
+from dcp_zarr.store_io.chunk_reuse import check_earlier_location
 from dcp_zarr.store_io.target import StoreTarget, check_bytes
 
 
@@ -47,6 +48,7 @@ class SaveSettings(StoreTarget):
                 raise ValueError(f"incremental_from={self.incremental_from!r} with incremental=False: an incremental "
                                  "save is one that records its chunks; leave incremental at its default")
             object.__setattr__(self, "incremental_from", os.fspath(self.incremental_from))
+            check_earlier_location(self.incremental_from, self.path, self.store)
 
     def _open_options(self) -> dict:
         return {"sync_files": self.sync_files}

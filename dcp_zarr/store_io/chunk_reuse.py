@@ -9,6 +9,7 @@ gives a chunk that is written anew, never a wrong one.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections import defaultdict
@@ -16,11 +17,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcp_zarr.errors import IncrementalSaveWarning
+from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
 from dcp_zarr.format.encoding import as_bytes, encode_chunk
 from dcp_zarr.storage import Storage
+from dcp_zarr.storage.registry import scheme_of
 
 TAIL_BYTES = 4
 
@@ -32,6 +34,34 @@ class EarlierCheckpoint(NamedTuple):
     save_id: str | None
     storage: Storage
     record: ChunkRecord
+
+
+def check_earlier_location(earlier: str, path: str, store) -> None:
+    """Refuse, naming it, an ``incremental_from`` that no save at ``path`` (or into ``store``) can reuse, whatever it
+    holds: no I/O, so a writer checks it as it is made (``path`` empty: not known yet, checked at the save)."""
+    if store is not None:
+        raise IncrementalBaseError(
+            f"incremental_from={earlier!r}: an incremental save needs the writer's path or URL (the earlier "
+            "checkpoint is opened beside it), not store=; pass the path instead")
+    if not path:
+        return
+    if _same_location(earlier, path):
+        raise IncrementalBaseError(
+            f"incremental_from={earlier!r} is the save's own path: a checkpoint cannot be saved from itself; pass "
+            "the path of the previous checkpoint")
+    if scheme_of(earlier) != scheme_of(path):
+        raise IncrementalBaseError(
+            f"incremental_from={earlier!r} is on other storage than the save ({path!r}): chunks are linked or "
+            "copied within one storage; pass a checkpoint on the same storage, or save in full")
+
+
+
+def _same_location(a: str, b: str) -> bool:
+    if scheme_of(a) != scheme_of(b):
+        return False
+    if "://" not in a:
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")
 
 
 class ReuseCounts(NamedTuple):
