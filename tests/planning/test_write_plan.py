@@ -39,12 +39,17 @@ def test_a_plan_is_made_anew_when_any_option_or_input_differs():
     plain = _plan(compressing, stored_plain=frozenset({"w"}))
     assert plain is not compressed and plain.specs["w"].layout.codec is None
     assert _plan(_OPTIONS, array_shards=False) is not first
+    small_chunks = _OPTIONS._replace(inner_chunk_bytes=4096)  # w (16 KiB) in inner chunks of 16 rows
+    assert _plan(small_chunks).specs["w"].layout.sharded
+    recording = _plan(small_chunks._replace(records_chunks=True))
+    assert recording is not _plan(small_chunks)
+    assert recording.specs["w"].layout.chunk_shape == (16, 64) and not recording.specs["w"].layout.sharded
 
 
 def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
     key_fields = {f.name for f in dataclasses.fields(PlanKey)}
     assert "options" in key_fields and set(SAVE_OPTIONS) == set(SaveOptions._fields)
-    assert _OPTIONS.summarized() == (1 << 20, 0, 1 << 20, None)
+    assert _OPTIONS.summarized() == (1 << 20, 0, 1 << 20, None, False)
 
 
 def test_a_kept_plan_never_carries_a_save_s_key_order_into_the_next(tmp_path):

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 # What the library imports at run time (dcp_zarr/, not its tests or adapters), torch aside: the user brings it
-LIBRARY_NEEDS = {"zarr", "numcodecs", "fsspec", "ml-dtypes", "crc32c", "numpy"}
+LIBRARY_NEEDS = {"zarr", "numcodecs", "fsspec", "ml-dtypes", "crc32c", "numpy", "xxhash"}
 ADAPTERS = {"torchtitan": "dcp_zarr.integrations.torchtitan", "lightning": "dcp_zarr.integrations.lightning",
             "accelerate": "dcp_zarr.integrations.accelerate"}
 
