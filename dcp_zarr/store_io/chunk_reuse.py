@@ -112,7 +112,7 @@ class ChunkReuse:
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
             same = storage.size(key) == previous.size and storage.read_tail(key, TAIL_BYTES) == previous.tail
-        except FileNotFoundError:  # the earlier checkpoint lost it (deleted since): write the chunk
+        except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
             return False
         if not same:  # changed since it was recorded: the write that follows replaces the link
             return False
