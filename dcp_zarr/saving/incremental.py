@@ -15,7 +15,7 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_record import ChunkRecord, StoredChunk, array_record, metadata_digest
 from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.saving.settings import SaveSettings
-from dcp_zarr.storage.registry import scheme_of
+from dcp_zarr.storage.registry import scheme_of, storage_class
 from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts
 from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.store_io.write_jobs import encoded_array_metadata
@@ -45,11 +45,12 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r}: an incremental save needs the writer's path or URL (the earlier "
             "checkpoint is opened beside it), not store=; pass the path instead")
-    if _same_location(earlier, settings.path):
+    earlier_place, own_place = _place(earlier), _place(settings.path)
+    if earlier_place == own_place:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is the save's own path: a checkpoint cannot be saved from itself; pass "
             "the path of the previous checkpoint")
-    if scheme_of(earlier) != scheme_of(settings.path):
+    if earlier_place[0] != own_place[0]:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is on other storage than the save ({settings.path!r}): chunks are "
             "linked or copied within one storage; pass a checkpoint on the same storage, or save in full")
@@ -98,9 +99,10 @@ def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], ea
     return ChunkRecord(arrays, origin).to_json()
 
 
-def _same_location(a: str, b: str) -> bool:
-    if scheme_of(a) != scheme_of(b):
-        return False
-    if "://" not in a:
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a.rstrip("/") == b.rstrip("/")
+def _place(location: str) -> tuple[str, str]:
+    """``(storage, where on it)``: ``("", real path)`` for a directory of this machine, a plain path and a ``file://``
+    URL alike; else ``(scheme, URL without a trailing slash)``."""
+    directory = storage_class(location).directory(location)
+    if directory is not None:
+        return "", os.path.realpath(directory)
+    return scheme_of(location), location.rstrip("/")
