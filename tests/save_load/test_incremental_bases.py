@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import zarr
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_zarr import ZarrWriter
+from dcp_zarr import Compression, ZarrWriter
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.tools.cli import main
 from tests.support.compare import assert_state_equal
@@ -171,6 +171,25 @@ def test_an_earlier_chunk_replaced_since_it_was_recorded_is_written_anew(recorde
     assert second.reuse_counts.linked_chunks > 0
     shutil.rmtree(earlier)
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
+
+
+def test_a_compressed_earlier_chunk_replaced_by_one_of_its_size_is_written_anew(tmp_path):
+    # Chunk i holds i in every element: compressed, several chunks store as many bytes, and a shard's index (the
+    # offsets and sizes of its inner chunks, and their crc32c) is then the same in each
+    constant = {"w": torch.arange(8.0).repeat_interleave(32)[:, None].expand(256, 128).contiguous()}
+    compressed = {"compression": Compression("zstd", min_bytes=0, min_ratio=0)}
+    save(constant, tmp_path / "1.zarr", incremental=True, **compressed)
+    chunks = sorted((tmp_path / "1.zarr" / "w").glob("c.*"))
+    victim, donor = next((a, b) for a in chunks for b in chunks
+                         if a != b and a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes())
+    shutil.copyfile(donor, tmp_path / "replacement")
+    os.replace(tmp_path / "replacement", victim)
+
+    save(constant, tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", **compressed)
+
+    assert f"w/{victim.name}" in new_files(tmp_path / "2.zarr", tmp_path / "1.zarr")
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), constant), constant)
 
 
 def test_an_earlier_chunk_deleted_since_it_was_recorded_is_written_anew(recorded, store_copy, tmp_path):
