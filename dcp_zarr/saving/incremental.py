@@ -54,6 +54,9 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is on other storage than the save ({settings.path!r}): chunks are "
             "linked or copied within one storage; pass a checkpoint on the same storage, or save in full")
+    if earlier_place[0] == "" and os.path.isfile(earlier_place[1]):  # else reading FILE/zarr.json: "Not a directory"
+        raise IncrementalBaseError(f"incremental_from={earlier!r} is a file, not a checkpoint directory: pass the path "
+                                   "of the previous checkpoint")
     storage = settings.open(earlier)
     try:
         manifest = read_manifest(storage)

@@ -69,6 +69,12 @@ def test_an_empty_directory_is_refused_as_no_checkpoint(tmp_path):
     assert not (tmp_path / "2.zarr").exists()
 
 
+def test_a_file_is_refused_as_no_checkpoint(tmp_path):
+    torch.save(state(1), tmp_path / "model.pt")
+    _refused(tmp_path / "2.zarr", tmp_path / "model.pt", "is a file, not a checkpoint directory")
+    assert not (tmp_path / "2.zarr").exists()
+
+
 def test_an_interrupted_save_is_refused_as_incomplete(recorded, store_copy, tmp_path):
     interrupted = store_copy(recorded)
     os.remove(interrupted / "zarr.json")  # written last: a save that stopped before it
