@@ -134,6 +134,8 @@ def test_lora_training_links_the_frozen_base_and_loads_alone_at_other_world_size
     first, second, full = (str(tmp_path / name) for name in ("1.zarr", "2.zarr", "full.zarr"))
 
     earlier, later = file_identities(first), file_identities(second)
+    bases = {f for layer in range(LAYERS) for f in chunks_under(later, f"model/layers.{layer}.base.weight")}
+    assert sum(os.path.getsize(f"{second}/{f}") for f in bases) >= 0.95 * store_bytes(second), "LoRA-like"
     for layer in range(LAYERS):
         base = chunks_under(later, f"model/layers.{layer}.base.weight")
         assert base and all(later[f] == earlier[f] for f in base), f"layer {layer}'s frozen base is not linked"
