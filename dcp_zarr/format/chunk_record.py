@@ -3,10 +3,11 @@
 For each array whose every chunk was written as one object by the chunk path (``store_io/chunk_reuse.py``), the
 manifest's ``chunks`` table holds the digest of the array's ``zarr.json`` (its shape, grid, data type and codecs) and,
 for each chunk in the grid's C order, 28 bytes: the xxh3-128 digest of the chunk's data as the state dict held it
-(before padding and encoding), the stored object's size, and its last four bytes (the crc32c that ends every stored
-chunk, or a shard's index). A later save whose array has the same ``zarr.json`` and whose chunk's data has the same
-digest stores the same bytes, so it links the earlier object instead of writing it (docs/design.md, "Incremental
-saves", says why a 128-bit digest is exact enough); the size and tail let it check the object it linked.
+(before padding and encoding), the stored object's size, and the crc32c of its stored data (the four bytes that end a
+plain chunk, or those before a shard's index: the index's own crc32c covers only offsets and sizes). A later save
+whose array has the same ``zarr.json`` and whose chunk's data has the same digest stores the same bytes, so it links
+the earlier object instead of writing it (docs/design.md, "Incremental saves", says why a 128-bit digest is exact
+enough); the size and crc32c let it check the object it linked.
 
 The record is information for the next save only: nothing reads it to load a checkpoint.
 """
@@ -21,13 +22,13 @@ from typing import NamedTuple
 import xxhash
 
 HASH_NAME = "xxh3_128"
-_ENTRY = struct.Struct("<16sQ4s")  # digest, stored size, stored tail
+_ENTRY = struct.Struct("<16sQ4s")  # digest, stored size, crc32c of the stored data
 
 
 class StoredChunk(NamedTuple):
     digest: bytes  # xxh3-128 of the chunk's data, 16 bytes
     size: int  # bytes of the stored object
-    tail: bytes  # its last 4 bytes
+    crc: bytes  # the crc32c of its stored data, as stored (4 bytes): store_io/chunk_reuse.py says where it lies
 
 
 def data_digest(buffer) -> bytes:
@@ -45,7 +46,7 @@ class ArrayRecord(NamedTuple):
     chunks: tuple[StoredChunk, ...]  # in the grid's C order
 
     def to_json(self) -> dict:
-        packed = b"".join(_ENTRY.pack(c.digest, c.size, c.tail) for c in self.chunks)
+        packed = b"".join(_ENTRY.pack(c.digest, c.size, c.crc) for c in self.chunks)
         return {"metadata": self.metadata, "chunks": base64.b64encode(packed).decode()}
 
     @classmethod

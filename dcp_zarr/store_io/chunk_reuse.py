@@ -3,8 +3,10 @@ be the same, else written; and every chunk's entry of the new store's chunk reco
 
 A chunk is linked only when its array's ``zarr.json`` is the earlier one's (same shape, grid, data type, codecs) and
 its data's xxh3-128 digest is the earlier chunk's. The linked object is then checked against the record (its size and
-last four bytes, the crc32c that ends it) before the save goes on: an earlier store changed since it was recorded
-gives a chunk that is written anew, never a wrong one.
+the crc32c of its stored data) before the save goes on: an earlier store changed since it was recorded gives a chunk
+that is written anew, never a wrong one. That crc32c ends a plain chunk; a compressed chunk is a shard of one inner
+chunk, whose crc32c comes just before the shard's index: the index's own crc32c, which ends the object, covers only
+offsets and sizes, the same in any two shards whose data compressed to as many bytes.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import numpy as np
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
-from dcp_zarr.format.encoding import as_bytes, encode_chunk
+from dcp_zarr.format.encoding import CHECKSUM_BYTES, as_bytes, encode_chunk
 from dcp_zarr.storage import Storage
-from dcp_zarr.storage.registry import scheme_of
+from dcp_zarr.storage.registry import scheme_of, storage_class
 
-TAIL_BYTES = 4
+INDEX_ENTRY_BYTES = 16  # one inner chunk's (offset, size) in a shard's index: two uint64
 
 
 class EarlierCheckpoint(NamedTuple):
@@ -45,23 +47,24 @@ def check_earlier_location(earlier: str, path: str, store) -> None:
             "checkpoint is opened beside it), not store=; pass the path instead")
     if not path:
         return
-    if _same_location(earlier, path):
+    earlier_place, own_place = _place(earlier), _place(path)
+    if earlier_place == own_place:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is the save's own path: a checkpoint cannot be saved from itself; pass "
             "the path of the previous checkpoint")
-    if scheme_of(earlier) != scheme_of(path):
+    if earlier_place[0] != own_place[0]:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is on other storage than the save ({path!r}): chunks are linked or "
             "copied within one storage; pass a checkpoint on the same storage, or save in full")
 
 
-
-def _same_location(a: str, b: str) -> bool:
-    if scheme_of(a) != scheme_of(b):
-        return False
-    if "://" not in a:
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a.rstrip("/") == b.rstrip("/")
+def _place(location: str) -> tuple[str, str]:
+    """``(storage, where on it)``: ``("", real path)`` for a directory of this machine, a plain path and a ``file://``
+    URL alike; else ``(scheme, URL without a trailing slash)``."""
+    directory = storage_class(location).directory(location)
+    if directory is not None:
+        return "", os.path.realpath(directory)
+    return scheme_of(location), location.rstrip("/")
 
 
 class ReuseCounts(NamedTuple):
@@ -96,22 +99,24 @@ class ChunkReuse:
         """Store the chunk at ``key`` (grid ``index`` of ``node``) holding ``data``, its unpadded content."""
         digest = data_digest(as_bytes(data))
         previous = earlier.chunks[index] if earlier is not None and index < len(earlier.chunks) else None
-        if previous is not None and previous.digest == digest and self._linked(storage, key, previous):
+        crc_at = _crc_before_end(layout)
+        if previous is not None and previous.digest == digest and self._linked(storage, key, previous, crc_at):
             self._note(node, index, previous, linked=True)
             return
         buffers = encode_chunk(data, layout)
         storage.write(key, buffers)
-        self._note(node, index, StoredChunk(digest, sum(memoryview(b).nbytes for b in buffers), _tail(buffers)),
-                   linked=False)
+        stored = StoredChunk(digest, sum(memoryview(b).nbytes for b in buffers), _last_bytes(buffers, crc_at))
+        self._note(node, index, stored, linked=False)
 
     def counts(self) -> ReuseCounts:
         return ReuseCounts(*self._counts)
 
-    def _linked(self, storage: Storage, key: str, previous: StoredChunk) -> bool:
+    def _linked(self, storage: Storage, key: str, previous: StoredChunk, crc_at: int) -> bool:
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
-            same = storage.size(key) == previous.size and storage.read_tail(key, TAIL_BYTES) == previous.tail
+            same = storage.size(key) == previous.size \
+                and storage.read_tail(key, crc_at + CHECKSUM_BYTES)[:CHECKSUM_BYTES] == previous.crc
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
             return False
         if not same:  # changed since it was recorded: the write that follows replaces the link
@@ -139,12 +144,22 @@ class ChunkReuse:
             "instead, so the save is complete but writes their bytes too"), stacklevel=2)
 
 
-def _tail(buffers: list) -> bytes:
-    """The last ``TAIL_BYTES`` bytes of the concatenation of ``buffers``."""
+def _crc_before_end(layout: ChunkLayout) -> int:
+    """How many bytes follow the crc32c of a stored chunk's data: none in a plain chunk; a shard's index in a shard
+    (of one inner chunk, in a save that records its chunks: ``ChunkLayout.one_object_per_chunk``, then compressed)."""
+    if not layout.sharded:
+        return 0
+    assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks: one crc32c would not cover them all"
+    return INDEX_ENTRY_BYTES + CHECKSUM_BYTES
+
+
+def _last_bytes(buffers: list, skipped: int) -> bytes:
+    """The ``CHECKSUM_BYTES`` bytes of the concatenation of ``buffers`` that end ``skipped`` bytes before its end."""
+    wanted = skipped + CHECKSUM_BYTES
     tail = b""
     for buffer in reversed(buffers):
         view = memoryview(buffer).cast("B")
-        tail = bytes(view[max(0, len(view) - (TAIL_BYTES - len(tail))):]) + tail
-        if len(tail) >= TAIL_BYTES:
+        tail = bytes(view[max(0, len(view) - (wanted - len(tail))):]) + tail
+        if len(tail) >= wanted:
             break
-    return tail
+    return tail[:CHECKSUM_BYTES]

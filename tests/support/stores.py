@@ -1,5 +1,6 @@
-"""A store's files on disk, as tests inspect and damage them: digests of a whole tree, its chunk files, and the root
-``zarr.json`` (and its dcp_zarr manifest) read and edited in place."""
+"""A store's files on disk, as tests inspect and damage them: digests of a whole tree, its chunk files, the files it
+shares with another store (hard links of an incremental save), and the root ``zarr.json`` (and its dcp_zarr manifest)
+read and edited in place."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["chunk_files", "drop_root_copies", "edit_json", "edit_root_copies", "edit_root_manifest", "root_copies",
-           "root_manifest", "tree_digest"]
+__all__ = ["chunk_files", "drop_root_copies", "edit_json", "edit_root_copies", "edit_root_manifest", "file_identities",
+           "new_files", "root_copies", "root_manifest", "store_bytes", "tree_digest"]
 
 
 def tree_digest(root: str) -> dict[str, str]:
@@ -73,3 +74,32 @@ def drop_root_copies(path) -> None:
     """Remove the nodes' copies from the root, as stores saved before they existed were: each array's own
     ``zarr.json`` is then the one read."""
     edit_root_manifest(path, lambda manifest: manifest.pop("nodes"))
+
+
+def file_identities(root) -> dict[str, tuple[int, int]]:
+    """relative path -> (st_dev, st_ino) of every file under ``root``: two stores share a file where they share one."""
+    found = {}
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            info = os.stat(path)
+            found[os.path.relpath(path, root)] = (info.st_dev, info.st_ino)
+    return found
+
+
+def new_files(root, earlier) -> dict[str, int]:
+    """relative path -> size of every file under ``root`` that is not a hard link to a file of ``earlier`` (its only
+    link, or an inode none of ``earlier``'s files has): what a save from ``earlier`` wrote anew."""
+    shared = set(file_identities(earlier).values())
+    found = {}
+    for rel, identity in file_identities(root).items():
+        info = os.stat(os.path.join(root, rel))
+        if info.st_nlink == 1 or identity not in shared:
+            found[rel] = info.st_size
+    return found
+
+
+def store_bytes(root) -> int:
+    """The bytes of every file under ``root``."""
+    return sum(os.stat(os.path.join(dirpath, name)).st_size
+               for dirpath, _, filenames in os.walk(root) for name in filenames)

@@ -1,0 +1,410 @@
+"""Incremental saves (``ZarrWriter(incremental_from=...)``): what is linked and what is written anew, and that every
+store of a chain loads exactly on its own, the earlier one deleted: LoRA-like FSDP2 training on gloo ranks loaded at
+other world sizes, frozen weights changed in place, embedding rows, full fine-tunes, DCP's own planning, compression,
+S3's server-side copies, every kind of value, zarr-python reading the store alone, the tools, and CheckpointManager.
+test_incremental_bases.py: the earlier checkpoint refused, unrecorded, damaged, or on another file system."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zarr
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+import dcp_zarr.writer
+from dcp_zarr import Compression, ZarrReader, ZarrWriter
+from dcp_zarr.errors import IncrementalSaveWarning
+from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.testing.planners import DCPsPlanning
+from dcp_zarr.tools.cli import main
+from tests.support.compare import assert_state_equal
+from tests.support.models import full_state
+from tests.support.ranks import run_ranks
+from tests.support.states import load_full, random_bits
+from tests.support.stores import chunk_files, file_identities, new_files, root_manifest, store_bytes
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def save(state, path, **writer_options) -> ZarrWriter:
+    """``dcp.save`` in this process, no process group; the writer, for its ``reuse_counts``."""
+    writer = ZarrWriter(path, **writer_options)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    return writer
+
+
+def tensor_nodes(path) -> set[str]:
+    return {e["node"] for e in root_manifest(path)["entries"].values() if e["kind"] == "tensor"}
+
+
+def chunks_under(files, node: str) -> set[str]:
+    """The chunk files of the array at ``node`` among ``files`` (paths relative to a store)."""
+    return {f for f in files if os.path.dirname(f) == node and os.path.basename(f) != "zarr.json"}
+
+
+# -- LoRA: a frozen base, trained adapters, FSDP2 ----------------------------------------------------------------------
+
+DIM, RANK, LAYERS = 512, 2, 4  # base 4 MiB; adapters and their AdamW state 96 KiB
+
+
+class LoraLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(DIM, DIM, bias=False)
+        self.base.weight.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(RANK, DIM) / DIM)
+        self.lora_b = nn.Parameter(torch.randn(DIM, RANK) / RANK)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoraModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoraLinear() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+def _lora(world_size: int, seed: int):
+    torch.manual_seed(seed)
+    model = LoraModel()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _lora_step(model, optim, batch: int) -> None:
+    generator = torch.Generator().manual_seed(batch)
+    x, target = torch.randn(8, DIM, generator=generator), torch.randn(8, DIM, generator=generator)
+    optim.zero_grad()
+    nn.functional.mse_loss(model(x), target).backward()
+    optim.step()
+
+
+def _lora_state(model, optim) -> dict:
+    model_state, optim_state = get_state_dict(model, optim)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _lora_train_and_save(rank, world_size, root):
+    model, optim = _lora(world_size, seed=0)
+    _lora_step(model, optim, 0)
+    dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/1.zarr", incremental=True))
+    _lora_step(model, optim, 1)
+    writer = ZarrWriter(f"{root}/2.zarr", incremental_from=f"{root}/1.zarr")
+    dcp.save(_lora_state(model, optim), storage_writer=writer)
+    dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/full.zarr"))
+    return full_state(model, optim), writer.reuse_counts
+
+
+def _lora_load(rank, world_size, paths):
+    loaded = []
+    for path in paths:
+        model, optim = _lora(world_size, seed=1)
+        state = _lora_state(model, optim)  # a stateless optimizer: DCP gives every adapter state to load into
+        dcp.load(state, storage_reader=ZarrReader(path))
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded.append(full_state(model, optim))
+    return loaded
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_training_links_the_frozen_base_and_loads_alone_at_other_world_sizes(tmp_path):
+    (trained, counts0), (_, counts1) = run_ranks(_lora_train_and_save, 2, str(tmp_path))
+    first, second, full = (str(tmp_path / name) for name in ("1.zarr", "2.zarr", "full.zarr"))
+
+    earlier, later = file_identities(first), file_identities(second)
+    bases = {layer: chunks_under(later, f"model/layers.{layer}.base.weight") for layer in range(LAYERS)}
+    base_bytes = sum(os.path.getsize(f"{second}/{f}") for chunks in bases.values() for f in chunks)
+    assert base_bytes >= 0.95 * store_bytes(second), "a LoRA-like state: the frozen base is nearly all of it"
+    for layer, chunks in bases.items():
+        assert chunks and all(later[f] == earlier[f] for f in chunks), f"layer {layer}'s frozen base is not linked"
+    written = new_files(second, first)
+    adapters = {f for f in later if "lora_" in f and os.path.basename(f) != "zarr.json"}
+    assert {f for f in adapters if f.startswith("model/")} and {f for f in adapters if f.startswith("optim/")}
+    assert adapters <= set(written), "every adapter's and optimizer state's chunk is a new file"
+    assert sum(written.values()) <= 0.05 * store_bytes(second)
+    assert counts0.linked_chunks > 0 and counts1.linked_chunks > 0  # each rank links its half of the base
+    record = root_manifest(second)["chunks"]
+    assert record["incremental_from"]["reused_chunks"] == counts0.linked_chunks + counts1.linked_chunks
+    assert record["arrays"].keys() == tensor_nodes(second), "every array recorded, for the next save"
+
+    shutil.rmtree(first)
+    assert main(["verify", second]) == 0
+    at_three = run_ranks(_lora_load, 3, [second, full])[0]
+    assert_state_equal(at_three[0], at_three[1])
+    assert_state_equal(at_three[0], trained)
+    assert_state_equal(load_full(second, trained), load_full(full, trained))
+    assert_state_equal(load_full(second, trained), trained)
+
+
+# -- what changed is written, what did not is linked -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["no_grad", "data"])
+def test_a_frozen_weight_changed_in_place_is_saved_anew(tmp_path, how):
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    model.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save(model.state_dict(), tmp_path / "1.zarr", incremental=True, inner_chunk_bytes=16 << 10)
+    if how == "no_grad":
+        with torch.no_grad():
+            model.weight[100] += 1
+    else:
+        model.weight.data[100] += 1  # bypasses autograd and the version counter
+    save(model.state_dict(), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", inner_chunk_bytes=16 << 10)
+
+    rows = zarr.open_array(tmp_path / "2.zarr" / "weight", mode="r").chunks[0]
+    chunks = chunks_under(file_identities(tmp_path / "2.zarr"), "weight")
+    assert chunks_under(new_files(tmp_path / "2.zarr", tmp_path / "1.zarr"), "weight") == {f"weight/c.{100 // rows}.0"}
+    assert len(chunks) == 256 // rows
+    assert_state_equal(load_full(str(tmp_path / "1.zarr"), before), before)  # the linked files were not written into
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), before), model.state_dict())
+
+
+ROWS, COLUMNS = 16384, 256
+ROW_CHUNK_BYTES = 64 << 10  # 64 rows a chunk: 256 chunks
+# 1% of the rows: 100 new tokens at the end and 64 rows anywhere
+CHANGED_ROWS = sorted({*range(ROWS - 100, ROWS), *random.Random(5).sample(range(ROWS - 100), 64)})
+
+
+def _table(changed: bool) -> torch.Tensor:
+    table = torch.randn(ROWS, COLUMNS, generator=torch.Generator().manual_seed(3))
+    if changed:
+        table[CHANGED_ROWS] += 1.0
+    return table
+
+
+def _save_embedding_twice(rank, world_size, root):
+    mesh = init_device_mesh("cpu", (world_size,))
+    for name, changed, options in (("1", False, {"incremental": True}),
+                                   ("2", True, {"incremental_from": f"{root}/1.zarr"})):
+        shard = DTensor.from_local(_table(changed).chunk(world_size)[rank], mesh, [Shard(0)])
+        writer = ZarrWriter(f"{root}/{name}.zarr", inner_chunk_bytes=ROW_CHUNK_BYTES, **options)
+        dcp.save({"embed": shard}, storage_writer=writer)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_embedding_rows_changed_cost_the_chunks_that_hold_them(tmp_path):
+    run_ranks(_save_embedding_twice, 2, str(tmp_path))
+    first, second = tmp_path / "1.zarr", tmp_path / "2.zarr"
+
+    rows = zarr.open_array(second / "embed", mode="r").chunks[0]
+    changed = {f"embed/c.{row // rows}.0" for row in CHANGED_ROWS}
+    written = new_files(second, first)
+    assert chunks_under(written, "embed") == changed
+    assert len(changed) < ROWS // rows / 2  # the bound below means something
+    assert sum(written.values()) <= 2 * sum(os.path.getsize(second / f) for f in changed)
+    shutil.rmtree(first)
+    expected = {"embed": _table(changed=True)}
+    assert_state_equal(load_full(str(second), expected), expected)
+
+
+def _fine_tune_state(seed: int) -> dict:
+    return {"model": {"w": random_bits((300, 100), torch.float32, seed), "b": random_bits((100,), torch.float32, seed),
+                      "e": random_bits((64, 32), torch.bfloat16, seed)},
+            "optim": {"step": torch.tensor(float(seed))}}
+
+
+def test_a_full_fine_tune_links_nothing_and_loads_exactly(tmp_path):
+    save(_fine_tune_state(1), tmp_path / "1.zarr", incremental=True, inner_chunk_bytes=16 << 10)
+    changed = _fine_tune_state(2)
+    writer = save(changed, tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", inner_chunk_bytes=16 << 10)
+
+    assert new_files(tmp_path / "2.zarr", tmp_path / "1.zarr").keys() == file_identities(tmp_path / "2.zarr").keys()
+    assert writer.reuse_counts.linked_chunks == 0
+    assert writer.reuse_counts.written_chunks == len(chunk_files(tmp_path / "2.zarr")) > 4
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), changed), changed)
+
+
+# -- every way of saving, every kind of value --------------------------------------------------------------------------
+
+
+def _changing_state(step: int) -> dict:
+    """A frozen matrix, a trained one whose rows 0..step changed, and the step."""
+    trained = torch.randn(256, 128, generator=torch.Generator().manual_seed(7))
+    trained[: step + 1] += 1
+    return {"model": {"frozen": torch.randn(256, 128, generator=torch.Generator().manual_seed(6)), "trained": trained},
+            "step": torch.tensor(step)}
+
+
+def test_a_save_dcp_plans_reuses_chunks_too(tmp_path, monkeypatch):
+    made = []
+
+    class CountedDcpPlannedSave(DcpPlannedSave):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_zarr.writer, "DcpPlannedSave", CountedDcpPlannedSave)
+    options = {"inner_chunk_bytes": 16 << 10}
+    for step, more in ((1, {"incremental": True}), (2, {"incremental_from": tmp_path / "1.zarr"})):
+        writer = ZarrWriter(tmp_path / f"{step}.zarr", **options, **more)
+        dcp.save(_changing_state(step), storage_writer=writer, planner=DCPsPlanning(), no_dist=True)
+
+    assert len(made) == 2, "both saves went the way DCP plans"
+    assert 0 < writer.reuse_counts.linked_chunks and 0 < writer.reuse_counts.written_chunks
+    later = file_identities(tmp_path / "2.zarr")
+    assert all(later[f] == file_identities(tmp_path / "1.zarr")[f] for f in chunks_under(later, "model/frozen"))
+    assert root_manifest(tmp_path / "2.zarr")["chunks"]["incremental_from"]["reused_chunks"] > 0
+    shutil.rmtree(tmp_path / "1.zarr")
+    expected = _changing_state(2)
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), expected), expected)
+
+
+def test_compressed_incremental_saves_reuse_chunks_and_zarr_reads_them(tmp_path):
+    def state(step):  # small integers in float32: zstd shrinks them whatever the sample
+        weights = torch.randint(0, 16, (512, 256), generator=torch.Generator().manual_seed(0)).float()
+        weights[:step] += 1
+        return {"w": weights, "frozen": torch.randint(0, 4, (256, 256)).float()}
+
+    first, second = state(1), state(2)
+    second["frozen"] = first["frozen"]
+    save(first, tmp_path / "1.zarr", incremental=True, compression="zstd", inner_chunk_bytes=64 << 10)
+    writer = save(second, tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", compression="zstd",
+                  inner_chunk_bytes=64 << 10)
+
+    with open(tmp_path / "2.zarr" / "w" / "zarr.json") as f:
+        assert '"zstd"' in f.read(), "compressed"
+    assert writer.reuse_counts.linked_chunks > 0 and writer.reuse_counts.written_chunks > 0
+    assert chunks_under(new_files(tmp_path / "2.zarr", tmp_path / "1.zarr"), "frozen") == set()
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), second), second)
+    group = zarr.open_group(tmp_path / "2.zarr", mode="r")
+    for name, tensor in second.items():
+        np.testing.assert_array_equal(group[name][...], tensor.numpy())
+
+
+def test_an_array_whose_zarr_json_changed_is_written_whole_though_its_data_did_not(tmp_path):
+    save(_changing_state(1), tmp_path / "1.zarr", incremental=True, inner_chunk_bytes=16 << 10)
+    writer = save(_changing_state(1), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr",
+                  inner_chunk_bytes=16 << 10, compression=Compression("zstd", min_bytes=0, min_ratio=0))
+
+    assert writer.reuse_counts.linked_chunks == 1  # the 0-d step: integers, never compressed
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), _changing_state(1)), _changing_state(1))
+
+
+@pytest.mark.s3
+def test_on_s3_the_unchanged_chunks_are_copied_by_the_server(s3, aws_environment):
+    options = {"storage_options": s3.storage_options(), "inner_chunk_bytes": 16 << 10}
+    first, second = (f"s3://{s3.bucket}/{name}-{uuid.uuid4().hex[:8]}.zarr" for name in ("1", "2"))
+    save(_changing_state(1), first, incremental=True, **options)
+    with s3.counting() as traffic, warnings.catch_warnings():
+        warnings.simplefilter("error", IncrementalSaveWarning)  # bytes through this process would warn
+        writer = save(_changing_state(2), second, incremental_from=first, **options)
+
+    counts = writer.reuse_counts
+    assert counts.linked_chunks > 0 and counts.written_chunks > 0
+    assert counts.written_bytes <= traffic.bytes_in < counts.written_bytes + counts.linked_bytes // 2
+    s3.filesystem().rm(first, recursive=True)
+    expected = _changing_state(2)
+    assert_state_equal(load_full(second, expected, storage_options=s3.storage_options()), expected)
+
+
+def test_bf16_0d_tensors_and_non_tensor_values_survive_a_chain(tmp_path):
+    def state(step):
+        return {"model": {"frozen": random_bits((64, 48), torch.bfloat16, 1),
+                          "trained": random_bits((64, 48), torch.bfloat16, 1 + step),
+                          "scale": torch.tensor(0.5), "step": torch.tensor(step)},
+                "step": step, "config": {"lr": 1e-4 * step, "name": f"run-{step}", "layers": [1, step]},
+                "shape": torch.Size([step, 3])}
+
+    save(state(1), tmp_path / "1.zarr", incremental=True)
+    save(state(2), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr")
+
+    written = new_files(tmp_path / "2.zarr", tmp_path / "1.zarr")
+    assert chunks_under(written, "model/trained") and chunks_under(written, "model/step")
+    assert not chunks_under(written, "model/frozen") and not chunks_under(written, "model/scale")
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
+
+
+def test_zarr_python_alone_reads_every_array_of_an_incremental_store(tmp_path):
+    def state(step):
+        changing = _changing_state(step)
+        changing["model"]["ids"] = torch.arange(1000, dtype=torch.int64) * step
+        return changing
+
+    save(state(1), tmp_path / "1.zarr", incremental=True, inner_chunk_bytes=16 << 10)
+    save(state(2), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", inner_chunk_bytes=16 << 10)
+    shutil.rmtree(tmp_path / "1.zarr")
+
+    expected = {"model/frozen": state(2)["model"]["frozen"], "model/trained": state(2)["model"]["trained"],
+                "model/ids": state(2)["model"]["ids"], "step": state(2)["step"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        group = zarr.open_group(tmp_path / "2.zarr", mode="r")
+        arrays = {name: member for name, member in group.members(max_depth=None) if isinstance(member, zarr.Array)}
+        assert arrays.keys() == expected.keys()
+        for name, array in arrays.items():
+            assert json.loads(json.dumps(array.attrs.asdict()))["dcp_zarr"]["fqn"] == name.replace("/", ".")
+            np.testing.assert_array_equal(array[...], expected[name].numpy(), err_msg=name)
+
+
+# -- the tools and CheckpointManager -----------------------------------------------------------------------------------
+
+
+def test_the_tools_treat_an_incremental_store_like_any_other(tmp_path, capsys):
+    first, second = tmp_path / "1.zarr", tmp_path / "2.zarr"
+    save(_changing_state(1), first, incremental=True, inner_chunk_bytes=16 << 10)
+    save(_changing_state(2), second, incremental_from=first, inner_chunk_bytes=16 << 10)
+
+    origin = root_manifest(second)["chunks"]["incremental_from"]
+    assert origin["path"] == str(first) and origin["reused_chunks"] > 0
+    assert main(["diff", str(first), str(second), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert {e["fqn"] for e in report["entries"] if e["status"] != "equal"} == {"model.trained", "step"}
+    shutil.rmtree(first)
+    assert main(["verify", str(second)]) == 0
+    assert capsys.readouterr().out.startswith("OK: ")
+    assert main(["convert", str(second), str(tmp_path / "hf"), "--to", "safetensors"]) == 0
+    from safetensors.torch import load_file
+
+    exported = {}
+    for line in capsys.readouterr().out.split():
+        if line.endswith(".safetensors"):
+            exported.update(load_file(line))
+    assert_state_equal(exported, _changing_state(2)["model"])
+
+
+def test_checkpoint_manager_chains_incremental_saves_through_retention(tmp_path):
+    from dcp_zarr import CheckpointManager
+
+    with CheckpointManager(tmp_path, incremental=True, keep_last=1, inner_chunk_bytes=16 << 10) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _changing_state(step))
+
+            assert manager.steps() == [step]
+            expected = _changing_state(step)
+            assert_state_equal(load_full(manager.path(step), expected), expected)
+            origin = root_manifest(manager.path(step))["chunks"].get("incremental_from")
+            if step == 1:
+                assert origin is None, "the first save of the chain is a full one"
+            else:
+                assert origin["path"] == manager.path(step - 1) and origin["reused_chunks"] > 0
