@@ -4,7 +4,6 @@ is written (``open_earlier``), and the new store's chunk record made by the coor
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -15,7 +14,6 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_record import ChunkRecord, StoredChunk, array_record, metadata_digest
 from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.saving.settings import SaveSettings
-from dcp_zarr.storage.registry import storage_class
 from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts, check_earlier_location
 from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.store_io.write_jobs import encoded_array_metadata
@@ -42,10 +40,6 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
     if earlier is None:
         return None
     check_earlier_location(earlier, settings.path, settings.store)
-    directory = storage_class(earlier).directory(earlier)
-    if directory is not None and os.path.isfile(directory):  # else reading FILE/zarr.json: "Not a directory"
-        raise IncrementalBaseError(f"incremental_from={earlier!r} is a file, not a checkpoint directory: pass the path "
-                                   "of the previous checkpoint")
     storage = settings.open(earlier)
     try:
         manifest = read_manifest(storage)

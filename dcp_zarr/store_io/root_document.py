@@ -28,6 +28,8 @@ def read_root(storage: Storage) -> bytes:
     store is instead of a checkpoint."""
     try:
         data = storage.read_range(ROOT_KEY, 0, MAX_MANIFEST_BYTES + 1)
+    except NotADirectoryError:  # a file (model.pt) where a checkpoint directory was named
+        raise NotACheckpointError(f"{storage.url} is a file, not a checkpoint directory") from None
     except FileNotFoundError:
         if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
             raise IncompleteCheckpointError(

@@ -582,3 +582,10 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
     assert a.keys() == b.keys()
     assert [k for k in a if a[k] != b[k]] == ["zarr.json"], "only the manifest (save id, time) may differ"
     assert_state_equal(load(blank_like(sd), tmp_path / "deferred.zarr"), sd)
+
+
+def test_loading_a_file_names_it_as_a_file_not_a_checkpoint(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "model.pt")
+    with pytest.raises(CheckpointException) as raised:
+        dcp.load({"w": torch.zeros(2)}, storage_reader=ZarrReader(tmp_path / "model.pt"), no_dist=True)
+    assert f"{tmp_path / 'model.pt'} is a file, not a checkpoint directory" in str(raised.value)
