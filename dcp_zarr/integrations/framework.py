@@ -2,8 +2,8 @@
 check that the framework still has the internals the adapter relies on, naming both versions when it does not; and
 what each does before a load: refuse a path that holds no committed store in words that name the framework's way on
 (``refuse_unless_committed``), rather than DCP's wrapper around the reader's error; and how each takes a compression
-choice to pass to ``ZarrWriter`` (``compression_choice``), and say so in their signatures
-(``signature_with_compression``)."""
+choice to pass to ``ZarrWriter`` (``compression_choice``), and an incremental one (``incremental_choice``), and say
+so in their signatures (``signature_with_compression``)."""
 
 from __future__ import annotations
 
@@ -107,14 +107,30 @@ def compression_choice(value: object, who: str, name: str = "compression",
         raise TypeError(f"{who}: {name}={value!r} is not a compression choice: {accepted}") from exc
 
 
-def signature_with_compression(cls: type, framework_class: type, **defaults: object) -> None:
+def incremental_choice(value: object, who: str, name: str = "incremental") -> bool:
+    """``value`` as what the adapter passes to ``ZarrWriter(incremental=...)``, checked when the adapter is built:
+    True or False (1 and 0 too, as ``CheckpointManager(incremental=)`` takes them), else ``TypeError`` naming ``who``,
+    ``name`` and the value."""
+    if value not in (True, False):
+        raise TypeError(f"{who}: {name}={value!r} is not a choice: pass True (each checkpoint saved incrementally, "
+                        "reusing the unchanged chunks of the one saved before) or False (the default: full saves)")
+    return bool(value)
+
+
+def signature_with_compression(cls: type, framework_class: type, *, incremental: bool = False,
+                               **defaults: object) -> None:
     """Give ``cls``, whose ``__init__`` passes ``*args, **kwargs`` on to ``framework_class``, the framework's
-    signature with its ``defaults`` changed and ``compression`` added as a keyword-only argument, for ``help()``,
-    ``inspect.signature`` and docs/api.md (rather than ``(*args, compression=None, **kwargs)``)."""
+    signature with its ``defaults`` changed and ``compression`` (and, with ``incremental``, ``incremental``) added as
+    keyword-only arguments, for ``help()``, ``inspect.signature`` and docs/api.md (rather than ``(*args,
+    compression=None, **kwargs)``)."""
     signature = inspect.signature(framework_class)
     parameters = [p.replace(default=defaults[p.name]) if p.name in defaults else p
                   for p in signature.parameters.values()]
     last = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
-    parameters.insert(last, inspect.Parameter("compression", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                              annotation="str | bool | Compression | None"))
+    added = [inspect.Parameter("compression", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation="str | bool | Compression | None")]
+    if incremental:
+        added.append(inspect.Parameter("incremental", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                       annotation="bool"))
+    parameters[last:last] = added
     cls.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]

@@ -16,9 +16,14 @@ the rest of the checkpoint), the checkpoint's name, ``ModelCheckpoint``, resumin
 made inside such a save or load (a context variable says which): a Lightning strategy saving on another thread
 meanwhile still gets Lightning's helper. Checkpoints Lightning's own strategies wrote (a ``.metadata`` file and
 ``.distcp`` shards) load through Lightning's helper, so a job can switch strategy and resume from its last one.
-Each strategy takes one argument of its own besides Lightning's: ``compression``, passed to ``ZarrWriter``
-(``ZarrModelParallelStrategy(..., compression="zstd")`` compresses the floating-point arrays of every checkpoint it
-saves; None, the default, stores them as they are), checked when the strategy is built.
+Each strategy takes two arguments of its own besides Lightning's, checked when the strategy is built:
+``compression``, passed to ``ZarrWriter`` (``ZarrModelParallelStrategy(..., compression="zstd")`` compresses the
+floating-point arrays of every checkpoint it saves; None, the default, stores them as they are); and ``incremental``
+(default False): True saves each checkpoint incrementally (docs/incremental.md), its unchanged chunks hard links to
+those of the newest complete checkpoint this strategy saved before in this process (rank 0's choice, broadcast), in
+full where there is none (the first save, or every earlier one deleted or replaced since). A checkpoint that
+``ModelCheckpoint`` deletes (``save_top_k``) or a save replaces (``last.ckpt``) takes nothing from those that link its
+chunks.
 
 Written against lightning 2.6.6 (``WRITTEN_FOR``). Importing this module checks that each Lightning function on the
 way still looks the helpers up by those names, in the module where they are swapped, and that they take (state,
@@ -52,11 +57,13 @@ from dcp_zarr.format.manifest import ROOT_KEY
 from dcp_zarr.integrations.framework import (
     compression_choice,
     import_framework,
+    incremental_choice,
     missing_attributes,
     refuse_unless_committed,
     require_internals,
     signature_with_compression,
 )
+from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
@@ -77,6 +84,9 @@ _ADAPTER = "dcp_zarr.integrations.lightning"
 _SAVE = "_distributed_checkpoint_save"
 _LOAD = "_distributed_checkpoint_load"
 _FSDP1_OPTIMIZER_READER = "torch.distributed.checkpoint.FileSystemReader"
+# The checkpoints a strategy remembers having saved, the newest last: where an incremental save looks for its base.
+# A few: the newest one is nearly always still there (ModelCheckpoint deletes older ones after saving a newer one).
+_REMEMBERED = 8
 
 
 def _import(module: str) -> ModuleType:
@@ -166,9 +176,12 @@ _FabricFSDPStrategy: Any = _fabric_fsdp.FSDPStrategy
 @dataclass
 class _Routed:
     """What one strategy call sent through dcp_zarr: the proof that Lightning still calls the helpers; and, for a
-    save, the strategy's ``compression`` for its ``ZarrWriter``."""
+    save, the strategy's ``compression`` and ``incremental`` for its ``ZarrWriter``, with the checkpoints it saved
+    before (its own list, the newest last), where an incremental save finds its base."""
 
     compression: Compression | None = None
+    incremental: bool = False
+    saved_before: list[str] = field(default_factory=list)
     saved: list[Path] = field(default_factory=list)
     loaded: list[Path] = field(default_factory=list)
 
@@ -183,12 +196,36 @@ def _save_stand_in(lightning_save: Callable[[dict[str, Any], Path], None]) -> Ca
             return lightning_save(converted_state, path)
         # Lightning made ``path`` a directory first; ZarrWriter's commit renames its staging area onto it once the
         # store is complete (an empty directory, or the checkpoint a save to the same path replaces: last.ckpt).
+        base = _incremental_base(routed.saved_before, path) if routed.incremental else None
         with _replacing_a_dcp_directory(Path(path)):
-            dcp.save(converted_state, storage_writer=ZarrWriter(path, compression=routed.compression),
-                     planner=ZarrSavePlanner())
+            writer = ZarrWriter(path, compression=routed.compression, incremental=routed.incremental,
+                                incremental_from=base)
+            dcp.save(converted_state, storage_writer=writer, planner=ZarrSavePlanner())
         routed.saved.append(Path(path))
 
     return save
+
+
+def _incremental_base(saved_before: list[str], path: str | os.PathLike) -> str | None:
+    """The newest of ``saved_before`` (real paths) that is not ``path`` and still holds a committed dcp_zarr store,
+    or None (a full save), as rank 0 sees them, on every rank: rank 0 alone deletes checkpoints (ModelCheckpoint's
+    removals), and another rank may look before its deletion is done. A collective: every rank saves."""
+    distributed = dist.is_available() and dist.is_initialized()
+    base = None
+    if not distributed or dist.get_rank() == 0:
+        target = os.path.realpath(path)
+        base = next((earlier for earlier in reversed(saved_before) if earlier != target and _is_complete(earlier)),
+                    None)
+    if distributed:
+        box = [base]
+        dist.broadcast_object_list(box, src=0)
+        base = box[0]
+    return base
+
+
+def _is_complete(location: str) -> bool:
+    parent, name = os.path.split(location)
+    return os.path.isdir(location) and CheckpointRoot(parent).is_complete(name)
 
 
 @contextmanager
@@ -267,9 +304,10 @@ _calls_in_flight = 0
 
 
 @contextmanager
-def _through_zarr(compression: Compression | None = None) -> Iterator[_Routed]:
+def _through_zarr(routed: _Routed | None = None) -> Iterator[_Routed]:
     global _calls_in_flight
-    routed = _Routed(compression)
+    if routed is None:
+        routed = _Routed()
     token = _route.set(routed)
     with _swap_lock:
         if _calls_in_flight == 0:
@@ -295,10 +333,17 @@ def _require_routed(routed: bool, strategy: object, call: str, helper: str, path
 
 @contextmanager
 def _saving(strategy: _ZarrStrategy, path: str | os.PathLike) -> Iterator[None]:
-    with _through_zarr(strategy._zarr_compression) as routed:
+    with _through_zarr(_Routed(strategy._zarr_compression, strategy._zarr_incremental,
+                               strategy._zarr_saved)) as routed:
         yield
     # A distributed save leaves a directory (a full state dict is one torch.save file, no business of dcp_zarr's).
     _require_routed(bool(routed.saved) or not Path(path).is_dir(), strategy, "save_checkpoint", _SAVE, Path(path))
+    for saved in routed.saved:  # remembered once committed, the newest last
+        location = os.path.realpath(saved)
+        if location in strategy._zarr_saved:
+            strategy._zarr_saved.remove(location)
+        strategy._zarr_saved.append(location)
+    del strategy._zarr_saved[:-_REMEMBERED]
 
 
 @contextmanager
@@ -325,21 +370,27 @@ _PathLike = str | os.PathLike
 
 
 class _ZarrStrategy:
-    """What the four strategies add to Lightning's: ``compression``, checked as the strategy is built and given to
-    each save's ``ZarrWriter``. First among the bases, so that its ``__init__`` takes ``compression`` out of the
-    arguments before Lightning's sees them."""
+    """What the four strategies add to Lightning's: ``compression`` and ``incremental``, checked as the strategy is
+    built and given to each save's ``ZarrWriter``. First among the bases, so that its ``__init__`` takes them out of
+    the arguments before Lightning's sees them."""
 
     _zarr_compression: Compression | None = None
+    _zarr_incremental = False
+    _zarr_saved: list[str]  # the real paths of the checkpoints it saved (at most _REMEMBERED), the newest last
 
-    def __init__(self, *args: Any, compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compression: str | bool | Compression | None = None, incremental: bool = False,
+                 **kwargs: Any) -> None:
         self._zarr_compression = compression_choice(compression, type(self).__name__)
+        self._zarr_incremental = incremental_choice(incremental, type(self).__name__)
+        self._zarr_saved = []
         super().__init__(*args, **kwargs)
 
 
 class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism applied in ``configure_model``) for the
-    ``Trainer``, its distributed checkpoints saved as dcp_zarr stores. Lightning's arguments, and ``compression``
-    (``ZarrWriter``'s: None, ``"zstd"``, ``"lz4"``, ... or a ``dcp_zarr.Compression``); with
+    ``Trainer``, its distributed checkpoints saved as dcp_zarr stores. Lightning's arguments, ``compression``
+    (``ZarrWriter``'s: None, ``"zstd"``, ``"lz4"``, ... or a ``dcp_zarr.Compression``) and ``incremental`` (True:
+    each checkpoint reuses the unchanged chunks of the one it saved before; module docstring); with
     ``save_distributed_checkpoint=False`` it saves one ``torch.save`` file, as Lightning does."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PathLike, storage_options: Any = None) -> None:
@@ -353,12 +404,14 @@ class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
 
 class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
     """Lightning's (FSDP1) ``FSDPStrategy`` for the ``Trainer``, its ``state_dict_type="sharded"`` checkpoints (the
-    default here) saved as dcp_zarr stores. Lightning's arguments, and ``compression`` (``ZarrWriter``'s);
-    ``"full"`` saves one ``torch.save`` file, as Lightning does."""
+    default here) saved as dcp_zarr stores. Lightning's arguments, ``compression`` (``ZarrWriter``'s) and
+    ``incremental``; ``"full"`` saves one ``torch.save`` file, as Lightning does."""
 
     def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded",
-                 compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, **kwargs)
+                 compression: str | bool | Compression | None = None, incremental: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, incremental=incremental,
+                         **kwargs)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PathLike, storage_options: Any = None) -> None:
         with _saving(self, filepath):
@@ -371,8 +424,8 @@ class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
 
 class ZarrFabricModelParallelStrategy(_ZarrStrategy, _FabricModelParallelStrategy):
     """Lightning Fabric's ``ModelParallelStrategy`` (``parallelize_fn(module, device_mesh)``), its distributed
-    checkpoints (``fabric.save`` / ``fabric.load``) saved as dcp_zarr stores. Lightning's arguments, and
-    ``compression`` (``ZarrWriter``'s)."""
+    checkpoints (``fabric.save`` / ``fabric.load``) saved as dcp_zarr stores. Lightning's arguments,
+    ``compression`` (``ZarrWriter``'s) and ``incremental``."""
 
     def save_checkpoint(self, path: _PathLike, state: dict[str, Any], storage_options: Any = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
@@ -387,12 +440,14 @@ class ZarrFabricModelParallelStrategy(_ZarrStrategy, _FabricModelParallelStrateg
 
 class ZarrFabricFSDPStrategy(_ZarrStrategy, _FabricFSDPStrategy):
     """Lightning Fabric's (FSDP1) ``FSDPStrategy``, its ``state_dict_type="sharded"`` checkpoints (the default here)
-    saved as dcp_zarr stores. Lightning's arguments, and ``compression`` (``ZarrWriter``'s); ``"full"`` saves one
-    ``torch.save`` file, as Lightning does."""
+    saved as dcp_zarr stores. Lightning's arguments, ``compression`` (``ZarrWriter``'s) and ``incremental``;
+    ``"full"`` saves one ``torch.save`` file, as Lightning does."""
 
     def __init__(self, *args: Any, state_dict_type: Literal["full", "sharded"] = "sharded",
-                 compression: str | bool | Compression | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, **kwargs)
+                 compression: str | bool | Compression | None = None, incremental: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, compression=compression, incremental=incremental,
+                         **kwargs)
 
     def save_checkpoint(self, path: _PathLike, state: dict[str, Any], storage_options: Any = None,
                         filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
@@ -405,7 +460,7 @@ class ZarrFabricFSDPStrategy(_ZarrStrategy, _FabricFSDPStrategy):
             return super().load_checkpoint(path, state, strict, weights_only)
 
 
-signature_with_compression(ZarrModelParallelStrategy, _TrainerModelParallelStrategy)
-signature_with_compression(ZarrFSDPStrategy, _TrainerFSDPStrategy, state_dict_type="sharded")
-signature_with_compression(ZarrFabricModelParallelStrategy, _FabricModelParallelStrategy)
-signature_with_compression(ZarrFabricFSDPStrategy, _FabricFSDPStrategy, state_dict_type="sharded")
+signature_with_compression(ZarrModelParallelStrategy, _TrainerModelParallelStrategy, incremental=True)
+signature_with_compression(ZarrFSDPStrategy, _TrainerFSDPStrategy, incremental=True, state_dict_type="sharded")
+signature_with_compression(ZarrFabricModelParallelStrategy, _FabricModelParallelStrategy, incremental=True)
+signature_with_compression(ZarrFabricFSDPStrategy, _FabricFSDPStrategy, incremental=True, state_dict_type="sharded")

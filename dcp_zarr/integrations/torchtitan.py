@@ -13,9 +13,17 @@ retention, resume, the HF export) with three of its methods overridden, each whe
 * ``_find_load_step``: a ``step-N`` folder holding a committed dcp_zarr store counts, besides torchtitan's own.
   torchtitan counts only folders holding DCP's ``.metadata`` or an HF index: without this a resume starts afresh.
 
-One field is added to the config: ``zarr_compression``, a compressor's name (``"zstd"``, ``"lz4"``, ...) that
-``ZarrWriter`` compresses the floating-point arrays of each ``step-N`` with, or None (the default) for none; a name
-that is not one fails as the config is built (from the command line or a TOML file), and again as the manager is.
+Two fields are added to the config, each checked as the config is built (from the command line or a TOML file) and
+again as the manager is:
+
+* ``zarr_compression``: a compressor's name (``"zstd"``, ``"lz4"``, ...) that ``ZarrWriter`` compresses the
+  floating-point arrays of each ``step-N`` with, or None (the default) for none;
+* ``zarr_incremental``: True saves each ``step-N`` incrementally (docs/incremental.md): its unchanged chunks are
+  hard links to those of the newest complete ``step-N`` store of the folder (``incremental_from``), rank 0's choice,
+  broadcast; the first save, with none there, is a full one that records its chunks. A base is never a store that an
+  async save of this manager may still be writing, nor one that torchtitan's ``keep_latest_k`` purge may delete while
+  this save reads it (``_incremental_base``); the purge deleting a base later takes nothing from the stores that link
+  its chunks. False (the default): full saves.
 
 Written against torchtitan 0.3.0: importing this module checks the internals it relies on (``_missing_internals``)
 and raises ``FrameworkVersionError`` naming the installed torchtitan and 0.3.0 when one moved.
@@ -26,6 +34,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -33,6 +43,7 @@ from typing import Any
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -41,6 +52,7 @@ from dcp_zarr.format.compression import COMPRESSORS, Compression
 from dcp_zarr.integrations.framework import (
     compression_choice,
     import_framework,
+    incremental_choice,
     missing_attributes,
     refuse_unless_committed,
     require_internals,
@@ -67,8 +79,11 @@ _OVERRIDDEN = {
     "_find_load_step": ("self", "folder"),
 }
 # What CheckpointManager.__init__ sets and the overrides read: the folder, the states (its model wrapper), the
-# gloo group of async saves and the pinned-memory stager.
-_INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager")
+# gloo group of async saves, the pinned-memory stager and how many checkpoints its purge keeps.
+_INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager", "keep_latest_k")
+# What torchtitan 0.3.0's _purge_stale_checkpoints counts as a checkpoint: every name holding step-<digits> (a
+# search, not a match), ordered by that number; it deletes all but the newest keep_latest_k.
+_PURGE_COUNTS = re.compile(r"step-(\d+)")
 
 
 def _missing_internals(manager_module: ModuleType) -> list[str]:
@@ -120,6 +135,10 @@ def _compression(name: Any) -> Compression | None:
         "compressed)")
 
 
+def _incremental(value: Any) -> bool:
+    return incremental_choice(value, "ZarrCheckpointManager", "checkpoint.zarr_incremental")
+
+
 class ZarrCheckpointManager(_CheckpointManager):
     """torchtitan's ``CheckpointManager``, its checkpoints zarr stores (module docstring; docs/torchtitan.md)."""
 
@@ -131,20 +150,31 @@ class ZarrCheckpointManager(_CheckpointManager):
         checkpoints), "lz4" (the fastest), "lz4hc", "blosclz" or "zlib", at level 1; None (the default): stored as
         they are. Arrays under 64 KiB, and those a sample shows do not shrink, are stored as they are."""
 
+        zarr_incremental: bool = False
+        """Save each checkpoint incrementally: the chunks unchanged since the newest complete step-N of the folder
+        are hard links to its files (a copy on another file system; a server-side copy on an object store), the
+        first save in full. Every checkpoint still loads on its own, and keep_latest_k's purge deleting an older
+        one takes nothing from the newer ones. False (the default): every checkpoint saved in full."""
+
         def __post_init__(self) -> None:
             checks = getattr(_CheckpointManager.Config, "__post_init__", None)  # torchtitan's own, async_mode's
             if checks is not None:
                 checks(self)  # not super(): slots=True makes the class anew, which a bare super() does not know
             _compression(self.zarr_compression)  # as torchtitan checks async_mode: a bad name fails as it is parsed
+            _incremental(self.zarr_incremental)
 
-    # Set by __init__; the class's value serves managers made without it (the tests' bare managers).
+    # Set by __init__; the class's values serve managers made without it (the tests' bare managers).
     _zarr_compression: Compression | None = None
+    _zarr_incremental = False
+    # (step folder, the Future of its completion) of this manager's last async save, until it is seen done.
+    _zarr_in_flight: tuple[str, Future] | None = None
 
     def __init__(self, config: Config, **components: Any) -> None:
-        # Checked again (the field may have been set since), before torchtitan's __init__ makes groups and threads.
+        # Checked again (the fields may have been set since), before torchtitan's __init__ makes groups and threads.
         compression = _compression(config.zarr_compression)
+        incremental = _incremental(config.zarr_incremental)
         super().__init__(config, **components)
-        self._zarr_compression = compression
+        self._zarr_compression, self._zarr_incremental = compression, incremental
         if self.enable:  # a disabled manager sets nothing
             require_internals("torchtitan", WRITTEN_FOR, _ADAPTER,
                               missing_attributes(self, _INSTANCE_ATTRIBUTES, "CheckpointManager instance"))
@@ -160,7 +190,8 @@ class ZarrCheckpointManager(_CheckpointManager):
                 "(DCP's .metadata and .distcp files), which a zarr store is not saved over: this save was refused "
                 f"and nothing was written. Remove it (rm -r {checkpoint_id}) to save this step as a zarr store; "
                 "until then a resume loads it as it is, through torchtitan's own reader")
-        writer = ZarrWriter(checkpoint_id, compression=self._zarr_compression)
+        writer = ZarrWriter(checkpoint_id, compression=self._zarr_compression, incremental=self._zarr_incremental,
+                            incremental_from=self._incremental_base(checkpoint_id, async_mode))
         if async_mode == _AsyncMode.DISABLED:
             result = dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
         else:
@@ -173,6 +204,9 @@ class ZarrCheckpointManager(_CheckpointManager):
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS if pinned else AsyncCheckpointerType.THREAD,
                 # None in the threaded mode, as torchtitan passes it: DCP then stages with the writer (an AsyncStager)
                 async_stager=self.stager if pinned else None)
+            # The pinned mode's AsyncSaveResponse: its upload_completion; the threaded mode's Future itself.
+            completion: Any = getattr(result, "upload_completion", result)
+            self._zarr_in_flight = (checkpoint_id, completion)
         if enable_garbage_collection:
             _titan.GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
@@ -210,3 +244,50 @@ class ZarrCheckpointManager(_CheckpointManager):
         committed = [int(match.group(1)) for name in _filesystem.listdir(folder)
                      if (match := _STEP_FOLDER.match(name)) and root.is_complete(name)]
         return max([newest, *committed])
+
+    # -- incremental saves ---------------------------------------------------------------------------------------------
+
+    def _incremental_base(self, checkpoint_id: str, async_mode: Any) -> str | None:
+        """The store a ``zarr_incremental`` save of ``checkpoint_id`` reuses, the same on every rank: rank 0 chooses
+        (``_choose_base``) and broadcasts its choice on the default group, as every rank saves. None: a full save
+        (one that records its chunks, when ``zarr_incremental``)."""
+        if not self._zarr_incremental:
+            return None
+        distributed = dist.is_available() and dist.is_initialized()
+        base = self._choose_base(checkpoint_id, async_mode) if not distributed or dist.get_rank() == 0 else None
+        if distributed:
+            box = [base]
+            dist.broadcast_object_list(box, src=0)
+            base = box[0]
+        return base
+
+    def _choose_base(self, checkpoint_id: str, async_mode: Any) -> str | None:
+        """The newest complete ``step-N`` store beside ``checkpoint_id`` (the lifecycle's listing) that this save
+        can read from start to end, or None. Not ``checkpoint_id`` itself; not the step an async save of this
+        manager may still be writing (torchtitan waits for one before the next save, but a caller of dcp_save may
+        not); and, when ``keep_latest_k`` purges, only among the step folders torchtitan's purge keeps, as that
+        purge runs on rank 0 while this save may be reading: the newest ``keep_latest_k`` of those there now, this
+        save's own counted too where it appears before it is complete (an async save to storage written in place:
+        the purge runs as soon as dcp_save returns)."""
+        folder, name = os.path.split(os.fspath(checkpoint_id).rstrip("/"))
+        if not _filesystem.isdir(folder):
+            return None
+        root = CheckpointRoot(folder)
+        busy = {name}
+        if self._zarr_in_flight is not None:
+            writing, completion = self._zarr_in_flight
+            if completion.done():
+                self._zarr_in_flight = None
+            else:
+                busy.add(os.path.basename(os.fspath(writing).rstrip("/")))
+        candidates = [s for s in root.step_stores()
+                      if s.complete and s.name not in busy and TORCHTITAN.step(s.name) is not None]
+        keep = self.keep_latest_k
+        if keep > 0:
+            names = root.names()
+            if async_mode != _AsyncMode.DISABLED and not root.storage.commits_by_rename and name not in names:
+                names.append(name)
+            counted = sorted((int(found.group(1)), n) for n in names if (found := _PURGE_COUNTS.search(n)))
+            kept = {n for _, n in counted[-keep:]}
+            candidates = [s for s in candidates if s.name in kept]
+        return root.location(candidates[-1].name) if candidates else None

@@ -1,7 +1,8 @@
 """dcp_zarr.integrations.lightning: Lightning's own Trainer and Fabric, on CPU gloo ranks, save distributed
 checkpoints as dcp_zarr stores (beside Lightning's meta.pt), load them at another world size bit-exact, and resume
-from the latest step; each strategy's ``compression`` reaches its stores; the adapter fails loudly when Lightning is
-missing or its internals moved.
+from the latest step; each strategy's ``compression`` and ``incremental`` reach its stores (incremental saves link
+the chunks of the checkpoint saved before, and ModelCheckpoint's deletions of older ones leave the newest whole); the
+adapter fails loudly when Lightning is missing or its internals moved.
 
 Ranks are started by tests/support/ranks.py with torchrun's environment (LOCAL_RANK set), so Lightning takes them as
 launched externally and starts no processes of its own; the gloo group is already up, which Lightning accepts.
@@ -17,7 +18,9 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import json
 import os
+import shutil
 import sys
 import threading
 from dataclasses import dataclass
@@ -93,9 +96,10 @@ def full_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 
 class TinyModule(L.LightningModule):
-    def __init__(self, fsdp1: bool = False):
+    def __init__(self, fsdp1: bool = False, frozen: bool = False):
         super().__init__()
         self.fsdp1 = fsdp1
+        self.frozen = frozen  # the first layer never changes (lr 0, no weight decay): chunks an incremental save links
         self.net = make_net()
         self.at_start: dict = {}
 
@@ -112,6 +116,10 @@ class TinyModule(L.LightningModule):
         return F.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
+        if self.frozen:
+            first = list(self.net[0].parameters())
+            rest = [p for p in self.parameters() if all(p is not f for f in first)]
+            return torch.optim.AdamW([{"params": first, "lr": 0.0, "weight_decay": 0.0}, {"params": rest}], lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def on_train_start(self) -> None:
@@ -124,21 +132,23 @@ class TinyModule(L.LightningModule):
 
 
 def fit(rank: int, world_size: int, kind: str, ckpt_dir: str, max_steps: int, ckpt_path: str | None = None,
-        compression: Compression | None = None):
-    """Rank program: ``Trainer.fit`` with the adapter's strategy (given ``compression``), a ModelCheckpoint every 2
-    steps (all kept, and last.ckpt); rank 0 returns the step and state at the start of training and at its end."""
+        compression: Compression | None = None, incremental: bool = False, save_top_k: int = -1,
+        frozen: bool = False):
+    """Rank program: ``Trainer.fit`` with the adapter's strategy (given ``compression`` and ``incremental``), a
+    ModelCheckpoint every 2 steps (``save_top_k``: all kept by default, and last.ckpt), the first layer ``frozen`` or
+    not; rank 0 returns the step and state at the start of training and at its end."""
     torch.manual_seed(rank + 10 * world_size)  # a different init everywhere: only a load makes states agree
     if kind == "fsdp1":
-        strategy = ZarrFSDPStrategy(compression=compression)
+        strategy = ZarrFSDPStrategy(compression=compression, incremental=incremental)
     else:
         strategy = ZarrModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1,
-                                             compression=compression)
+                                             compression=compression, incremental=incremental)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=max_steps,
         default_root_dir=os.path.dirname(ckpt_dir), logger=False, enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, save_last=True)])
-    module = TinyModule(fsdp1=kind == "fsdp1")
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=save_top_k, save_last=True)])
+    module = TinyModule(fsdp1=kind == "fsdp1", frozen=frozen)
     trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=4), ckpt_path=ckpt_path)
     end = full_state(module, trainer.optimizers[0])
     if rank == 0:
@@ -244,6 +254,57 @@ def test_trainer_with_compression_saves_compressed_stores_and_resumes_from_one_b
     assert_state_equal(stored(step_2), first["end"])
     result = run_ranks(fit, 1, "fsdp2", str(tmp_path / "second"), 3, str(step_2))[0]
     assert result["start_step"] == 2
+    assert_state_equal(result["start"], first["end"])
+
+
+def chunk_record(path: Path) -> dict | None:
+    """The manifest's ``chunks`` (as any JSON reader sees the root zarr.json), None for a save that records none."""
+    return json.loads((path / "zarr.json").read_text())["attributes"]["dcp_zarr"].get("chunks")
+
+
+def chunk_files(path: Path, fqn: str) -> list[Path]:
+    """The files of the array saved as ``fqn`` in the store at ``path``, its zarr.json aside."""
+    node = path / open_checkpoint(path).entries[fqn].node
+    return sorted(file for file in node.rglob("*") if file.is_file() and file.name != "zarr.json")
+
+
+@pytest.fixture(scope="module")
+def incremental_run(tmp_path_factory) -> tuple[Path, dict]:
+    """2 ranks, 6 steps, ``incremental=True``, the first layer frozen: a checkpoint every 2 steps, ModelCheckpoint
+    keeping the newest alone (``save_top_k=1``: each save of steps 4 and 6 is followed by the deletion of the one
+    before), and last.ckpt saved after each. Each save's base is the one saved just before it: step 2's last.ckpt
+    that of step 4, step 4 that of the new last.ckpt, ..."""
+    ckpt_dir = tmp_path_factory.mktemp("incremental") / "checkpoints"
+    result = run_ranks(fit, 2, "fsdp2", str(ckpt_dir), 6, incremental=True, save_top_k=1, frozen=True)[0]
+    assert result["end_step"] == 6
+    return ckpt_dir, result
+
+
+def test_incremental_saves_link_the_unchanged_chunks_of_the_checkpoint_saved_before(incremental_run):
+    ckpt_dir, _ = incremental_run
+    step_6, last = ckpt_dir / "epoch=0-step=6.ckpt", ckpt_dir / "last.ckpt"
+    assert chunk_record(step_6)["incremental_from"]["path"] == str(last)  # last.ckpt as saved at step 4
+    assert chunk_record(last)["incremental_from"]["path"] == str(step_6)
+    frozen = chunk_files(step_6, "state_dict.net.0.weight") + chunk_files(step_6, "state_dict.net.0.bias")
+    # Only the frozen layer's chunks: the trained weights, AdamW's moments and step counters changed, so written
+    assert frozen and chunk_record(step_6)["incremental_from"]["reused_chunks"] == len(frozen)
+    # step 6 and last.ckpt: the checkpoints these chunks were first saved in, and linked from since, are gone
+    assert {os.stat(file).st_nlink for file in frozen} == {2}
+
+
+def test_save_top_k_deleting_older_checkpoints_leaves_the_newest_whole(incremental_run):
+    ckpt_dir, result = incremental_run
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch=0-step=6.ckpt", "last.ckpt"]  # steps 2 and 4 deleted
+    assert_state_equal(stored(ckpt_dir / "epoch=0-step=6.ckpt"), result["end"])
+    assert_state_equal(stored(ckpt_dir / "last.ckpt"), result["end"])
+
+
+def test_an_incremental_trainer_resumes_from_its_newest_checkpoint_bit_exact(incremental_run, tmp_path):
+    ckpt_dir, first = incremental_run
+    step_6 = ckpt_dir / "epoch=0-step=6.ckpt"
+    result = run_ranks(fit, 1, "fsdp2", str(tmp_path / "checkpoints"), 7, str(step_6), incremental=True,
+                       save_top_k=1, frozen=True)[0]
+    assert result["start_step"] == 6
     assert_state_equal(result["start"], first["end"])
 
 
@@ -510,27 +571,35 @@ def strategy_of(cls: type, **kwargs):
     return cls(shard_linears, **kwargs) if cls is ZarrFabricModelParallelStrategy else cls(**kwargs)
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
-def test_each_strategy_gives_its_compression_to_its_stores(monkeypatch, tmp_path, name):
-    cls, module, lightnings = STRATEGIES[name]
+def reduced_save(module, name: str):
+    """Lightning 2.6.6's save_checkpoint of the strategy ``name``, reduced to the helper looked up in its module."""
 
-    def save(strategy, *args, **kwargs):  # Lightning 2.6.6's, reduced to the helper looked up in its module
+    def save(strategy, *args, **kwargs):
         state, path = (args[1], args[0]) if "Fabric" in name else args[:2]
         Path(path).mkdir(parents=True, exist_ok=True)
         module._distributed_checkpoint_save(state, Path(path))
 
-    monkeypatch.setattr(getattr(module, lightnings), "save_checkpoint", save)
+    return save
+
+
+def strategy_save(strategy, name: str, path: Path, state: dict) -> None:
+    if "Fabric" in name:
+        strategy.save_checkpoint(path, state)
+    else:
+        strategy.save_checkpoint(state, path)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_each_strategy_gives_its_compression_to_its_stores(monkeypatch, tmp_path, name):
+    cls, module, lightnings = STRATEGIES[name]
+    monkeypatch.setattr(getattr(module, lightnings), "save_checkpoint", reduced_save(module, name))
     weights = {"w": torch.arange(6.0).reshape(2, 3), "steps": torch.arange(3)}
     zstd = Compression("zstd", min_bytes=0, min_ratio=0)
     # "zstd": Compression("zstd"), whose 64 KiB w's 24 bytes are under: stored as they are
     for i, (compression, codec) in enumerate([(EVERY_FLOAT_ARRAY, "lz4"), (zstd, "zstd"), ("zstd", None),
                                               (None, None)]):
         path = tmp_path / f"{i}.ckpt"
-        strategy = strategy_of(cls, compression=compression)
-        if "Fabric" in name:
-            strategy.save_checkpoint(path, {"model": weights})
-        else:
-            strategy.save_checkpoint({"model": weights}, path)
+        strategy_save(strategy_of(cls, compression=compression), name, path, {"model": weights})
         entries = open_checkpoint(path).entries
         assert (entries["model.w"].codec and entries["model.w"].codec["configuration"]["cname"]) == codec
         assert entries["model.steps"].codec is None  # an integer tensor is never compressed
@@ -548,11 +617,64 @@ def test_a_bad_compression_is_refused_as_the_strategy_is_built_naming_it(name):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_each_strategys_signature_is_lightnings_with_compression(name):
+def test_each_strategy_saves_incrementally_from_the_checkpoint_it_saved_before_when_asked(monkeypatch, tmp_path,
+                                                                                          name):
+    cls, module, lightnings = STRATEGIES[name]
+    monkeypatch.setattr(getattr(module, lightnings), "save_checkpoint", reduced_save(module, name))
+    weights = {"w": torch.arange(6.0).reshape(2, 3), "steps": torch.arange(3)}
+    for incremental in (False, True):
+        strategy = strategy_of(cls, incremental=incremental)
+        for i in range(2):
+            path = tmp_path / f"{incremental}-{i}.ckpt"
+            strategy_save(strategy, name, path, {"model": weights})
+            assert_state_equal(stored(path), {"model": weights})
+        record = chunk_record(path)
+        if incremental:  # both arrays unchanged: linked
+            origin = record["incremental_from"]
+            assert (origin["path"], origin["reused_chunks"]) == (str(tmp_path / "True-0.ckpt"), 2)
+        else:
+            assert record is None
+
+
+def test_an_incremental_save_reuses_the_newest_checkpoint_its_strategy_saved_that_is_still_complete(monkeypatch,
+                                                                                                   tmp_path):
+    name = "ZarrModelParallelStrategy"
+    monkeypatch.setattr(trainer_model_parallel.ModelParallelStrategy, "save_checkpoint",
+                        reduced_save(trainer_model_parallel, name))
+    strategy = ZarrModelParallelStrategy(incremental=True)
+    state = {"model": {"w": torch.ones(4)}}
+
+    def base_of(checkpoint: str) -> str | None:
+        strategy_save(strategy, name, tmp_path / checkpoint, state)
+        record = chunk_record(tmp_path / checkpoint)
+        return Path(record["incremental_from"]["path"]).name if "incremental_from" in record else None
+
+    assert base_of("a.ckpt") is None  # the first save: in full
+    assert base_of("b.ckpt") == "a.ckpt"
+    shutil.rmtree(tmp_path / "b.ckpt")  # as ModelCheckpoint deletes a checkpoint
+    (tmp_path / "a.ckpt" / "zarr.json").rename(tmp_path / "a.json")  # a store no longer complete
+    assert base_of("c.ckpt") is None
+    (tmp_path / "a.json").rename(tmp_path / "a.ckpt" / "zarr.json")
+    assert base_of("d.ckpt") == "c.ckpt"
+    assert base_of("c.ckpt") == "d.ckpt"  # saved again: from the newest other one
+    assert base_of("e.ckpt") == "c.ckpt"
+    strategy_save(ZarrModelParallelStrategy(incremental=True), name, tmp_path / "f.ckpt", state)
+    assert "incremental_from" not in chunk_record(tmp_path / "f.ckpt")  # another strategy's checkpoints: not its
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_a_bad_incremental_is_refused_as_the_strategy_is_built_naming_it(name):
+    with pytest.raises(TypeError, match=rf"^{name}: incremental='yes' is not a choice: pass True"):
+        strategy_of(STRATEGIES[name][0], incremental="yes")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_each_strategys_signature_is_lightnings_with_compression_and_incremental(name):
     cls, module, lightnings = STRATEGIES[name]
     ours, theirs = inspect.signature(cls).parameters, inspect.signature(getattr(module, lightnings)).parameters
-    assert [p for p in ours if p != "compression"] == list(theirs)
+    assert [p for p in ours if p not in ("compression", "incremental")] == list(theirs)
     assert ours["compression"].kind is inspect.Parameter.KEYWORD_ONLY and ours["compression"].default is None
+    assert ours["incremental"].kind is inspect.Parameter.KEYWORD_ONLY and ours["incremental"].default is False
     if "FSDP" in name:
         assert ours["state_dict_type"].default == "sharded"
 

@@ -3,12 +3,15 @@ smaller, on CPU gloo ranks (the patches that needs: dcp_zarr/testing/torchtitan_
 ``train()`` with the manager chosen by its config; then resumed at 1, 2 and 3 ranks.
 
 Saved at 2 ranks (``trained``, one launch), a checkpoint after every step, the last (step 4) saved synchronously
-as torchtitan always does: ``sync/`` (``keep_latest_k=2``), ``async/`` (steps 1-3 threaded), ``pinned/`` (steps
-1-3 through DCP's process executor and torchtitan's stager, every step compressed: ``zarr_compression="zstd"``, so
-the writer the background process is given carries it), ``resumed/`` (a copy of ``sync/`` resumed at step 2
-and trained to step 4 again, saving steps 3 and 4 again) and ``hf/`` (the model exported through torchtitan's own
-HF path). Every run sees the same data and learning-rate schedule, so a step's state is the same whatever the mode:
-what one store holds can be checked against another's.
+as torchtitan always does: ``sync/`` (``keep_latest_k=2``, ``zarr_incremental=True``: its purge deletes step 1, the
+base of step 2), ``async/`` (steps 1-3 threaded, full saves: the default), ``pinned/`` (steps 1-3 through DCP's
+process executor and torchtitan's stager, every step compressed and incremental: ``zarr_compression="zstd"`` and
+``zarr_incremental=True``, so the writer the background process is given carries both), ``resumed/`` (a copy of
+``sync/`` resumed at step 2 and trained to step 4 again, saving steps 3 and 4 again, incrementally) and ``hf/``
+(the model exported through torchtitan's own HF path). Every run sees the same data and learning-rate schedule, so
+a step's state is the same whatever the mode: what one store holds can be checked against another's. The token
+embeddings are frozen (a parameter group of torchtitan's optimizer config with lr 0, no weight decay): unchanged
+from step to step, so that an incremental save has chunks to link.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import zarr
 from dcp_zarr import open_checkpoint
 from dcp_zarr.errors import FrameworkNotInstalledError, FrameworkVersionError
 from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.writer import ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.ranks import run_ranks
 
@@ -38,9 +42,11 @@ pytest.importorskip("torchtitan")
 
 STEPS = 4
 ADAPTER = "dcp_zarr.integrations.torchtitan"
-# (dump folder, async_mode, checkpoint interval, keep_latest_k, zarr_compression): the saving runs of ``trained``.
-RUNS = [("sync", "disabled", 1, 2, None), ("async", "async", 1, 0, None),
-        ("pinned", "async_with_pinned_mem", 1, 0, "zstd")]
+# (dump folder, async_mode, checkpoint interval, keep_latest_k, zarr_compression, zarr_incremental): the saving runs
+# of ``trained``.
+RUNS = [("sync", "disabled", 1, 2, None, True), ("async", "async", 1, 0, None, False),
+        ("pinned", "async_with_pinned_mem", 1, 0, "zstd", True)]
+FROZEN = "tok_embeddings.weight"  # 2 MiB: 2 chunks of 1 MiB in an incremental save
 # What the resumes load from each run: the latest step (-1: found by _find_load_step, step 4) or an asynchronously
 # saved one; and the step each must then be at.
 RESUMES = [("sync", -1), ("async", 3), ("pinned", 3)]
@@ -57,6 +63,10 @@ def _trainer(dump: str, steps: int = STEPS, **checkpoint):
 
     config = tiny_llama3_config(dump, ZarrCheckpointManager.Config(enable=True, last_save_model_only=False,
                                                                    **checkpoint), steps=steps)
+    trained = config.optimizer.param_groups[-1]  # the catch-all AdamW group
+    config.optimizer.param_groups.insert(0, type(trained)(
+        pattern=rf"^{FROZEN}$", optimizer_name=trained.optimizer_name,
+        optimizer_kwargs={**trained.optimizer_kwargs, "lr": 0.0, "weight_decay": 0.0}))
     trainer = config.build()
     losses = {}
     log = trainer.metrics_processor.log
@@ -77,9 +87,10 @@ def _train_every_mode(rank: int, world_size: int, root: str) -> dict:
     from torchtitan.components.checkpointer import AsyncMode
 
     losses = {}
-    for name, async_mode, interval, keep, compression in RUNS:
+    for name, async_mode, interval, keep, compression, incremental in RUNS:
         trainer, losses[name] = _trainer(f"{root}/{name}", async_mode=async_mode, interval=interval,
-                                         keep_latest_k=keep, zarr_compression=compression)
+                                         keep_latest_k=keep, zarr_compression=compression,
+                                         zarr_incremental=incremental)
         trainer.train()
         if name == "sync":  # the HF export, through torchtitan's own writer
             trainer.checkpointer.dcp_save(trainer.checkpointer.states["model"].state_dict(), f"{root}/hf",
@@ -92,7 +103,8 @@ def _train_every_mode(rank: int, world_size: int, root: str) -> dict:
         shutil.copytree(f"{root}/sync", f"{root}/resumed")
     dist.barrier()
     before = {step: _root_document_inode(root, step) for step in (2, 3, 4)}
-    trainer, losses["resumed"] = _trainer(f"{root}/resumed", interval=1, keep_latest_k=0, load_step=2)
+    trainer, losses["resumed"] = _trainer(f"{root}/resumed", interval=1, keep_latest_k=0, load_step=2,
+                                          zarr_incremental=True)
     trainer.train()
     trainer.close()
     resaved = [step for step in (2, 3, 4) if _root_document_inode(root, step) != before[step]]
@@ -255,6 +267,66 @@ def test_hf_export_is_torchtitans_safetensors(trained):
     assert torch.equal(exported["model.norm.weight"], saved["norm.weight"])
 
 
+# -- incremental saves (zarr_incremental) ---------------------------------------------------------------------------
+
+
+def store_of(root, run: str, step: int):
+    return root / run / "checkpoint" / f"step-{step}"
+
+
+def chunk_files(store, fqn: str) -> list:
+    """The files of the array saved as ``fqn`` in ``store``, its zarr.json aside: its chunks (or shards)."""
+    node = store / open_checkpoint(store).entries[fqn].node
+    return sorted(path for path in node.rglob("*") if path.is_file() and path.name != "zarr.json")
+
+
+def chunk_record(store) -> dict | None:
+    """The manifest's ``chunks`` (as any JSON reader sees the root zarr.json), None for a save that records none."""
+    return json.loads((store / "zarr.json").read_text())["attributes"]["dcp_zarr"].get("chunks")
+
+
+def test_zarr_incremental_links_the_unchanged_chunks_of_the_step_before_and_writes_the_rest(trained):
+    root, _ = trained
+    for run, steps in [("sync", [2, 3, 4]), ("pinned", [2, 3, 4])]:  # pinned's in DCP's background process
+        for step in steps:
+            store = store_of(root, run, step)
+            origin = chunk_record(store)["incremental_from"]
+            assert origin["path"] == str(store_of(root, run, step - 1)), (run, step)
+            assert origin["reused_chunks"] >= len(chunk_files(store, FROZEN)) == 2, (run, step)
+            assert all(os.stat(path).st_nlink > 1 for path in chunk_files(store, FROZEN)), (run, step)
+            assert all(os.stat(path).st_nlink == 1 for path in chunk_files(store, "lm_head.weight")), (run, step)
+    first = chunk_record(store_of(root, "pinned", 1))  # the first save: in full, recording its chunks
+    assert FROZEN in {entry.fqn for entry in open_checkpoint(store_of(root, "pinned", 1)).entries.values()}
+    assert first is not None and "incremental_from" not in first
+
+
+def test_without_zarr_incremental_nothing_is_recorded_or_linked(trained):
+    root, _ = trained
+    for step in (2, 3, 4):
+        store = store_of(root, "async", step)
+        assert chunk_record(store) is None
+        assert all(path.stat().st_nlink == 1 for path in store.rglob("*") if path.is_file())
+
+
+def test_keep_latest_k_deleting_a_base_leaves_the_step_that_linked_it_whole(trained):
+    root, _ = trained
+    # step 1, the base of step 2, was purged when step 3 was saved; step 2 is what the full save of async/ holds.
+    # (The resumes load sync's step 4 and pinned's step 3, incremental both, and the restart loads sync's step 2.)
+    assert not store_of(root, "sync", 1).exists()
+    assert chunk_record(store_of(root, "sync", 2))["incremental_from"]["path"] == str(store_of(root, "sync", 1))
+    assert_state_equal(store_state(root, "sync", 2), store_state(root, "async", 2))
+
+
+def test_a_restart_saving_a_step_again_reuses_the_newest_other_complete_step(trained):
+    root, _ = trained
+    # resumed/ held steps 2-4 when step 3 was saved again: its base was step 4, then step 4's the new step 3
+    assert chunk_record(store_of(root, "resumed", 3))["incremental_from"]["path"] == \
+        str(store_of(root, "resumed", 4))
+    assert chunk_record(store_of(root, "resumed", 4))["incremental_from"]["path"] == \
+        str(store_of(root, "resumed", 3))
+    assert all(os.stat(path).st_nlink > 1 for path in chunk_files(store_of(root, "resumed", 4), FROZEN))
+
+
 # -- resuming --------------------------------------------------------------------------------------------------------
 
 
@@ -316,6 +388,68 @@ def test_find_load_step_counts_committed_stores_named_exactly_and_torchtitans_ow
     (tmp_path / "step-5").mkdir()
     (tmp_path / "step-5" / ".metadata").write_bytes(b"")  # DCP's own, as torchtitan finds it
     assert manager._find_load_step() == 5
+
+
+def _saved(path, incremental: bool = True) -> None:
+    dcp.save({"w": torch.ones(4)}, storage_writer=ZarrWriter(path, incremental=incremental), no_dist=True)
+
+
+def _incremental_manager(folder, keep_latest_k: int = 0):
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    manager = _manager(ZarrCheckpointManager, folder)
+    manager._zarr_incremental, manager.keep_latest_k = True, keep_latest_k
+    return manager
+
+
+def _base(manager, step: int, async_mode: str = "disabled") -> str | None:
+    from torchtitan.components.checkpointer import AsyncMode
+
+    return manager._incremental_base(f"{manager.folder}/step-{step}", AsyncMode(async_mode))
+
+
+def test_an_incremental_save_reuses_the_newest_complete_step_folder_but_its_own(tmp_path):
+    for name in ("step-1", "step-3", "step-5", "step-9.old"):
+        _saved(tmp_path / name)
+    (tmp_path / "step-5" / "zarr.json").unlink()  # a save that never committed
+    manager = _incremental_manager(tmp_path)
+    assert _base(manager, 4) == str(tmp_path / "step-3")
+    assert _base(manager, 3) == str(tmp_path / "step-1")
+    assert _base(_incremental_manager(tmp_path / "empty"), 1) is None  # the first save: in full
+
+
+def test_a_step_an_async_save_may_still_be_writing_is_never_a_base(tmp_path):
+    from concurrent.futures import Future
+
+    for name in ("step-1", "step-2"):
+        _saved(tmp_path / name)
+    manager = _incremental_manager(tmp_path)
+    writing = Future()
+    manager._zarr_in_flight = (str(tmp_path / "step-2"), writing)  # as dcp_save leaves an async save
+    assert _base(manager, 3, "async") == str(tmp_path / "step-1")
+    writing.set_result(None)
+    assert _base(manager, 3, "async") == str(tmp_path / "step-2")
+
+
+def test_a_step_keep_latest_k_purges_is_never_a_base(tmp_path):
+    _saved(tmp_path / "step-1")
+    (tmp_path / "step-2").mkdir()  # an HF export: a step folder to torchtitan's purge, not a store
+    (tmp_path / "step-2" / "model.safetensors.index.json").write_text("{}")
+    # keep_latest_k=1: the purge keeps step-2 alone, so step-1 is deleted, maybe while this save reads it
+    assert _base(_incremental_manager(tmp_path, keep_latest_k=1), 3) is None
+    assert _base(_incremental_manager(tmp_path, keep_latest_k=2), 3) == str(tmp_path / "step-1")
+
+
+@pytest.mark.s3
+def test_on_storage_written_in_place_an_async_save_counts_itself_among_what_keep_latest_k_keeps(
+        s3, aws_environment, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # torchtitan's fsspec and the adapter's storage alike
+    folder = f"s3://{s3.bucket}/in-place/checkpoint"
+    _saved(f"{folder}/step-1")
+    manager = _incremental_manager(folder, keep_latest_k=1)
+    assert _base(manager, 2) == f"{folder}/step-1"  # synchronous: the purge runs once step-2 is complete
+    # async: step-2's objects appear as they are written, and the purge that runs meanwhile keeps step-2 alone
+    assert _base(manager, 2, "async") is None
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -391,6 +525,19 @@ def test_a_bad_zarr_compression_is_refused_as_the_config_is_built_and_as_the_man
     config = ZarrCheckpointManager.Config(enable=True)
     config.zarr_compression = value  # set afterwards: the manager checks it again, before torchtitan's __init__
     with pytest.raises(error, match=message):
+        ZarrCheckpointManager(config)
+
+
+@pytest.mark.parametrize("value", ["yes", None, 2])
+def test_a_bad_zarr_incremental_is_refused_as_the_config_is_built_and_as_the_manager_is(value):
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    message = rf"ZarrCheckpointManager: checkpoint\.zarr_incremental={value!r} is not a choice: pass True"
+    with pytest.raises(TypeError, match=message):
+        ZarrCheckpointManager.Config(enable=True, zarr_incremental=value)
+    config = ZarrCheckpointManager.Config(enable=True)
+    config.zarr_incremental = value
+    with pytest.raises(TypeError, match=message):
         ZarrCheckpointManager(config)
 
 
