@@ -225,9 +225,11 @@ class CheckpointManager:
         runs after a save, and keeps the newest complete checkpoint."""
         if not self.incremental:
             return None
-        base = max((s for s in self.steps() if s != step), default=None) if self._rank == 0 else None
-        base = self._from_rank0(base)
-        return None if base is None else self.path(base)
+        base = None
+        if self._rank == 0:  # the store as listed: a step may be stored under another form's name (step-7)
+            complete = {s.step: s.name for s in self._step_stores() if s.complete and s.step != step}
+            base = self.root.location(complete[max(complete)]) if complete else None
+        return self._from_rank0(base)
 
     def _check_open(self) -> None:
         if self._closed:

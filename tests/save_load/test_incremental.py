@@ -408,3 +408,16 @@ def test_checkpoint_manager_chains_incremental_saves_through_retention(tmp_path)
                 assert origin is None, "the first save of the chain is a full one"
             else:
                 assert origin["path"] == manager.path(step - 1) and origin["reused_chunks"] > 0
+
+
+def test_checkpoint_manager_chains_from_a_step_stored_under_another_form_s_name(tmp_path):
+    from dcp_zarr import CheckpointManager
+
+    save(_changing_state(7), tmp_path / "step-7", incremental=True, inner_chunk_bytes=16 << 10)  # torchtitan's name
+    with CheckpointManager(tmp_path, incremental=True, inner_chunk_bytes=16 << 10) as manager:
+        assert manager.steps() == [7]
+        manager.save(8, _changing_state(8))
+
+        origin = root_manifest(manager.path(8))["chunks"]["incremental_from"]
+        assert origin["path"] == str(tmp_path / "step-7") and origin["reused_chunks"] > 0
+        assert_state_equal(load_full(manager.path(8), _changing_state(8)), _changing_state(8))
