@@ -108,8 +108,20 @@ def summarize(ckpt: Checkpoint, *, patterns: list[str] | None = None, depth: int
         "codecs": sorted({_codec_text(codec) for codec in compressed}),
         "entry_count": len(ckpt),
         "steps": step_values(ckpt),
+        "incremental": _incremental(ckpt.manifest.chunk_record),
         **listing,
     }
+
+
+def _incremental(record: dict | None) -> dict | None:
+    """What a save that records its chunks says of itself (format/chunk_record.py): the arrays recorded, and where
+    its reused chunks came from; None for a save that records none."""
+    if record is None:
+        return None
+    arrays = record.get("arrays")
+    origin = record.get("incremental_from")
+    return {"recorded_arrays": len(arrays) if isinstance(arrays, dict) else 0,
+            "reused_from": origin if isinstance(origin, dict) else None}
 
 
 def format_summary(summary: dict, *, tree: bool = False) -> str:
@@ -127,6 +139,13 @@ def format_summary(summary: dict, *, tree: bool = False) -> str:
     lines.append(f"  entries: {summary['entry_count']} ({_plural(summary['tensor_count'], 'tensor')}, "
                  f"{human_bytes(summary['tensor_bytes'])}; {_plural(others, 'other value')})")
     lines.append(_stored_line(summary))
+    incremental = summary.get("incremental")
+    if incremental is not None:
+        origin = incremental["reused_from"]
+        reused = ("the first of a chain: nothing reused" if origin is None else
+                  f"{_plural(origin.get('reused_chunks', 0), 'chunk')} ({human_bytes(origin.get('reused_bytes', 0))}) "
+                  f"linked from {origin.get('path')}")
+        lines.append(f"  incremental: {_plural(incremental['recorded_arrays'], 'array')} recorded; {reused}")
     lines.append(f"  steps: {_format_steps(summary['steps'])}")
     if "filter" in summary:
         globs = " or ".join(map(repr, summary["filter"]))

@@ -30,6 +30,7 @@ from dcp_zarr.errors import IncrementalSaveWarning
 from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
 from dcp_zarr.testing.planners import DCPsPlanning
 from dcp_zarr.tools.cli import main
+from dcp_zarr.tools.inspection import human_bytes
 from tests.support.compare import assert_state_equal
 from tests.support.models import full_state
 from tests.support.ranks import run_ranks
@@ -377,6 +378,11 @@ def test_the_tools_treat_an_incremental_store_like_any_other(tmp_path, capsys):
 
     origin = root_manifest(second)["chunks"]["incremental_from"]
     assert origin["path"] == str(first) and origin["reused_chunks"] > 0
+    assert main(["inspect", str(first)]) == 0
+    assert "  incremental: 3 arrays recorded; the first of a chain: nothing reused\n" in capsys.readouterr().out
+    assert main(["inspect", str(second)]) == 0
+    assert (f"  incremental: 3 arrays recorded; {origin['reused_chunks']} chunks "
+            f"({human_bytes(origin['reused_bytes'])}) linked from {first}\n") in capsys.readouterr().out
     assert main(["diff", str(first), str(second), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert {e["fqn"] for e in report["entries"] if e["status"] != "equal"} == {"model.trained", "step"}
