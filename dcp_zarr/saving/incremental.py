@@ -15,7 +15,7 @@ from dcp_zarr.format.array_spec import ArraySpec
 from dcp_zarr.format.chunk_record import ChunkRecord, StoredChunk, array_record, metadata_digest
 from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.saving.settings import SaveSettings
-from dcp_zarr.storage.registry import scheme_of
+from dcp_zarr.storage.registry import scheme_of, storage_class
 from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts
 from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.store_io.write_jobs import encoded_array_metadata
@@ -49,7 +49,7 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is the save's own path: a checkpoint cannot be saved from itself; pass "
             "the path of the previous checkpoint")
-    if scheme_of(earlier) != scheme_of(settings.path):
+    if not _same_storage(earlier, settings.path):
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is on other storage than the save ({settings.path!r}): chunks are "
             "linked or copied within one storage; pass a checkpoint on the same storage, or save in full")
@@ -98,9 +98,21 @@ def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], ea
     return ChunkRecord(arrays, origin).to_json()
 
 
+def _directory(location: str) -> str | None:
+    """The local directory ``location`` names (a plain path or a ``file://`` URL, both LocalStorage's), or None."""
+    return storage_class(location).directory(location)
+
+
+def _same_storage(a: str, b: str) -> bool:
+    """Both local directories (a plain path and a ``file://`` URL alike), or both under one URL scheme."""
+    directories = _directory(a), _directory(b)
+    if directories != (None, None):
+        return None not in directories
+    return scheme_of(a) == scheme_of(b)
+
+
 def _same_location(a: str, b: str) -> bool:
-    if scheme_of(a) != scheme_of(b):
-        return False
-    if "://" not in a:
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a.rstrip("/") == b.rstrip("/")
+    directory_a, directory_b = _directory(a), _directory(b)
+    if directory_a is not None and directory_b is not None:
+        return os.path.realpath(directory_a) == os.path.realpath(directory_b)
+    return scheme_of(a) == scheme_of(b) and a.rstrip("/") == b.rstrip("/")
