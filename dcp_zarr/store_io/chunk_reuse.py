@@ -3,10 +3,14 @@ be the same, else written; and every chunk's entry of the new store's chunk reco
 
 A chunk is linked only when its array's ``zarr.json`` is the earlier one's (same shape, grid, data type, codecs) and
 its data's xxh3-128 digest is the earlier chunk's. The linked object is then checked against the record (its size and
-the crc32c of its stored data) before the save goes on: an earlier store changed since it was recorded gives a chunk
-that is written anew, never a wrong one. That crc32c ends a plain chunk; a compressed chunk is a shard of one inner
-chunk, whose crc32c comes just before the shard's index: the index's own crc32c, which ends the object, covers only
-offsets and sizes, the same in any two shards whose data compressed to as many bytes.
+the crc32c of its stored data) before the save goes on: an earlier chunk replaced or rewritten since it was recorded
+gives a chunk that is written anew, never a wrong one. A chunk damaged in place under its crc32c (bytes changed,
+size and crc32c not) is linked as it is and fails its crc32c at load and in verify, as it does in the earlier
+checkpoint: catching it here would mean reading every linked chunk, which is what linking saves.
+
+That crc32c ends a plain chunk; a compressed chunk is a shard of one inner chunk, whose crc32c comes just before the
+shard's index: the index's own crc32c, which ends the object, covers only offsets and sizes, the same in any two
+shards whose data compressed to as many bytes.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 that counts what it serves and can slow it down.
 
 The front counts, while a ``Traffic`` is set (``S3Server.counting()``), requests by method, the bytes of PUT bodies
-received and of GET bodies sent, and GETs by key; it counts PUTs in flight (``slow_puts``: can a writer's uploads
-overlap?); and it sleeps ``latency_s`` before every request (concurrent sleeps overlap: a distant server, not a slow
+received and of GET bodies sent (in all and per object), GETs by key, and the copies made within the server (S3's
+CopyObject and UploadPartCopy: a PUT naming its source in ``x-amz-copy-source``, with no body, which moto carries
+out on its side); it counts PUTs in flight (``slow_puts``: can a writer's uploads overlap?); and it sleeps
+``latency_s`` before every request (concurrent sleeps overlap: a distant server, not a slow
 one). Processes other than the server's (the ranks of a benchmark) reach the same controls over HTTP, under
 ``/__control__/``: ``latency?ms=N``, ``counts`` and ``reset`` (which also answer with the counts since the last reset
 and the server process's CPU time). moto is imported when a server starts: it comes with the test extras.
@@ -16,6 +18,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
 from typing import Any
@@ -31,21 +34,34 @@ CONTROL = "/__control__/"
 
 class Traffic:
     """What the server served while counted: requests by method, bytes received (PUT bodies) and sent (GET
-    bodies), and GETs by key (the last path component's parent and name: ``zarr.json``, ``w/c.0``)."""
+    bodies), GETs by key (the last path component's parent and name: ``zarr.json``, ``w/c.0``); and per object
+    (``bucket/key``): the bytes of the PUT bodies it received (``put_bytes``), of the GET bodies it sent
+    (``get_bytes``), and the copies made within the server, ``(source, destination)`` -> count (``copies``; a copy
+    is a PUT too, with no body)."""
 
     def __init__(self) -> None:
         self.requests: Counter = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
         self.gets: Counter = Counter()
+        self.put_bytes: Counter = Counter()
+        self.get_bytes: Counter = Counter()
+        self.copies: Counter = Counter()
         self.cpu_at_start = time.process_time()
 
     def to_json(self) -> dict[str, Any]:
         return {"methods": dict(self.requests), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "server_cpu_s": time.process_time() - self.cpu_at_start}
+                "copies": sum(self.copies.values()), "server_cpu_s": time.process_time() - self.cpu_at_start}
 
     def __repr__(self) -> str:
-        return f"Traffic({dict(self.requests)}, in {self.bytes_in} B, out {self.bytes_out} B)"
+        return (f"Traffic({dict(self.requests)}, in {self.bytes_in} B, out {self.bytes_out} B, "
+                f"{sum(self.copies.values())} copies)")
+
+
+def _object(path: str) -> str:
+    """``bucket/key`` of a request's path (path-style addressing, as on 127.0.0.1) or of an ``x-amz-copy-source``
+    header (URL-encoded, may start with ``/`` and end with ``?versionId=``)."""
+    return urllib.parse.unquote(path.split("?", 1)[0]).lstrip("/")
 
 
 class _Front:
@@ -67,18 +83,25 @@ class _Front:
             with self.lock:
                 traffic.requests[method] += 1
                 if method == "PUT":
-                    traffic.bytes_in += int(environ.get("CONTENT_LENGTH") or 0)
+                    size = int(environ.get("CONTENT_LENGTH") or 0)
+                    traffic.bytes_in += size
+                    source = environ.get("HTTP_X_AMZ_COPY_SOURCE")
+                    if source is not None:
+                        traffic.copies[(_object(source), _object(path))] += 1
+                    else:
+                        traffic.put_bytes[_object(path)] += size
                 if method == "GET":
                     traffic.gets["/".join(path.split("/")[-2:])] += 1
         if self.latency_s:
             time.sleep(self.latency_s)
         body = self._served(method, environ, start_response)
-        return self._counted(traffic, body) if traffic is not None and method == "GET" else body
+        return self._counted(traffic, _object(path), body) if traffic is not None and method == "GET" else body
 
-    def _counted(self, traffic: Traffic, body):
+    def _counted(self, traffic: Traffic, name: str, body):
         for piece in body:
             with self.lock:
                 traffic.bytes_out += len(piece)
+                traffic.get_bytes[name] += len(piece)
             yield piece
         close = getattr(body, "close", None)
         if close is not None:

@@ -102,13 +102,6 @@ def test_the_saves_own_path_is_refused_however_it_is_spelt(recorded, store_copy)
     _refused_by_the_writer(f"file://{own}", f"file://{own.parent}/./{own.name}", "the save's own path")
 
 
-def test_a_file_url_is_on_the_storage_of_a_plain_path(recorded, tmp_path):
-    second = save(state(2), tmp_path / "2.zarr", incremental_from=f"file://{recorded}")
-
-    assert second.reuse_counts.linked_chunks > 0
-    assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
-
-
 def test_a_checkpoint_on_other_storage_is_refused(recorded, tmp_path):
     _refused_by_the_writer(tmp_path / "2.zarr", "memory://x", "is on other storage")
     assert not (tmp_path / "2.zarr").exists()

@@ -179,6 +179,24 @@ def test_an_s3_store_copies_within_the_server_and_says_so(s3):
 
 
 @pytest.mark.s3
+def test_the_server_counts_copies_apart_from_the_bodies_put_and_got_per_object(s3):
+    """What the incremental tests count on (tests/storage/test_incremental_s3.py): a CopyObject is a PUT with no body,
+    counted as a copy from its source; a PUT's and a GET's body bytes are counted for their object."""
+    base = f"s3://{s3.bucket}/counts-{uuid.uuid4().hex[:8]}"
+    source, target = (open_storage(f"{base}/{name}", s3.storage_options()) for name in ("step 1", "step-2"))
+    payload = bytes(range(256)) * 64
+    with s3.counting() as traffic:
+        source.write("model/w/c.0.0", [payload])
+        target.link_from(source, "model/w/c.0.0")
+        assert target.read("model/w/c.0.0") == payload
+    name = base.removeprefix("s3://")
+    assert traffic.copies == {(f"{name}/step 1/model/w/c.0.0", f"{name}/step-2/model/w/c.0.0"): 1}, traffic.copies
+    assert traffic.put_bytes == {f"{name}/step 1/model/w/c.0.0": len(payload)}, traffic.put_bytes
+    assert traffic.get_bytes == {f"{name}/step-2/model/w/c.0.0": len(payload)}, traffic.get_bytes
+    assert traffic.requests["PUT"] == 2 and traffic.bytes_in == traffic.bytes_out == len(payload), traffic
+
+
+@pytest.mark.s3
 def test_a_store_reached_with_other_options_is_read_and_written_not_copied_in_place(s3):
     """Another endpoint or other credentials may not reach the source: a server-side copy is only tried within one
     file system (fsspec compares the options it was made with)."""
