@@ -11,10 +11,11 @@ Kinds: ``full`` (``ZarrWriter(path)``), ``first`` (``incremental=True``: a chain
 ``sync_files=True``; FsspecWriter on S3): ``dcp.save``, DCP's planner, ``--threads`` IO threads. ZarrWriter syncfs's
 its store, FileSystemWriter fsyncs, ``harness.timed`` syncs before each save; no page cache is dropped (``--evict-base``
 evicts the earlier checkpoint's before each save). Rounds, one untimed first, save every kind in rotating order into a
-fresh location: medians of the slowest rank's times. New bytes: ``du -sb earlier new``'s figure for the new store (hard
-links counted in the earlier one), or PUT bodies; requests: files opened to write and read (``LocalCalls``) and links,
-or the server's by method (a server-side copy is a bodiless PUT). The last incremental store must load equal with the
-earlier one deleted.
+fresh location, all deleted at the round's end (a deletion's cost falls on what follows it: on ext4 mounted with
+``discard``, more so after many files); medians of the slowest rank's times. New bytes: ``du -sb earlier new``'s
+figure for the new store (hard links counted in the earlier one), or PUT bodies; requests: files opened to write and
+read (``LocalCalls``) and links, or the server's by method (a server-side copy is a bodiless PUT). The last
+incremental store must load equal with the earlier one deleted.
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         counts: dict[str, dict] = {}
         for repeat in range(-1, args.repeats):
+            made = []  # deleted together after the round: no kind always follows the deletion of the same kind's files
             for kind in h.rotated(KINDS, repeat):
                 where = f"{roots[target]}/{scenario}-{mb}-{kind}-{repeat + 1}"
                 if args.evict_base and not s3 and ranks.rank == 0:
@@ -212,10 +214,11 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
                             found.update(changed_chunks(where, info["changed_rows"]))
                     stored = stored_bytes(where, opts) | ({} if s3 else {"bytes": du(where)[0]})  # du: dirs too
                     counts[kind] = {**found, **{f"store_{k}": v for k, v in stored.items()}}
-                dist.barrier()
-                if ranks.rank == 0 and not (repeat == args.repeats - 1 and kind == "incremental"):
-                    remove(where)
-                dist.barrier()
+                made += [] if repeat == args.repeats - 1 and kind == "incremental" else [where]
+            dist.barrier()
+            for where in made if ranks.rank == 0 else ():
+                remove(where)
+            dist.barrier()
         if ranks.rank == 0:  # the last incremental store must load without the checkpoint it linked from
             remove(base)
         dist.barrier()
