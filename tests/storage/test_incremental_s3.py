@@ -16,6 +16,7 @@ from dcp_zarr import IncrementalBaseError, ZarrReader, ZarrWriter
 from dcp_zarr.format.encoding import CHECKSUM_BYTES
 from dcp_zarr.store_io.chunk_reuse import ReuseCounts
 from tests.support.compare import assert_state_equal
+from tests.support.faults import shard_named
 from tests.support.ranks import run_ranks
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -42,16 +43,7 @@ def full_state(changed: bool) -> dict:
 
 
 def sharded_state(changed: bool, world_size: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = full_state(changed)
-    for group in state.values():
-        for name, value in group.items():
-            if name in _SHARDED:
-                group[name] = distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)
-    return state
+    return shard_named(full_state(changed), world_size, dict.fromkeys(_SHARDED, 0))
 
 
 def _save_on_ranks(rank, world_size, url, options, changed, incremental_from):

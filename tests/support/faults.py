@@ -23,7 +23,7 @@ from tests.support.states import random_bits
 __all__ = ["CRASH_WRITER_OPTIONS", "INCREMENTAL_WRITER_OPTIONS", "StepLog", "causes", "crash_state",
            "incremental_save_program", "incremental_state", "install_kill_hooks", "load_program", "logged_steps",
            "managed_incremental_program", "managed_save_program", "save_program", "sharded_incremental_state",
-           "sharded_state", "step_phase"]
+           "shard_named", "sharded_state", "step_phase"]
 
 
 def causes(exc: BaseException) -> list[BaseException]:
@@ -68,15 +68,20 @@ _SHARDING = {"embed.weight": 0, "layers.0.w": 0, "layers.0.b": 1, "layers.2.w": 
 
 
 def sharded_state(seed: int, world_size: int) -> dict:
+    return shard_named(crash_state(seed), world_size, _SHARDING)
+
+
+def shard_named(state: dict, world_size: int, dims: dict[str, int]) -> dict:
+    """``state`` (groups of tensors) with each tensor ``dims`` names made a DTensor sharded along its dim on a 1-D mesh
+    of ``world_size`` ranks (each rank cuts its own piece: no communication); the others left as they are."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
-    state = crash_state(seed)
     for group in state.values():
         for name, value in group.items():
-            if name in _SHARDING:
-                group[name] = distribute_tensor(value, mesh, [Shard(_SHARDING[name])], src_data_rank=None)
+            if name in dims:
+                group[name] = distribute_tensor(value, mesh, [Shard(dims[name])], src_data_rank=None)
     return state
 
 
@@ -233,16 +238,7 @@ def incremental_state(seed: int) -> dict:
 
 
 def sharded_incremental_state(seed: int, world_size: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    state = incremental_state(seed)
-    for group in state.values():
-        for name, value in group.items():
-            if name in _INCREMENTAL_SHARDED:
-                group[name] = distribute_tensor(value, mesh, [Shard(0)], src_data_rank=None)
-    return state
+    return shard_named(incremental_state(seed), world_size, dict.fromkeys(_INCREMENTAL_SHARDED, 0))
 
 
 class StepLog:
