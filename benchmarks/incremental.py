@@ -6,16 +6,18 @@ weights with rank-``--lora-rank`` adapters) and ``finetune`` (harness's stack, e
 on from the earlier checkpoint; ``embedding``, an fp32 table of ``--embedding-dim`` columns sharded by rows,
 ``--changed`` of its rows (random) changed. Targets: ``disk`` (``--disk-dir``), ``tmpfs``, ``s3`` (the loopback server).
 
-Kinds: ``full`` (``ZarrWriter(path)``), ``first`` (``incremental=True``: a chain's first save), ``incremental``
-(``incremental_from=`` the earlier checkpoint, saved by ``first`` once per run), ``dcp`` (FileSystemWriter,
+Kinds: ``full`` (``ZarrWriter(path)``), ``first`` (``incremental=True``: a chain's first save), ``second``
+(``incremental_from=`` a chain's start, saved by ``first`` two steps back once per run: what a chain's second save
+costs, every chunk hashed), ``incremental`` (``incremental_from=`` the chain's second save, one step back, made once per
+run: what its later saves cost, a chunk that changed in the earlier save not hashed), ``dcp`` (FileSystemWriter,
 ``sync_files=True``; FsspecWriter on S3): ``dcp.save``, DCP's planner, ``--threads`` IO threads. ZarrWriter syncfs's
 its store, FileSystemWriter fsyncs, ``harness.timed`` syncs before each save; no page cache is dropped (``--evict-base``
-evicts the earlier checkpoint's before each save). Rounds, one untimed first, save every kind in rotating order into a
+evicts the earlier checkpoints' before each save). Rounds, one untimed first, save every kind in rotating order into a
 fresh location, all deleted at the round's end (a deletion's cost falls on what follows it: on ext4 mounted with
 ``discard``, more so after many files); medians of the slowest rank's times. New bytes: ``du -sb earlier new``'s
 figure for the new store (hard links counted in the earlier one), or PUT bodies; requests: files opened to write and
 read (``LocalCalls``) and links, or the server's by method (a server-side copy is a bodiless PUT). The last
-incremental store must load equal with the earlier one deleted.
+incremental store must load equal with the earlier ones deleted.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from benchmarks import harness as h
 from benchmarks import writers
 from benchmarks.compression import stored_bytes
 
-KINDS = ("full", "first", "incremental", "dcp")
+KINDS = ("full", "first", "second", "incremental", "dcp")
+INCREMENTAL = ("second", "incremental")
 RUNS = "lora:disk:800,lora:tmpfs:800,embedding:disk:256,finetune:disk:800,finetune:tmpfs:800,lora:s3:128"
 # The issue's targets: a LoRA-like save on disk's new bytes over the store's, and its time over a full save's; an
 # embedding's new bytes over its changed chunks'; a full fine-tune's incremental time on disk over a full save's
@@ -121,13 +124,14 @@ def _embedding(ranks: h.Ranks, mb: float, args) -> tuple[Any, Any, dict]:
 SCENARIOS = {"lora": _lora, "embedding": _embedding, "finetune": _finetune}
 
 
-def save(kind: str, state, where: str, base: str, args, options: dict | None, fs) -> Any:
-    """One save of ``kind`` into ``where``: this rank's ReuseCounts, for a kind that records its chunks."""
+def save(kind: str, state, where: str, bases: dict[str, str], args, options: dict | None, fs) -> Any:
+    """One save of ``kind`` into ``where`` (``bases``: the earlier checkpoint of each incremental kind): this rank's
+    ReuseCounts, for a kind that records its chunks."""
     if kind == "dcp":
         return writers.save("fsspec" if options else "fs", state, where, args.threads, options, file_system=fs)
     from dcp_zarr import ZarrWriter
 
-    extra = {"full": {}, "first": {"incremental": True}, "incremental": {"incremental_from": base}}[kind]
+    extra = {"incremental_from": bases[kind]} if kind in INCREMENTAL else {"first": {"incremental": True}}.get(kind, {})
     writer = ZarrWriter(where, storage_options=options, thread_count=args.threads, **extra)
     dcp.save(state, storage_writer=writer)
     return writer.reuse_counts
@@ -182,8 +186,10 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
         remove = (lambda p: writers.remove_s3(p, opts)) if s3 else (lambda p: shutil.rmtree(p, ignore_errors=True))
         gc.collect()  # the last run's state released
         before, advance, info = SCENARIOS[scenario](ranks, float(mb), args)  # built anew: the same for every run
-        base = f"{roots[target]}/{scenario}-{mb}-base"
-        save("first", before, base, "", args, opts, fs)
+        start, base = f"{roots[target]}/{scenario}-{mb}-start", f"{roots[target]}/{scenario}-{mb}-base"
+        bases = {"second": start, "incremental": base}
+        save("first", before, start, bases, args, opts, fs)
+        save("second", advance(), base, bases, args, opts, fs)
         state = advance()
         times: dict[str, list[float]] = {k: [] for k in KINDS}
         counts: dict[str, dict] = {}
@@ -192,11 +198,12 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
             for kind in h.rotated(KINDS, repeat):
                 where = f"{roots[target]}/{scenario}-{mb}-{kind}-{repeat + 1}"
                 if args.evict_base and not s3 and ranks.rank == 0:
-                    h.evict_page_cache(base)
+                    for earlier in bases.values():
+                        h.evict_page_cache(earlier)
                 if s3 and ranks.rank == 0:
                     s3_server.control(endpoint, "reset")
                 calls.take()
-                seconds, _, reuse = h.timed(lambda: save(kind, state, where, base, args, opts, fs))
+                seconds, _, reuse = h.timed(lambda: save(kind, state, where, bases, args, opts, fs))
                 local, reuse = sum(h.gather(calls.take()), Counter()), h.gather(reuse)
                 if repeat >= 0:
                     times[kind].append(seconds)
@@ -209,7 +216,8 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
                                      new_bytes=traffic["bytes_in"])
                     else:
                         found.update(requests={"write": local["writes"], "read": local["reads"],
-                                               "link": found["linked_chunks"] or 0}, new_bytes=du(base, where)[1])
+                                               "link": found["linked_chunks"] or 0},
+                                     new_bytes=du(bases.get(kind, base), where)[1])
                         if scenario == "embedding" and kind == "incremental":
                             found.update(changed_chunks(where, info["changed_rows"]))
                     stored = stored_bytes(where, opts) | ({} if s3 else {"bytes": du(where)[0]})  # du: dirs too
@@ -219,7 +227,8 @@ def measure(ranks: h.Ranks, args, roots: dict[str, str], endpoint: str | None) -
             for where in made if ranks.rank == 0 else ():
                 remove(where)
             dist.barrier()
-        if ranks.rank == 0:  # the last incremental store must load without the checkpoint it linked from
+        if ranks.rank == 0:  # the last incremental store must load without the checkpoints it linked from
+            remove(start)
             remove(base)
         dist.barrier()
         loaded, where = h.zeroed(state), f"{roots[target]}/{scenario}-{mb}-incremental-{args.repeats}"
@@ -247,9 +256,9 @@ def verdicts(runs: list[dict]) -> list[list[str]]:
         m, c, at = r["median_s"], r["counts"]["incremental"], (r["scenario"], r["target"])
         if at == ("lora", "disk"):
             found.append((r["run"], "new bytes / the store's", c["new_bytes"] / c["store_bytes"], "", LORA_BYTES))
-        if at in (("lora", "disk"), ("finetune", "disk")):
-            found.append((r["run"], "time / a full save's", m["incremental"] / m["full"],
-                          f"{paired(r, 'incremental'):.3f}", LORA_TIME if at[0] == "lora" else FINETUNE_TIME))
+        for kind in INCREMENTAL if at in (("lora", "disk"), ("finetune", "disk")) else ():
+            found.append((r["run"], f"{kind}: time / a full save's", m[kind] / m["full"], f"{paired(r, kind):.3f}",
+                          LORA_TIME if at[0] == "lora" else FINETUNE_TIME))
         if "changed_bytes" in c:
             found.append((r["run"], "new bytes / the changed chunks'", c["new_bytes"] / c["changed_bytes"], "",
                           EMBEDDING_BYTES))

@@ -9,6 +9,11 @@ whose array has the same ``zarr.json`` and whose chunk's data has the same diges
 the earlier object instead of writing it (docs/design.md, "Incremental saves", says why a 128-bit digest is exact
 enough); the size and crc32c let it check the object it linked.
 
+A chunk that had changed since the save's own earlier checkpoint is recorded ``UNHASHED`` (16 zero bytes where the
+digest goes): it is likely to change again, and hashing it would cost as much as its crc32c. A later save finds such a
+chunk unchanged by its size and crc32c and confirms it by comparing bytes (store_io/chunk_reuse.py). A real digest of
+16 zero bytes would only send its chunk the same way.
+
 The record is information for the next save only: nothing reads it to load a checkpoint.
 """
 
@@ -22,11 +27,12 @@ from typing import NamedTuple
 import xxhash
 
 HASH_NAME = "xxh3_128"
+UNHASHED = bytes(16)  # the digest of a chunk the save did not hash
 _ENTRY = struct.Struct("<16sQ4s")  # digest, stored size, crc32c of the stored data
 
 
 class StoredChunk(NamedTuple):
-    digest: bytes  # xxh3-128 of the chunk's data, 16 bytes
+    digest: bytes  # xxh3-128 of the chunk's data, 16 bytes, or UNHASHED
     size: int  # bytes of the stored object
     crc: bytes  # the crc32c of its stored data, as stored (4 bytes): store_io/chunk_reuse.py says where it lies
 

@@ -2,9 +2,19 @@
 be the same, else written; and every chunk's entry of the new store's chunk record (format/chunk_record.py).
 
 A chunk is linked only when its array's ``zarr.json`` is the earlier one's (same shape, grid, data type, codecs) and
-its data's xxh3-128 digest is the earlier chunk's. The linked object is then checked against the record (its size and
-the crc32c of its stored data) before the save goes on: an earlier chunk replaced or rewritten since it was recorded
-gives a chunk that is written anew, never a wrong one. A chunk damaged in place under its crc32c (bytes changed,
+its stored bytes are known to be the earlier chunk's, in one of two ways:
+
+- the earlier record has the chunk's digest: the chunk's data is hashed (xxh3-128) and the digests compared;
+- the earlier chunk is recorded ``UNHASHED`` (it had changed in its own save, so it is likely to have changed again):
+  the chunk is encoded first, as a write needs; a size or crc32c unlike the record's means changed, and is written
+  without any hash (what keeps a fully changed state's saves at a full save's cost); a match is confirmed by comparing
+  the encoded bytes with the earlier object's, and only then hashed, for the next save.
+
+A chunk found changed is recorded ``UNHASHED``; a chunk with nothing earlier to compare is hashed.
+
+The linked object is then checked against the record (its size and the crc32c of its stored data) before the save
+goes on: an earlier chunk replaced or rewritten since it was recorded gives a chunk that is written anew, never a
+wrong one. A chunk damaged in place under its crc32c (bytes changed,
 size and crc32c not) is linked as it is and fails its crc32c at load and in verify, as it does in the earlier
 checkpoint: catching it here would mean reading every linked chunk, which is what linking saves.
 
@@ -25,7 +35,7 @@ import numpy as np
 
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
-from dcp_zarr.format.chunk_record import ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
+from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
 from dcp_zarr.format.encoding import CHECKSUM_BYTES, as_bytes, encode_chunk
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.registry import scheme_of, storage_class
@@ -101,19 +111,43 @@ class ChunkReuse:
     def store(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray, layout: ChunkLayout,
               earlier: ArrayRecord | None) -> None:
         """Store the chunk at ``key`` (grid ``index`` of ``node``) holding ``data``, its unpadded content."""
-        digest = data_digest(as_bytes(data))
         previous = earlier.chunks[index] if earlier is not None and index < len(earlier.chunks) else None
         crc_at = _crc_before_end(layout)
+        if previous is not None and previous.digest == UNHASHED:
+            self._store_by_bytes(storage, node, index, key, data, layout, previous, crc_at)
+            return
+        digest = data_digest(as_bytes(data))
         if previous is not None and previous.digest == digest and self._linked(storage, key, previous, crc_at):
             self._note(node, index, previous, linked=True)
             return
+        changed = previous is not None and previous.digest != digest
         buffers = encode_chunk(data, layout)
         storage.write(key, buffers)
-        stored = StoredChunk(digest, sum(memoryview(b).nbytes for b in buffers), _last_bytes(buffers, crc_at))
+        self._note(node, index, _stored(UNHASHED if changed else digest, buffers, crc_at), linked=False)
+
+    def _store_by_bytes(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray,
+                        layout: ChunkLayout, previous: StoredChunk, crc_at: int) -> None:
+        """Store a chunk whose earlier one is recorded ``UNHASHED``: by its encoded size and crc32c, then its bytes."""
+        buffers = encode_chunk(data, layout)
+        stored = _stored(UNHASHED, buffers, crc_at)
+        if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers) \
+                and self._linked(storage, key, previous, crc_at):
+            self._note(node, index, stored._replace(digest=data_digest(as_bytes(data))), linked=True)
+            return
+        storage.write(key, buffers)
         self._note(node, index, stored, linked=False)
 
     def counts(self) -> ReuseCounts:
         return ReuseCounts(*self._counts)
+
+    def _earlier_holds(self, key: str, buffers: list) -> bool:
+        """Whether the earlier checkpoint's object at ``key`` is the concatenation of ``buffers``, byte for byte."""
+        assert self.earlier is not None  # a previous chunk comes from it
+        try:
+            held = self.earlier.storage.read(key)
+        except OSError:  # gone since it was recorded: the chunk is written
+            return False
+        return held == b"".join(buffers)
 
     def _linked(self, storage: Storage, key: str, previous: StoredChunk, crc_at: int) -> bool:
         assert self.earlier is not None  # a previous chunk comes from it
@@ -155,6 +189,11 @@ def _crc_before_end(layout: ChunkLayout) -> int:
         return 0
     assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks: one crc32c would not cover them all"
     return INDEX_ENTRY_BYTES + CHECKSUM_BYTES
+
+
+def _stored(digest: bytes, buffers: list, crc_at: int) -> StoredChunk:
+    """The record of a chunk stored as ``buffers``."""
+    return StoredChunk(digest, sum(memoryview(b).nbytes for b in buffers), _last_bytes(buffers, crc_at))
 
 
 def _last_bytes(buffers: list, skipped: int) -> bytes:

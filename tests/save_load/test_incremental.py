@@ -13,6 +13,7 @@ import shutil
 import uuid
 import warnings
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -27,7 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 import dcp_zarr.writer
 from dcp_zarr import Compression, ZarrReader, ZarrWriter
 from dcp_zarr.errors import IncrementalSaveWarning
+from dcp_zarr.format.chunk_record import UNHASHED, ChunkRecord, data_digest
 from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
+from dcp_zarr.store_io import chunk_reuse
 from dcp_zarr.testing.planners import DCPsPlanning
 from dcp_zarr.tools.cli import main
 from dcp_zarr.tools.inspection import human_bytes
@@ -38,6 +41,9 @@ from tests.support.states import load_full, random_bits
 from tests.support.stores import chunk_files, file_identities, new_files, root_manifest, store_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+# Data XORed with this 33-bit multiple of crc32c's polynomial (LSB first, at any offset) keeps its crc32c
+CRC32C_MULTIPLE = (0x82F63B78 << 1) | 1
 
 
 def save(state, path, **writer_options) -> ZarrWriter:
@@ -241,6 +247,80 @@ def test_a_full_fine_tune_links_nothing_and_loads_exactly(tmp_path):
     assert writer.reuse_counts.written_chunks == len(chunk_files(tmp_path / "2.zarr")) > 4
     shutil.rmtree(tmp_path / "1.zarr")
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), changed), changed)
+
+
+def new_chunks(path, earlier) -> set[str]:
+    """The chunk files of ``path`` not linked from ``earlier`` (every ``zarr.json`` is written anew)."""
+    return {f for f in new_files(path, earlier) if os.path.basename(f) != "zarr.json"}
+
+
+def _recorded_digests(path) -> dict[str, list[bytes]]:
+    record = ChunkRecord.from_json(root_manifest(path)["chunks"], str(path))
+    return {node: [c.digest for c in array.chunks] for node, array in record.arrays.items()}
+
+
+def _counting_hashes(monkeypatch) -> list[int]:
+    """Count the chunks the chunk reuse hashes (a list of the bytes of each)."""
+    hashed: list[int] = []
+
+    def counted(buffer):
+        hashed.append(memoryview(buffer).nbytes)
+        return data_digest(buffer)
+
+    monkeypatch.setattr(chunk_reuse, "data_digest", counted)
+    return hashed
+
+
+def test_a_chain_hashes_only_the_chunks_that_may_be_linked(tmp_path, monkeypatch):
+    """The chain's start hashes every chunk; a chunk found changed is recorded unhashed, and the next save tells it by
+    its crc32c without hashing it; one unchanged since is confirmed by its bytes, linked, and hashed again."""
+    options = {"inner_chunk_bytes": 16 << 10}
+    hashed = _counting_hashes(monkeypatch)
+    paths = [tmp_path / f"{step}.zarr" for step in range(4)]
+    save(_fine_tune_state(1), paths[0], incremental=True, **options)
+    chunks = len(chunk_files(paths[0]))
+    assert len(hashed) == chunks > 4 and UNHASHED not in sum(_recorded_digests(paths[0]).values(), [])
+
+    hashed.clear()  # everything changes: hashed once more (each had a digest), and recorded unhashed
+    save(_fine_tune_state(2), paths[1], incremental_from=paths[0], **options)
+    assert len(hashed) == chunks
+    assert set(sum(_recorded_digests(paths[1]).values(), [])) == {UNHASHED}
+
+    hashed.clear()  # everything changes again: nothing hashed at all
+    writer = save(_fine_tune_state(3), paths[2], incremental_from=paths[1], **options)
+    assert hashed == [] and writer.reuse_counts.linked_chunks == 0
+
+    hashed.clear()  # "model" unchanged since the last save, "optim" changed: the first linked, by its bytes, and hashed
+    kept = {"model": _fine_tune_state(3)["model"], "optim": _fine_tune_state(4)["optim"]}
+    writer = save(kept, paths[3], incremental_from=paths[2], **options)
+    linked = len(chunk_files(paths[3])) - 1
+    assert writer.reuse_counts.linked_chunks == linked == len(hashed) and writer.reuse_counts.written_chunks == 1
+    assert new_chunks(paths[3], paths[2]) == {"optim/step/c"}
+    digests = _recorded_digests(paths[3])
+    assert digests.pop("optim/step") == [UNHASHED] and UNHASHED not in sum(digests.values(), [])
+    for earlier in paths[:3]:
+        shutil.rmtree(earlier)
+    assert_state_equal(load_full(str(paths[3]), kept), kept)
+
+
+def test_a_chunk_changed_under_the_same_crc32c_is_written_not_linked(tmp_path):
+    """Bytes XORed with crc32c's polynomial keep the chunk's size and crc32c: the comparison of bytes catches it."""
+    options = {"inner_chunk_bytes": 16 << 10}
+    save({"w": random_bits((256, 64), torch.float32, 1)}, tmp_path / "0.zarr", incremental=True, **options)
+    earlier = {"w": random_bits((256, 64), torch.float32, 2)}
+    save(earlier, tmp_path / "1.zarr", incremental_from=tmp_path / "0.zarr", **options)  # recorded unhashed
+    forged = earlier["w"].clone()
+    forged.view(torch.uint8).view(-1)[100:105] ^= torch.tensor(list(CRC32C_MULTIPLE.to_bytes(5, "little")),
+                                                                dtype=torch.uint8)
+    chunk = forged.view(torch.uint8).view(-1)[: 16 << 10]
+    assert crc32c.crc32c(chunk.numpy().tobytes()) == crc32c.crc32c(earlier["w"].view(torch.uint8).view(-1)[
+        : 16 << 10].numpy().tobytes()) and not torch.equal(forged, earlier["w"])
+
+    writer = save({"w": forged}, tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", **options)
+    assert new_chunks(tmp_path / "2.zarr", tmp_path / "1.zarr") == {"w/c.0.0"}
+    assert writer.reuse_counts.linked_chunks == 3 and writer.reuse_counts.written_chunks == 1
+    shutil.rmtree(tmp_path / "1.zarr")
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), {"w": forged}), {"w": forged})
 
 
 # -- every way of saving, every kind of value --------------------------------------------------------------------------
