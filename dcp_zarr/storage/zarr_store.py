@@ -107,7 +107,7 @@ class ZarrStoreStorage(Storage):
 
         async def copy() -> bool:
             try:
-                await fs._cp_file(origin, destination)
+                await _server_side_copy(fs, origin, destination)
             except FileNotFoundError:
                 return False
             return True
@@ -181,3 +181,20 @@ def _s3_client_options(url: str, storage_options: dict | None) -> dict | None:
     config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     options["config_kwargs"] = config
     return options
+
+
+async def _server_side_copy(fs, origin: str, destination: str) -> None:
+    """Copy ``origin`` to ``destination`` on the object store's side. s3fs's ``_cp_file`` first asks the origin's size
+    (a HEAD) to choose a single CopyObject (up to 5 GB) or a multipart copy; a chunk is far smaller, so where s3fs has
+    ``_copy_basic``, that one request is tried first (measured: 4 requests per reused chunk became 2 with the check in
+    store_io/chunk_reuse.py), and ``_cp_file`` is the fallback for anything it refuses."""
+    basic = getattr(fs, "_copy_basic", None)
+    if basic is not None:
+        try:
+            await basic(origin, destination)
+            return
+        except FileNotFoundError:
+            raise
+        except Exception:  # noqa: BLE001  (too large for one CopyObject, or an s3fs without it: the general copy)
+            pass
+    await fs._cp_file(origin, destination)

@@ -153,8 +153,7 @@ class ChunkReuse:
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
-            same = storage.size(key) == previous.size \
-                and storage.read_tail(key, crc_at + CHECKSUM_BYTES)[:CHECKSUM_BYTES] == previous.crc
+            same = _ends_as_recorded(storage, key, previous, crc_at + CHECKSUM_BYTES)
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
             return False
         if not same:  # changed since it was recorded: the write that follows replaces the link
@@ -189,6 +188,16 @@ def _crc_before_end(layout: ChunkLayout) -> int:
         return 0
     assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks: one crc32c would not cover them all"
     return INDEX_ENTRY_BYTES + CHECKSUM_BYTES
+
+
+def _ends_as_recorded(storage: Storage, key: str, recorded: StoredChunk, tail: int) -> bool:
+    """Whether the object at ``key`` is ``recorded.size`` bytes long and holds the recorded crc32c where its last
+    ``tail`` bytes begin: one ranged read of one byte past the recorded end (an object that long gives ``tail`` bytes
+    back, a longer one more, a shorter one fewer), where a size and then a tail would take two requests."""
+    if recorded.size < tail:
+        return False
+    found = storage.read_range(key, recorded.size - tail, tail + 1)
+    return len(found) == tail and found[:CHECKSUM_BYTES] == recorded.crc
 
 
 def _stored(digest: bytes, buffers: list, crc_at: int) -> StoredChunk:

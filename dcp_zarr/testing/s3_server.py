@@ -35,15 +35,16 @@ CONTROL = "/__control__/"
 class Traffic:
     """What the server served while counted: requests by method, bytes received (PUT bodies) and sent (GET
     bodies), GETs by key (the last path component's parent and name: ``zarr.json``, ``w/c.0``); and per object
-    (``bucket/key``): the bytes of the PUT bodies it received (``put_bytes``), of the GET bodies it sent
-    (``get_bytes``), and the copies made within the server, ``(source, destination)`` -> count (``copies``; a copy
-    is a PUT too, with no body)."""
+    (``bucket/key``): the requests by method (``object_requests``: ``(method, object)`` -> count), the bytes of the
+    PUT bodies it received (``put_bytes``), of the GET bodies it sent (``get_bytes``), and the copies made within the
+    server, ``(source, destination)`` -> count (``copies``; a copy is a PUT too, with no body)."""
 
     def __init__(self) -> None:
         self.requests: Counter = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
         self.gets: Counter = Counter()
+        self.object_requests: Counter = Counter()
         self.put_bytes: Counter = Counter()
         self.get_bytes: Counter = Counter()
         self.copies: Counter = Counter()
@@ -82,6 +83,7 @@ class _Front:
         if traffic is not None:
             with self.lock:
                 traffic.requests[method] += 1
+                traffic.object_requests[(method, _object(path))] += 1
                 if method == "PUT":
                     size = int(environ.get("CONTENT_LENGTH") or 0)
                     traffic.bytes_in += size

@@ -81,7 +81,8 @@ def _expected_changed(fs, b: str) -> set[str]:
 
 def _check_traffic(s3, traffic, a: str, b: str, counts: list[ReuseCounts]) -> dict:
     """Every chunk object of ``b`` either copied from ``a``'s on the server (no body put, none read but the tail
-    the save checks) or, where it holds a changed row, PUT whole; the writers' counts agree. Returns the figures."""
+    the save checks, in two requests) or, where it holds a changed row, PUT whole; the writers' counts agree.
+    Returns the figures."""
     fs = s3.filesystem()
     a, b = a.removeprefix("s3://"), b.removeprefix("s3://")
     chunks = {key: fs.size(key) for key in fs.find(b) if not key.endswith("zarr.json")}
@@ -93,6 +94,9 @@ def _check_traffic(s3, traffic, a: str, b: str, counts: list[ReuseCounts]) -> di
         else:
             assert traffic.copies[(a + key[len(b):], key)] == 1 and traffic.put_bytes[key] == 0, key
             assert traffic.get_bytes[key] <= CHECKSUM_BYTES, (key, traffic.get_bytes[key])
+            # two requests: the copy, and one ranged GET that checks its size and crc32c; none of the earlier object
+            asked = {(m, o): n for (m, o), n in traffic.object_requests.items() if o in (key, a + key[len(b):])}
+            assert asked == {("PUT", key): 1, ("GET", key): 1}, (key, asked)
     assert sum(traffic.copies.values()) == len(chunks) - len(changed), traffic.copies
     # Nothing else crossed: every other body put is a zarr.json, no chunk of the earlier store was read, and none of
     # the new one beyond its tail (the other GETs are of zarr.json documents, and listings: GETs of the bucket).
