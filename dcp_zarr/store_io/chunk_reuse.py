@@ -14,9 +14,9 @@ A chunk found changed is recorded ``UNHASHED``; a chunk with nothing earlier to 
 
 The linked object is then checked against the record (its size and the crc32c of its stored data) before the save
 goes on: an earlier chunk replaced or rewritten since it was recorded gives a chunk that is written anew, never a
-wrong one. A chunk damaged in place under its crc32c (bytes changed,
-size and crc32c not) is linked as it is and fails its crc32c at load and in verify, as it does in the earlier
-checkpoint: catching it here would mean reading every linked chunk, which is what linking saves.
+wrong one. A chunk damaged in place under its crc32c (bytes changed, size and crc32c not) is linked as it is and
+fails its crc32c at load and in verify, as it does in the earlier checkpoint: catching it here would mean reading
+every linked chunk, which is what linking saves.
 
 That crc32c ends a plain chunk; a compressed chunk is a shard of one inner chunk, whose crc32c comes just before the
 shard's index: the index's own crc32c, which ends the object, covers only offsets and sizes, the same in any two
