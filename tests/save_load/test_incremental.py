@@ -271,10 +271,12 @@ def _counting_hashes(monkeypatch) -> list[int]:
     return hashed
 
 
-def test_a_chain_hashes_only_the_chunks_that_may_be_linked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_chain_hashes_only_the_chunks_that_may_be_linked(tmp_path, monkeypatch, compression):
     """The chain's start hashes every chunk; a chunk found changed is recorded unhashed, and the next save tells it by
-    its crc32c without hashing it; one unchanged since is confirmed by its bytes, linked, and hashed again."""
-    options = {"inner_chunk_bytes": 16 << 10}
+    its crc32c without hashing it; one unchanged since is confirmed by its bytes, linked, and hashed again (plain
+    chunks, and compressed ones, whose crc32c is of the compressed bytes)."""
+    options = {"inner_chunk_bytes": 16 << 10, "compression": compression}
     hashed = _counting_hashes(monkeypatch)
     paths = [tmp_path / f"{step}.zarr" for step in range(4)]
     save(_fine_tune_state(1), paths[0], incremental=True, **options)
