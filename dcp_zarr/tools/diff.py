@@ -139,8 +139,9 @@ def _max_abs_diff(xa: np.ndarray, xb: np.ndarray, dtype_name: str) -> float:
     # By torch's name: numpy calls ml_dtypes' bfloat16 and float8 kind "V", not floating.
     is_complex, is_float = "complex" in dtype_name, "float" in dtype_name
     wide = np.complex128 if is_complex else np.float64
-    da, db = xa.astype(wide), xb.astype(wide)
-    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and overflowing differences, handled below
+    # invalid: widening a signalling NaN, and inf - inf; over: overflowing differences; all handled below
+    with np.errstate(invalid="ignore", over="ignore"):
+        da, db = xa.astype(wide), xb.astype(wide)
         diff = np.abs(da - db)
         same = (da == db) | (np.isnan(da) & np.isnan(db))  # equal infinities give inf - inf = nan
     diff = np.where(same, 0.0, diff)

@@ -527,6 +527,18 @@ def test_diff_reports_each_differing_entry_with_its_max_abs_difference(tmp_path,
     assert entries["w"]["max_abs_diff"] == 0.5 and entries["w"]["differing"] == 3
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_diff_of_a_signalling_and_a_quiet_nan_says_close_without_numpy_warnings(tmp_path, capsys):
+    signalling, quiet = (torch.tensor([bits, 0x3F800000], dtype=torch.int32).view(torch.float32)
+                         for bits in (0x7FA00000, 0x7FC00000))
+    _save(tmp_path / "a.zarr", {"w": signalling})
+    _save(tmp_path / "b.zarr", {"w": quiet})
+
+    code, out, _ = run(capsys, "diff", tmp_path / "a.zarr", tmp_path / "b.zarr")
+
+    assert code == 0 and "close  w  (max abs diff 0, 1 of 2 elements differ)" in out, out  # NaN's bits differ only
+
+
 def test_diff_within_atol_exits_0(tmp_path, capsys):
     _save(tmp_path / "a.zarr", {"w": torch.ones(4)})
     _save(tmp_path / "b.zarr", {"w": torch.ones(4) + 1e-3})
