@@ -36,11 +36,9 @@ import numpy as np
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
-from dcp_zarr.format.encoding import CHECKSUM_BYTES, as_bytes, encode_chunk
+from dcp_zarr.format.encoding import CHECKSUM_BYTES, as_bytes, encode_chunk, shard_index_bytes
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.registry import scheme_of, storage_class
-
-INDEX_ENTRY_BYTES = 16  # one inner chunk's (offset, size) in a shard's index: two uint64
 
 
 class EarlierCheckpoint(NamedTuple):
@@ -187,7 +185,7 @@ def _crc_before_end(layout: ChunkLayout) -> int:
     if not layout.sharded:
         return 0
     assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks: one crc32c would not cover them all"
-    return INDEX_ENTRY_BYTES + CHECKSUM_BYTES
+    return shard_index_bytes(layout)
 
 
 def _ends_as_recorded(storage: Storage, key: str, recorded: StoredChunk, tail: int) -> bool:
