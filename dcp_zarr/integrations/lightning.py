@@ -63,6 +63,7 @@ from dcp_zarr.integrations.framework import (
     require_internals,
     signature_with_compression,
 )
+from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
@@ -210,17 +211,9 @@ def _incremental_base(saved_before: list[str], path: str | os.PathLike) -> str |
     """The newest of ``saved_before`` (real paths) that is not ``path`` and still holds a committed dcp_zarr store,
     or None (a full save), as rank 0 sees them, on every rank: rank 0 alone deletes checkpoints (ModelCheckpoint's
     removals), and another rank may look before its deletion is done. A collective: every rank saves."""
-    distributed = dist.is_available() and dist.is_initialized()
-    base = None
-    if not distributed or dist.get_rank() == 0:
-        target = os.path.realpath(path)
-        base = next((earlier for earlier in reversed(saved_before) if earlier != target and _is_complete(earlier)),
-                    None)
-    if distributed:
-        box = [base]
-        dist.broadcast_object_list(box, src=0)
-        base = box[0]
-    return base
+    target = os.path.realpath(path)
+    return decided_by_rank0(lambda: next(
+        (earlier for earlier in reversed(saved_before) if earlier != target and _is_complete(earlier)), None))
 
 
 def _is_complete(location: str) -> bool:

@@ -43,7 +43,6 @@ from typing import Any
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -57,6 +56,7 @@ from dcp_zarr.integrations.framework import (
     refuse_unless_committed,
     require_internals,
 )
+from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.lifecycle.step_forms import TORCHTITAN
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
@@ -253,13 +253,7 @@ class ZarrCheckpointManager(_CheckpointManager):
         (one that records its chunks, when ``zarr_incremental``)."""
         if not self._zarr_incremental:
             return None
-        distributed = dist.is_available() and dist.is_initialized()
-        base = self._choose_base(checkpoint_id, async_mode) if not distributed or dist.get_rank() == 0 else None
-        if distributed:
-            box = [base]
-            dist.broadcast_object_list(box, src=0)
-            base = box[0]
-        return base
+        return decided_by_rank0(lambda: self._choose_base(checkpoint_id, async_mode))
 
     def _choose_base(self, checkpoint_id: str, async_mode: Any) -> str | None:
         """The newest complete ``step-N`` store beside ``checkpoint_id`` (the lifecycle's listing) that this save

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
 from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
 from dcp_zarr.lifecycle.listing import StepStore
+from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.retention import steps_to_delete
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.lifecycle.step_forms import step_name
@@ -94,7 +95,7 @@ class CheckpointManager:
                 self.root.clean_leftovers()  # nothing runs here now but what is gone: the lease says so
             except Exception as exc:  # every rank must hear of it, or the others would wait for rank 0 forever
                 failure = exc
-        message = self._from_rank0(None if failure is None else f"{type(failure).__name__}: {failure}")
+        message = decided_by_rank0(lambda: None if failure is None else f"{type(failure).__name__}: {failure}")
         if failure is not None:
             raise failure
         if message is not None:
@@ -169,9 +170,10 @@ class CheckpointManager:
         if step is not None:
             step = _checked_step(step, self.root.url)
         # Rank 0 looks, every rank loads what it found (a listing elsewhere could race with a save in flight).
-        step, name, missing = self._from_rank0(self._find(step) if self._rank == 0 else None)
+        step, name, missing = decided_by_rank0(lambda: self._find(step))
         if missing:
             raise StepNotFoundError(missing)
+        assert step is not None and name is not None  # found: _find gives both
         with self._lock:
             self._in_use.add(step)
         try:
@@ -225,23 +227,15 @@ class CheckpointManager:
         runs after a save, and keeps the newest complete checkpoint."""
         if not self.incremental:
             return None
-        base = None
-        if self._rank == 0:  # the store as listed: a step may be stored under another form's name (step-7)
+        def newest_other() -> str | None:  # the store as listed: a step may be stored under another form's name
             complete = {s.step: s.name for s in self._step_stores() if s.complete and s.step != step}
-            base = self.root.location(complete[max(complete)]) if complete else None
-        return self._from_rank0(base)
+            return self.root.location(complete[max(complete)]) if complete else None
+
+        return decided_by_rank0(newest_other)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ZarrCheckpointError(f"CheckpointManager({self.root.url!r}) is closed")
-
-    def _from_rank0(self, value):
-        """``value`` as rank 0 has it, on every rank (itself when not distributed)."""
-        if not self._distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
 
     def _group_for_async(self):
         """DCP's async save runs its collectives on a background thread; on the training's own group they would
