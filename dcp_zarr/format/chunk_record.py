@@ -14,6 +14,10 @@ digest goes): it is likely to change again, and hashing it would cost as much as
 chunk unchanged by its size and crc32c and confirms it by comparing bytes (store_io/chunk_reuse.py). A real digest of
 16 zero bytes would only send its chunk the same way.
 
+An array whose every chunk is recorded ``UNHASHED`` changed whole (``ChunkRecord.changed_whole``): the next save
+lays it out as a full save does, one object per rank's box rather than one per chunk (planning/write_plan.py), since
+an object per ~1 MiB chunk costs a full fine-tune's saves their file count and only an unchanged chunk repays it.
+
 The record is information for the next save only: nothing reads it to load a checkpoint.
 """
 
@@ -92,6 +96,12 @@ class ChunkRecord(NamedTuple):
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: the manifest's chunk record is malformed: {exc}") from None
         return cls(arrays, document.get("incremental_from"))
+
+    def changed_whole(self) -> frozenset[str]:
+        """The nodes of the arrays whose every chunk had changed in the save that recorded them (all ``UNHASHED``):
+        likely to change whole again, so the next save does not split them into an object per chunk."""
+        return frozenset(node for node, array in self.arrays.items()
+                         if array.chunks and all(chunk.digest == UNHASHED for chunk in array.chunks))
 
 
 def array_record(metadata: str, chunk_count: int, chunks: Iterable[tuple[int, StoredChunk]]) -> ArrayRecord | None:

@@ -75,13 +75,15 @@ def _check_prefixes(owners: dict[str, str]) -> None:
 
 def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_chunk_bytes: int,
                           array_shards: bool = False, compression: Compression | None = None,
-                          records_chunks: bool = False) -> dict[str, ArraySpec]:
+                          records_chunks: bool = False, whole_arrays: frozenset[str] = frozenset()
+                          ) -> dict[str, ArraySpec]:
     """One ArraySpec per tensor; with ``array_shards`` (a backend that writes at offsets: local files), an array that
     several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``). With
     ``compression``, every candidate array is compressed: a save DCP plans carries no samples of the data
     (planning/compression_sample.py serves saves planned locally), and a codec stores data that does not compress
     within its overhead (format/codecs.py). With ``records_chunks`` (an incremental save), one object per chunk
-    (``ChunkLayout.one_object_per_chunk``)."""
+    (``ChunkLayout.one_object_per_chunk``), except in the ``whole_arrays`` (nodes: ``SaveOptions.whole_arrays``),
+    and no shard spanning an array (the chunk path records each object its rank wrote)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO
@@ -107,7 +109,8 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
         codec = (compression.codec(np_dtype.itemsize)
                  if compression is not None and compression.compresses(str(data.properties.dtype), nbytes) else None)
         if records_chunks:
-            layout = layout.one_object_per_chunk()
+            if nodes[fqn] not in whole_arrays:
+                layout = layout.one_object_per_chunk()
         elif array_shards and codec is None:
             layout = array_shard_layout(layout, saved) or layout
         layout = layout.compressed(codec)

@@ -18,6 +18,7 @@ A load: each rank's ``LoadSummary`` (its place in the reader's process group) an
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from typing import Any, NamedTuple
 
@@ -51,11 +52,21 @@ class SaveOptions(NamedTuple):
     exchange_bytes: int
     compression: Compression | None
     records_chunks: bool = False  # incremental: one object per chunk, each recorded (format/chunk_record.py)
+    # incremental: the nodes of the arrays that changed whole in the earlier checkpoint, laid out as a full save lays
+    # them out instead (format/chunk_record.py, ChunkRecord.changed_whole); every rank reads them from that record
+    whole_arrays: frozenset[str] = frozenset()
 
     def summarized(self) -> tuple[int | str | bool | None, ...]:
-        """As a ``Summary`` carries them: compression as its one string."""
+        """As a ``Summary`` carries them: compression as its one string, the whole arrays as their count and digest
+        (a large model's thousands of names would otherwise travel in every rank's message)."""
         compression = None if self.compression is None else self.compression.key()
-        return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression, self.records_chunks)
+        return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression, self.records_chunks,
+                _names_digest(self.whole_arrays))
+
+
+def _names_digest(names: frozenset[str]) -> str:
+    digest = hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).hexdigest()
+    return f"{len(names)} arrays ({digest})"
 
 
 SAVE_OPTIONS = SaveOptions._fields

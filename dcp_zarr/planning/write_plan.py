@@ -95,7 +95,7 @@ def make_plan(part: RankPart, key: PlanKey, merged: Merged | None) -> WritePlan:
     saved_specs = saved_shards = None
     if key.coordinator:
         saved_specs = layouts.specs(entries, nodes, entries)
-        saved_shards = {fqn: layouts.layout(entries[fqn])[1] for fqn in saved_specs}
+        saved_shards = {fqn: layouts.layout(entries[fqn], nodes[fqn])[1] for fqn in saved_specs}
     return WritePlan(nodes, merged, aggregation, decisions, specs,
                      layouts.specs(entries, nodes, aggregation.arrays), saved_specs, saved_shards)
 
@@ -115,12 +115,13 @@ class _Layouts:
             if entry.kind != TENSOR:
                 continue
             assert entry.dtype is not None  # a tensor entry
-            layout, _ = self.layout(entry)
+            layout, _ = self.layout(entry, nodes[fqn])
             specs[fqn] = array_spec(fqn, nodes[fqn], entry.dtype, shared.setdefault(layout, layout))
         return specs
 
-    def layout(self, entry: Holding) -> tuple[ChunkLayout, int]:
-        """(the array's layout, its count of non-empty boxes saved)."""
+    def layout(self, entry: Holding, node: str) -> tuple[ChunkLayout, int]:
+        """(the array's layout, its count of non-empty boxes saved). In a save that records its chunks, one object
+        per chunk, but for the arrays that changed whole in the earlier one (``SaveOptions.whole_arrays``)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
         codec = self.codec(entry)
@@ -128,7 +129,7 @@ class _Layouts:
         records = self.key.options.records_chunks
         layout, count = entry_layout(entry, entry.dtype.itemsize, self.key.options.inner_chunk_bytes,
                                      self.key.array_shards and codec is None and not records, boxes)
-        if records:
+        if records and node not in self.key.options.whole_arrays:
             layout = layout.one_object_per_chunk()
         aggregated = self.aggregation.arrays.get(entry.fqn)
         return (layout if aggregated is None else aggregated.layout).compressed(codec), count

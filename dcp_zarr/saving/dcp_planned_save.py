@@ -64,7 +64,8 @@ class DcpPlannedSave:
         self._specs = array_specs_for_plans(plans, nodes, settings.inner_chunk_bytes,
                                             array_shards=begun.storage.writes_at_offsets,
                                             compression=settings.compression,
-                                            records_chunks=settings.incremental)
+                                            records_chunks=settings.incremental,
+                                            whole_arrays=incremental.whole_arrays(self.earlier))
         # usable=True: a caching planner then takes these plans, this save's, not the ones it cached
         return [dataclasses.replace(plan, storage_data=assignment, usable=True)
                 for plan, assignment in zip(plans, assignments(plans, self._specs, nodes, begun.staging_location,

@@ -63,6 +63,12 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
     return EarlierCheckpoint(earlier, manifest.save_id, storage, record)
 
 
+def whole_arrays(earlier: EarlierCheckpoint | None) -> frozenset[str]:
+    """The arrays this save lays out as a full save does (not an object per chunk): those that changed whole in the
+    earlier checkpoint (``ChunkRecord.changed_whole``)."""
+    return frozenset() if earlier is None else earlier.record.changed_whole()
+
+
 def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], earlier: EarlierCheckpoint | None
                  ) -> dict:
     """The new store's chunk record (the manifest's ``chunks``): every array whose chunks the ranks all reported,

@@ -35,9 +35,9 @@ class LocallyPlannedSave:
         self.settings = settings
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
-        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.exchange_bytes,
-                              settings.compression, settings.incremental)
         self.earlier = incremental.open_earlier(settings)  # before anything is written
+        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.exchange_bytes,
+                              settings.compression, settings.incremental, incremental.whole_arrays(self.earlier))
         self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
                                options)
         self.written_keys: list[str] = []

@@ -10,7 +10,9 @@ its stored bytes are known to be the earlier chunk's, in one of two ways:
   without any hash (what keeps a fully changed state's saves at a full save's cost); a match is confirmed by comparing
   the encoded bytes with the earlier object's, and only then hashed, for the next save.
 
-A chunk found changed is recorded ``UNHASHED``; a chunk with nothing earlier to compare is hashed.
+A chunk found changed is recorded ``UNHASHED``; a chunk with nothing earlier to compare is hashed, except in an array
+laid out anew because it changed whole in the earlier checkpoint (``ChunkRecord.changed_whole``): recorded
+``UNHASHED``, so that the next save keeps its layout rather than going back to an object per chunk.
 
 The linked object is then checked against the record (its size and the crc32c of its stored data) before the save
 goes on: an earlier chunk replaced or rewritten since it was recorded gives a chunk that is written anew, never a
@@ -20,15 +22,20 @@ every linked chunk, which is what linking saves.
 
 That crc32c ends a plain chunk; a compressed chunk is a shard of one inner chunk, whose crc32c comes just before the
 shard's index: the index's own crc32c, which ends the object, covers only offsets and sizes, the same in any two
-shards whose data compressed to as many bytes.
+shards whose data compressed to as many bytes. A shard of several inner chunks (an array that changed whole) is
+recorded by the crc32c of its inner chunks' crc32c's, and a link to one is checked by reading it whole: such a shard
+is linked only when its array has stopped changing, once, after which the array is split again.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import threading
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -36,7 +43,7 @@ import numpy as np
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
-from dcp_zarr.format.encoding import CHECKSUM_BYTES, as_bytes, encode_chunk, shard_index_bytes
+from dcp_zarr.format.encoding import CHECKSUM_BYTES, MISSING, as_bytes, checksum, encode_chunk, shard_index_bytes
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.registry import scheme_of, storage_class
 
@@ -96,6 +103,7 @@ class ChunkReuse:
         self._lock = threading.Lock()
         self._counts = [0, 0, 0, 0]
         self._warned = False
+        self._whole = frozenset() if earlier is None else earlier.record.changed_whole()
 
     def earlier_array(self, node: str, encoded_zarr_json: str) -> ArrayRecord | None:
         """The earlier checkpoint's record of the array at ``node``, if its ``zarr.json`` is this save's."""
@@ -110,26 +118,31 @@ class ChunkReuse:
               earlier: ArrayRecord | None) -> None:
         """Store the chunk at ``key`` (grid ``index`` of ``node``) holding ``data``, its unpadded content."""
         previous = earlier.chunks[index] if earlier is not None and index < len(earlier.chunks) else None
-        crc_at = _crc_before_end(layout)
         if previous is not None and previous.digest == UNHASHED:
-            self._store_by_bytes(storage, node, index, key, data, layout, previous, crc_at)
+            self._store_by_bytes(storage, node, index, key, data, layout, previous)
+            return
+        if previous is None and node in self._whole:  # laid out anew, as it changed whole: not hashed (see above)
+            buffers = encode_chunk(data, layout)
+            storage.write(key, buffers)
+            self._note(node, index, _stored(UNHASHED, buffers, layout), linked=False)
             return
         digest = data_digest(as_bytes(data))
-        if previous is not None and previous.digest == digest and self._linked(storage, key, previous, crc_at):
+        if previous is not None and previous.digest == digest \
+                and self._linked(storage, key, previous, layout, lambda: encode_chunk(data, layout)):
             self._note(node, index, previous, linked=True)
             return
         changed = previous is not None and previous.digest != digest
         buffers = encode_chunk(data, layout)
         storage.write(key, buffers)
-        self._note(node, index, _stored(UNHASHED if changed else digest, buffers, crc_at), linked=False)
+        self._note(node, index, _stored(UNHASHED if changed else digest, buffers, layout), linked=False)
 
     def _store_by_bytes(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray,
-                        layout: ChunkLayout, previous: StoredChunk, crc_at: int) -> None:
+                        layout: ChunkLayout, previous: StoredChunk) -> None:
         """Store a chunk whose earlier one is recorded ``UNHASHED``: by its encoded size and crc32c, then its bytes."""
         buffers = encode_chunk(data, layout)
-        stored = _stored(UNHASHED, buffers, crc_at)
+        stored = _stored(UNHASHED, buffers, layout)
         if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers) \
-                and self._linked(storage, key, previous, crc_at):
+                and self._linked(storage, key, previous, layout, lambda: buffers):
             self._note(node, index, stored._replace(digest=data_digest(as_bytes(data))), linked=True)
             return
         storage.write(key, buffers)
@@ -147,11 +160,17 @@ class ChunkReuse:
             return False
         return held == b"".join(buffers)
 
-    def _linked(self, storage: Storage, key: str, previous: StoredChunk, crc_at: int) -> bool:
+    def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout,
+                encoded: Callable[[], list]) -> bool:
+        """Link the earlier object at ``key`` into ``storage``; whether it then holds what ``previous`` records (for a
+        shard of several inner chunks: the ``encoded`` buffers, byte for byte)."""
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
-            same = _ends_as_recorded(storage, key, previous, crc_at + CHECKSUM_BYTES)
+            if layout.inner_chunks_per_chunk > 1:
+                same = storage.read(key) == b"".join(encoded())
+            else:
+                same = _ends_as_recorded(storage, key, previous, _crc_before_end(layout) + CHECKSUM_BYTES)
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
             return False
         if not same:  # changed since it was recorded: the write that follows replaces the link
@@ -181,10 +200,10 @@ class ChunkReuse:
 
 def _crc_before_end(layout: ChunkLayout) -> int:
     """How many bytes follow the crc32c of a stored chunk's data: none in a plain chunk; a shard's index in a shard
-    (of one inner chunk, in a save that records its chunks: ``ChunkLayout.one_object_per_chunk``, then compressed)."""
+    of one inner chunk (in a save that records its chunks: ``ChunkLayout.one_object_per_chunk``, then compressed)."""
     if not layout.sharded:
         return 0
-    assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks: one crc32c would not cover them all"
+    assert layout.inner_chunks_per_chunk == 1, "a shard of several inner chunks has a crc32c for each"
     return shard_index_bytes(layout)
 
 
@@ -198,9 +217,33 @@ def _ends_as_recorded(storage: Storage, key: str, recorded: StoredChunk, tail: i
     return len(found) == tail and found[:CHECKSUM_BYTES] == recorded.crc
 
 
-def _stored(digest: bytes, buffers: list, crc_at: int) -> StoredChunk:
-    """The record of a chunk stored as ``buffers``."""
-    return StoredChunk(digest, sum(memoryview(b).nbytes for b in buffers), _last_bytes(buffers, crc_at))
+def _stored(digest: bytes, buffers: list, layout: ChunkLayout) -> StoredChunk:
+    """The record of a chunk of ``layout`` stored as ``buffers``."""
+    size = sum(memoryview(b).nbytes for b in buffers)
+    if layout.inner_chunks_per_chunk > 1:
+        return StoredChunk(digest, size, checksum(b"".join(_inner_crcs(buffers))))
+    return StoredChunk(digest, size, _last_bytes(buffers, _crc_before_end(layout)))
+
+
+def _inner_crcs(buffers: list) -> list[bytes]:
+    """The crc32c of each inner chunk stored in the shard that ``buffers`` make (format/encoding.py: the inner
+    chunks, then the index of (offset, size) pairs, then its crc32c), in the index's order."""
+    index = np.frombuffer(buffers[-2], dtype="<u8").reshape(-1, 2)
+    views = [memoryview(b).cast("B") for b in buffers[:-2]]
+    ends = list(itertools.accumulate(len(v) for v in views))
+    crcs = []
+    for offset, size in index.tolist():
+        if offset == MISSING:
+            continue
+        end = offset + size  # the inner chunk's crc32c ends it, in one buffer or across several
+        at = bisect.bisect_left(ends, end)  # the buffer holding its last byte
+        crc = b""
+        while len(crc) < CHECKSUM_BYTES:
+            start = ends[at] - len(views[at])
+            crc = bytes(views[at][max(0, end - CHECKSUM_BYTES + len(crc) - start): end - start]) + crc
+            end, at = start, at - 1
+        crcs.append(crc)
+    return crcs
 
 
 def _last_bytes(buffers: list, skipped: int) -> bytes:

@@ -127,7 +127,9 @@ class WriteJobs:
         """One job per chunk, through the save's ``ChunkReuse`` (an incremental save's layouts have one object per
         chunk: planning/write_plan.py); a device tensor's chunk is copied to host on the IO thread, as below."""
         reuse, layout = self.reuse, spec.layout
-        assert reuse is not None and not layout.fixed_offsets  # no array-spanning shards in a save that records
+        # no shard that several ranks fill at offsets in a save that records (planning/assignments.py): each chunk here
+        # is one rank's whole object, encoded at once
+        assert reuse is not None
         earlier = reuse.earlier_array(spec.node, encoded_array_metadata(spec))
         host = tensor_as_numpy(tensor) if on_host else None
         for index, chunk, region in numbered_chunk_regions(layout, offsets, tensor.shape):

@@ -44,12 +44,21 @@ def test_a_plan_is_made_anew_when_any_option_or_input_differs():
     recording = _plan(small_chunks._replace(records_chunks=True))
     assert recording is not _plan(small_chunks)
     assert recording.specs["w"].layout.chunk_shape == (16, 64) and not recording.specs["w"].layout.sharded
+    whole = _plan(small_chunks._replace(records_chunks=True, whole_arrays=frozenset({"w"})))
+    full_save = _plan(small_chunks, array_shards=False)  # as on storage that cannot write at offsets
+    assert whole is not recording and whole.specs["w"].layout == full_save.specs["w"].layout
+    assert whole.specs["b"].layout == recording.specs["b"].layout
 
 
 def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
     key_fields = {f.name for f in dataclasses.fields(PlanKey)}
     assert "options" in key_fields and set(SAVE_OPTIONS) == set(SaveOptions._fields)
-    assert _OPTIONS.summarized() == (1 << 20, 0, 1 << 20, None, False)
+    assert _OPTIONS.summarized()[:5] == (1 << 20, 0, 1 << 20, None, False)
+    # the whole arrays travel as their count and a digest, which tells any two sets apart
+    whole = [_OPTIONS._replace(whole_arrays=frozenset(names)).summarized()[5]
+             for names in ((), ("w",), ("b",), ("b", "w"), ("w", "b"))]
+    assert whole[0].startswith("0 arrays") and whole[3].startswith("2 arrays") and whole[3] == whole[4]
+    assert len(set(whole[:4])) == 4
 
 
 def test_a_kept_plan_never_carries_a_save_s_key_order_into_the_next(tmp_path):

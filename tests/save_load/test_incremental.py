@@ -90,9 +90,11 @@ class LoraModel(nn.Module):
         return x
 
 
-def _lora(world_size: int, seed: int):
+def _lora(world_size: int, seed: int, train_base: bool = False):
     torch.manual_seed(seed)
     model = LoraModel()
+    for layer in model.layers:
+        layer.base.weight.requires_grad_(train_base)
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -124,10 +126,10 @@ def _lora_train_and_save(rank, world_size, root):
     return full_state(model, optim), writer.reuse_counts
 
 
-def _lora_load(rank, world_size, paths):
+def _lora_load(rank, world_size, paths, train_base=False):
     loaded = []
     for path in paths:
-        model, optim = _lora(world_size, seed=1)
+        model, optim = _lora(world_size, seed=1, train_base=train_base)
         state = _lora_state(model, optim)  # a stateless optimizer: DCP gives every adapter state to load into
         dcp.load(state, storage_reader=ZarrReader(path))
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -164,6 +166,60 @@ def test_lora_training_links_the_frozen_base_and_loads_alone_at_other_world_size
     assert_state_equal(at_three[0], trained)
     assert_state_equal(load_full(second, trained), load_full(full, trained))
     assert_state_equal(load_full(second, trained), trained)
+
+
+def _fine_tune_chain(rank, world_size, root):
+    """Four saves of a chain, each after a step that changes everything: (the state, [(chunks hashed, counts)])."""
+    hashed = []
+    digest = chunk_reuse.data_digest
+    chunk_reuse.data_digest = lambda buffer: (hashed.append(1), digest(buffer))[1]
+    model, optim = _lora(world_size, seed=0, train_base=True)
+    saves = []
+    for step in range(4):
+        _lora_step(model, optim, step)
+        hashed.clear()
+        more = {"incremental": True} if step == 0 else {"incremental_from": f"{root}/{step - 1}.zarr"}
+        writer = ZarrWriter(f"{root}/{step}.zarr", inner_chunk_bytes=64 << 10, **more)
+        dcp.save(_lora_state(model, optim), storage_writer=writer)
+        saves.append((len(hashed), writer.reuse_counts))
+    return full_state(model, optim), saves
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_full_fine_tune_s_later_saves_store_an_object_per_rank_s_box_and_load_at_other_world_sizes(tmp_path):
+    """FSDP2 with every weight trained: the chain's first two saves store an object per 64 KiB chunk (nothing is
+    known yet; then everything is found changed); from the third on, every array changed whole in the save before,
+    and is stored as a full save on object storage stores it, one object per rank's box, with nothing hashed."""
+    (trained, saves0), (_, saves1) = run_ranks(_fine_tune_chain, 2, str(tmp_path))
+    paths = [str(tmp_path / f"{step}.zarr") for step in range(4)]
+    boxes = {}  # node -> how many ranks hold part of it
+    for entry in root_manifest(paths[3])["entries"].values():
+        if entry["kind"] == "tensor":
+            with open(os.path.join(paths[3], entry["node"], "zarr.json")) as f:
+                shape = json.load(f)["shape"]
+            boxes[entry["node"]] = min(2, shape[0]) if shape else 1
+    for step, path in enumerate(paths):
+        files = chunk_files(path)
+        per_node = {node: len(chunks_under(files, node)) for node in boxes}
+        if step < 2:
+            assert sum(per_node.values()) > 2 * sum(boxes.values()), f"save {step}: an object per chunk"
+        else:
+            assert per_node == boxes, f"save {step}: an object per rank's box"
+            assert saves0[step][0] == saves1[step][0] == 0, f"save {step} hashed chunks"
+        if step:
+            assert saves0[step][1].linked_chunks == saves1[step][1].linked_chunks == 0
+            assert new_chunks(path, paths[step - 1]) == set(files), f"save {step}: every chunk written anew"
+    assert root_manifest(paths[3])["chunks"]["arrays"].keys() == tensor_nodes(paths[3])
+    for path in paths[:3]:
+        shutil.rmtree(path)
+    assert main(["verify", paths[3]]) == 0
+    at_three = run_ranks(_lora_load, 3, [paths[3]], train_base=True)[0]
+    assert_state_equal(at_three[0], trained)
+    assert_state_equal(load_full(paths[3], trained), trained)
+    group = zarr.open_group(paths[3], mode="r")
+    np.testing.assert_array_equal(group["model/layers.0.base.weight"][...],
+                                  trained["model"]["layers.0.base.weight"].numpy())
 
 
 # -- what changed is written, what did not is linked -------------------------------------------------------------------
@@ -305,12 +361,24 @@ def test_a_chain_hashes_only_the_chunks_that_may_be_linked(tmp_path, monkeypatch
     assert_state_equal(load_full(str(paths[3]), kept), kept)
 
 
-def test_a_chunk_changed_under_the_same_crc32c_is_written_not_linked(tmp_path):
-    """Bytes XORed with crc32c's polynomial keep the chunk's size and crc32c: the comparison of bytes catches it."""
+@pytest.mark.parametrize("changed_whole", [False, True], ids=["split", "whole"])
+def test_a_chunk_changed_under_the_same_crc32c_is_written_not_linked(tmp_path, changed_whole):
+    """Bytes XORed with crc32c's polynomial keep the chunk's size and crc32c: the comparison of bytes catches it, in a
+    chunk of its own (the earlier save changed the first chunk only) and in one shard of the whole array (the earlier
+    save changed every chunk: a chunk record of the crc32c's of its inner chunks)."""
     options = {"inner_chunk_bytes": 16 << 10}
-    save({"w": random_bits((256, 64), torch.float32, 1)}, tmp_path / "0.zarr", incremental=True, **options)
+    first = random_bits((256, 64), torch.float32, 1)
+    save({"w": first}, tmp_path / "0.zarr", incremental=True, **options)
     earlier = {"w": random_bits((256, 64), torch.float32, 2)}
-    save(earlier, tmp_path / "1.zarr", incremental_from=tmp_path / "0.zarr", **options)  # recorded unhashed
+    if not changed_whole:
+        earlier["w"][64:] = first[64:]  # the first chunk's 64 rows changed, the other three not
+    save(earlier, tmp_path / "1.zarr", incremental_from=tmp_path / "0.zarr", **options)  # changed: recorded unhashed
+    if changed_whole:  # laid out whole now, and recorded so; the save after it compares with that
+        earlier = {"w": random_bits((256, 64), torch.float32, 3)}
+        save(earlier, tmp_path / "1w.zarr", incremental_from=tmp_path / "1.zarr", **options)
+        assert _recorded_digests(tmp_path / "1w.zarr") == {"w": [UNHASHED]}
+        shutil.rmtree(tmp_path / "1.zarr")
+        os.rename(tmp_path / "1w.zarr", tmp_path / "1.zarr")
     forged = earlier["w"].clone()
     forged.view(torch.uint8).view(-1)[100:105] ^= torch.tensor(list(CRC32C_MULTIPLE.to_bytes(5, "little")),
                                                                 dtype=torch.uint8)
@@ -320,9 +388,69 @@ def test_a_chunk_changed_under_the_same_crc32c_is_written_not_linked(tmp_path):
 
     writer = save({"w": forged}, tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr", **options)
     assert new_chunks(tmp_path / "2.zarr", tmp_path / "1.zarr") == {"w/c.0.0"}
-    assert writer.reuse_counts.linked_chunks == 3 and writer.reuse_counts.written_chunks == 1
+    assert writer.reuse_counts == (0, 0, 1, 256 * 64 * 4 + 4 * (4 + 16) + 4) if changed_whole \
+        else writer.reuse_counts[::2] == (3, 1)
     shutil.rmtree(tmp_path / "1.zarr")
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), {"w": forged}), {"w": forged})
+
+
+def _whole_chain_state(step: int, w_from: int) -> dict:
+    """``w`` (48 KiB) as of step ``w_from``; ``e`` with row 37 * step changed at each step (one 16 KiB chunk a save);
+    ``f`` frozen."""
+    embedding = random_bits((256, 64), torch.float32, 100)
+    for k in range(1, step + 1):
+        embedding[37 * k] += 1
+    return {"w": random_bits((192, 64), torch.float32, w_from), "e": embedding,
+            "f": random_bits((256, 64), torch.float32, 200)}
+
+
+def _chunk_shape(path, node: str) -> list[int]:
+    with open(os.path.join(path, node, "zarr.json")) as f:
+        return json.load(f)["chunk_grid"]["configuration"]["chunk_shape"]
+
+
+@pytest.mark.parametrize("planning", ["local", "dcp"])
+def test_an_array_that_changed_whole_is_saved_as_a_full_save_lays_it_out_until_it_stops_changing(
+        tmp_path, monkeypatch, planning):
+    """An array whose every chunk changed goes on in a full save's layout (one object per rank's box, not one per
+    chunk: what a fully changing array's saves would pay in files), unhashed while it keeps changing; once unchanged
+    it is linked whole, and then split again so that a few changed chunks cost a few chunks. Arrays that changed in
+    part keep their chunks. Every store loads alone, and zarr-python reads it."""
+    options = {"inner_chunk_bytes": 16 << 10}
+    hashed = _counting_hashes(monkeypatch)
+    whole_bytes = 192 * 64 * 4
+    w_from = [0, 1, 2, 3, 3, 3, 3]  # w changes in saves 1 to 3, and not after
+    paths = [tmp_path / f"{step}.zarr" for step in range(len(w_from))]
+    files_of_w, records = [], []
+    for step, path in enumerate(paths):
+        hashed.clear()
+        state = _whole_chain_state(step, w_from[step])
+        more = {"incremental": True} if step == 0 else {"incremental_from": paths[step - 1]}
+        writer = ZarrWriter(path, **options, **more)
+        dcp.save(state, storage_writer=writer, no_dist=True,
+                 **({"planner": DCPsPlanning()} if planning == "dcp" else {}))
+        files_of_w.append(chunks_under(file_identities(path), "w"))
+        records.append(_recorded_digests(path))
+        if step:
+            assert chunks_under(new_files(path, paths[step - 1]), "f") == set(), f"save {step}: f is linked"
+            assert len(chunks_under(new_files(path, paths[step - 1]), "e")) == 1, f"save {step}: e's one chunk"
+            assert _chunk_shape(path, "e") == [64, 64] and _chunk_shape(path, "f") == [64, 64]
+        whole = step in (2, 3, 4)
+        assert _chunk_shape(path, "w") == ([192, 64] if whole else [64, 64]), step
+        assert (whole_bytes in hashed) == (step == 4), f"save {step}: w hashed whole only where it was linked whole"
+        if step >= 2:
+            shutil.rmtree(paths[step - 2])
+        assert_state_equal(load_full(str(path), state), state)
+        group = zarr.open_group(path, mode="r")
+        for name, tensor in state.items():
+            np.testing.assert_array_equal(group[name][...], tensor.numpy())
+
+    assert records[1]["w"] == [UNHASHED] * 3, "every chunk changed: recorded unhashed"
+    assert records[2]["w"] == records[3]["w"] == [UNHASHED], "laid out whole, and kept so while it changes"
+    assert files_of_w[2] == files_of_w[3] == files_of_w[4] == {"w/c.0.0"}
+    assert records[4]["w"] != [UNHASHED] and len(records[5]["w"]) == 3 and UNHASHED not in records[5]["w"]
+    assert writer.reuse_counts.written_chunks == 1, "the last save: w's three chunks linked, e's one written"
+    assert [records[step]["e"].count(UNHASHED) for step in range(7)] == [0] + [1] * 6, "e: its one changed chunk"
 
 
 # -- every way of saving, every kind of value --------------------------------------------------------------------------
