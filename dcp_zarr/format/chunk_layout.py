@@ -32,6 +32,12 @@ CHUNK_KEY_SEPARATORS = (CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR)
 # than it needs, large enough that per-chunk overhead (one checksum, one index entry, one read) stays negligible.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
 
+# An incremental save stores an array that changed whole as a full save does, but in shards of at most this many inner
+# chunks (``ChunkLayout.shards_of_at_most``): a save confirms that such an array stopped changing by reading its
+# shards back (store_io/chunk_reuse.py), and that read stays about 16 MiB a shard, whatever a rank's box holds. Four
+# MiB chunks already wrote as fast as a full save's shards (benchmarks/reports/incremental.md).
+WHOLE_ARRAY_SHARD_INNER_CHUNKS = 16
+
 _FORBIDDEN_CHARACTERS = re.compile(r"[/\\\x00-\x1f\x7f]")
 _MAX_NAME_BYTES = 255  # NAME_MAX of ext4, xfs, btrfs, NTFS; a chunk directory is one name per component
 
@@ -125,6 +131,17 @@ class ChunkLayout(NamedTuple):
         if not self.sharded:
             return self
         return ChunkLayout(self.shape, self.inner_chunk_shape, 0, self.separator, self.codec)
+
+    def shards_of_at_most(self, count: int) -> ChunkLayout:
+        """This layout with each shard cut along dim 0 into shards of at most ``count`` inner chunks (the most that
+        divides its inner chunks evenly; one object per chunk where that is one), so that every chunk still lies in
+        one saved box."""
+        if not self.sharded or self.inner_chunks_per_chunk <= count:
+            return self
+        per_shard = max(d for d in _divisors(self.inner_chunks_per_chunk) if d <= count)
+        if per_shard == 1:
+            return self.one_object_per_chunk()
+        return self._replace(chunk_shape=(self.inner_rows * per_shard, *self.chunk_shape[1:]))
 
     def compressed(self, codec: Codec | None) -> ChunkLayout:
         """This layout with ``codec``: sharded (one inner chunk per chunk where it was not), so that the shard

@@ -58,15 +58,17 @@ class SaveOptions(NamedTuple):
 
     def summarized(self) -> tuple[int | str | bool | None, ...]:
         """As a ``Summary`` carries them: compression as its one string, the whole arrays as their count and digest
-        (a large model's thousands of names would otherwise travel in every rank's message)."""
+        (a large model's thousands of names would otherwise travel in every rank's message), or None."""
         compression = None if self.compression is None else self.compression.key()
         return (self.inner_chunk_bytes, self.aggregate_below, self.exchange_bytes, compression, self.records_chunks,
                 _names_digest(self.whole_arrays))
 
 
-def _names_digest(names: frozenset[str]) -> str:
+def _names_digest(names: frozenset[str]) -> str | None:
+    if not names:  # nearly every save: nothing more in the message, which every rank sends
+        return None
     digest = hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).hexdigest()
-    return f"{len(names)} arrays ({digest})"
+    return f"{len(names)} array{'' if len(names) == 1 else 's'} ({digest})"
 
 
 SAVE_OPTIONS = SaveOptions._fields
@@ -143,18 +145,22 @@ def _check_options(summaries: list[Summary]) -> None:
         ranks_of[summary.options].append(rank)
     if len(ranks_of) < 2:
         return
-    found = []
+    found, names = [], set()
     for i, name in enumerate(SAVE_OPTIONS):
         values: dict[int | str | None, list[int]] = defaultdict(list)
         for options, ranks in ranks_of.items():
             values[options[i] if i < len(options) else None] += ranks
         if len(values) > 1:
+            names.add(name)
             found.append(f"{name}: " + "; ".join(f"{value} on {_ranks_text(sorted(ranks))}"
                                                   for value, ranks in sorted(values.items(), key=lambda kv: kv[1])))
+    earlier = ("; whole_arrays are the arrays that changed whole in the incremental_from checkpoint, which each rank "
+               "read: pass every rank the same incremental_from, and replace nothing there while a save reads it"
+               if "whole_arrays" in names else "")
     raise PlanMismatchError(
         "ZarrWriter's options differ across the ranks of this save, which would then write different layouts: "
         + ", ".join(found) + ". Pass every rank's ZarrWriter the same values (aggregate_below's default follows the "
-        "file system each rank sees the path on: pass it explicitly where ranks see different ones)")
+        "file system each rank sees the path on: pass it explicitly where ranks see different ones)" + earlier)
 
 
 def _ranks_text(ranks: list[int]) -> str:

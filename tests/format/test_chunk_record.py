@@ -77,3 +77,25 @@ def test_one_object_per_chunk_keeps_every_chunk_inside_one_saved_box():
 def test_a_layout_without_inner_chunks_is_already_one_object_per_chunk():
     layout = ChunkLayout((10, 4), (5, 4))
     assert layout.one_object_per_chunk() is layout
+
+
+@pytest.mark.parametrize("rows, most, shard_rows", [
+    (3000, 16, 3000),  # a rank's 3000 rows: 12 inner chunks of 250; at most 16: one shard, as before
+    (3000, 4, 1000),  # 12 inner chunks, at most 4 to a shard: 3 shards a rank
+    (3000, 5, 1000),  # at most 5: the most that divides 12 is 4
+    (3000, 1, 250),  # one inner chunk to a shard: one object per chunk
+])
+def test_an_array_that_changed_whole_is_cut_into_shards_of_at_most_so_many_inner_chunks(rows, most, shard_rows):
+    boxes = [((0, 0), (rows, 256)), ((rows, 0), (rows, 256))]
+    layout = chunk_layout_for_boxes((2 * rows, 256), boxes, 4, 250 << 10)
+    assert layout.inner_chunks_per_chunk == 12
+    cut = layout.shards_of_at_most(most)
+    assert cut.chunk_shape == (shard_rows, 256)
+    if most >= 12:
+        assert cut is layout
+    if most == 1:
+        assert cut == layout.one_object_per_chunk()
+    assert cut.sharded == (most > 1) and cut.inner_chunk_shape == layout.inner_chunk_shape
+    for coords in cut.all_chunks():
+        (row, _), (count, _) = cut.chunk_box(coords)
+        assert any(o[0] <= row and row + count <= o[0] + s[0] for o, s in boxes)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from dcp_zarr import ZarrSavePlanner
+from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning.local_save import LocalSave
-from dcp_zarr.planning.protocol import SAVE_OPTIONS, SaveOptions, Ticket
+from dcp_zarr.planning.protocol import SAVE_OPTIONS, SaveOptions, Summary, Ticket, check_summaries
 from dcp_zarr.planning.write_plan import PlanKey
 
 _OPTIONS = SaveOptions(1 << 20, 0, 1 << 20, None)
@@ -57,8 +59,22 @@ def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
     # the whole arrays travel as their count and a digest, which tells any two sets apart
     whole = [_OPTIONS._replace(whole_arrays=frozenset(names)).summarized()[5]
              for names in ((), ("w",), ("b",), ("b", "w"), ("w", "b"))]
-    assert whole[0].startswith("0 arrays") and whole[3].startswith("2 arrays") and whole[3] == whole[4]
+    assert whole[0] is None and whole[1].startswith("1 array (") and whole[3].startswith("2 arrays (")
+    assert whole[3] == whole[4]
     assert len(set(whole[:4])) == 4
+
+
+def test_ranks_that_read_different_whole_arrays_from_the_earlier_checkpoint_are_refused_naming_it():
+    """Every rank reads the earlier checkpoint's record itself; ranks that found different arrays changed whole (it
+    was replaced between their reads) would lay them out differently."""
+    recording = _OPTIONS._replace(records_chunks=True)
+    summaries = [Summary(rank, 2, "digest", (), options.summarized())
+                 for rank, options in enumerate([recording._replace(whole_arrays=frozenset({"w"})), recording])]
+    with pytest.raises(PlanMismatchError) as raised:
+        check_summaries(summaries)
+    message = str(raised.value)
+    assert "whole_arrays: " in message and "1 array (" in message and "None on rank 1" in message
+    assert "pass every rank the same incremental_from" in message and "inner_chunk_bytes" not in message
 
 
 def test_a_kept_plan_never_carries_a_save_s_key_order_into_the_next(tmp_path):

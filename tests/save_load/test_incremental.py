@@ -453,6 +453,25 @@ def test_an_array_that_changed_whole_is_saved_as_a_full_save_lays_it_out_until_i
     assert [records[step]["e"].count(UNHASHED) for step in range(7)] == [0] + [1] * 6, "e: its one changed chunk"
 
 
+@pytest.mark.parametrize("planning", ["local", "dcp"])
+def test_an_array_that_changed_whole_is_stored_in_shards_of_at_most_16_inner_chunks(tmp_path, planning):
+    """A rank's box of 80 inner chunks (4 rows of 1 KiB) would be one 80-chunk shard in a full save: shards of 16
+    here, so that confirming one unchanged reads at most 16 inner chunks back."""
+    planner = {"planner": DCPsPlanning()} if planning == "dcp" else {}
+    paths = [tmp_path / f"{step}.zarr" for step in range(3)]
+    for step, path in enumerate(paths):
+        more = {"incremental": True} if step == 0 else {"incremental_from": paths[step - 1]}
+        state = {"w": random_bits((320, 64), torch.float32, step)}
+        dcp.save(state, storage_writer=ZarrWriter(path, inner_chunk_bytes=1 << 10, **more), no_dist=True, **planner)
+    assert _chunk_shape(paths[1], "w") == [4, 64] and len(chunk_files(paths[1])) == 80
+    assert _chunk_shape(paths[2], "w") == [64, 64] and len(chunk_files(paths[2])) == 5
+    with open(paths[2] / "w" / "zarr.json") as f:
+        assert json.load(f)["codecs"][0]["configuration"]["chunk_shape"] == [4, 64]  # sharded: 16 inner chunks
+    shutil.rmtree(paths[1])
+    assert_state_equal(load_full(str(paths[2]), state), state)
+    np.testing.assert_array_equal(zarr.open_array(paths[2] / "w", mode="r")[...], state["w"].numpy())
+
+
 # -- every way of saving, every kind of value --------------------------------------------------------------------------
 
 
