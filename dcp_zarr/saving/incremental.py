@@ -60,13 +60,13 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
             record = ChunkRecord.from_json(manifest.chunk_record, earlier)
         except ValueError as exc:
             raise IncrementalBaseError(f"incremental_from={earlier!r}: {exc}") from None
-    return EarlierCheckpoint(earlier, manifest.save_id, storage, record)
+    return EarlierCheckpoint(earlier, manifest.save_id, storage, record, record.changed_whole())
 
 
 def whole_arrays(earlier: EarlierCheckpoint | None) -> frozenset[str]:
     """The arrays this save lays out as a full save does (not an object per chunk): those that changed whole in the
     earlier checkpoint (``ChunkRecord.changed_whole``)."""
-    return frozenset() if earlier is None else earlier.record.changed_whole()
+    return frozenset() if earlier is None else earlier.changed_whole
 
 
 def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], earlier: EarlierCheckpoint | None

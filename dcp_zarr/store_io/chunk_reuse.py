@@ -49,12 +49,14 @@ from dcp_zarr.storage.registry import scheme_of, storage_class
 
 
 class EarlierCheckpoint(NamedTuple):
-    """The checkpoint an incremental save reuses: its storage, and the record of its chunks."""
+    """The checkpoint an incremental save reuses: its storage, the record of its chunks, and the arrays that changed
+    whole in it (``ChunkRecord.changed_whole``, found once: a pass over every chunk's entry)."""
 
     location: str
     save_id: str | None
     storage: Storage
     record: ChunkRecord
+    changed_whole: frozenset[str] = frozenset()
 
 
 def check_earlier_location(earlier: str, path: str, store) -> None:
@@ -103,7 +105,7 @@ class ChunkReuse:
         self._lock = threading.Lock()
         self._counts = [0, 0, 0, 0]
         self._warned = False
-        self._whole = frozenset() if earlier is None else earlier.record.changed_whole()
+        self._whole = frozenset() if earlier is None else earlier.changed_whole
 
     def earlier_array(self, node: str, encoded_zarr_json: str) -> ArrayRecord | None:
         """The earlier checkpoint's record of the array at ``node``, if its ``zarr.json`` is this save's."""
