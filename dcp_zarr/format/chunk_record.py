@@ -15,8 +15,9 @@ chunk unchanged by its size and crc32c and confirms it by comparing bytes (store
 16 zero bytes would only send its chunk the same way.
 
 An array whose every chunk is recorded ``UNHASHED`` changed whole (``ChunkRecord.changed_whole``): the next save
-lays it out as a full save does, one object per rank's box rather than one per chunk (planning/write_plan.py), since
-an object per ~1 MiB chunk costs a full fine-tune's saves their file count and only an unchanged chunk repays it.
+lays it out as a full save does, a shard per rank's box (of at most 16 inner chunks: ``ChunkLayout.shards_of_at_most``)
+rather than an object per chunk (planning/write_plan.py), since an object per ~1 MiB chunk costs a full fine-tune's
+saves their file count and only an unchanged chunk repays it.
 
 The record is information for the next save only: nothing reads it to load a checkpoint.
 """
