@@ -143,6 +143,13 @@ class ChunkLayout(NamedTuple):
             return self.one_object_per_chunk()
         return self._replace(chunk_shape=(self.inner_rows * per_shard, *self.chunk_shape[1:]))
 
+    def recorded(self, changed_whole: bool) -> ChunkLayout:
+        """This layout in a save that records its chunks (incremental): an object per chunk, or, for an array that
+        changed whole in the earlier checkpoint, shards of at most ``WHOLE_ARRAY_SHARD_INNER_CHUNKS``."""
+        if changed_whole:
+            return self.shards_of_at_most(WHOLE_ARRAY_SHARD_INNER_CHUNKS)
+        return self.one_object_per_chunk()
+
     def compressed(self, codec: Codec | None) -> ChunkLayout:
         """This layout with ``codec``: sharded (one inner chunk per chunk where it was not), so that the shard
         indexes record each compressed chunk's size."""

@@ -19,13 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from dcp_zarr.errors import InvalidKeyError
 from dcp_zarr.format.array_spec import ArraySpec
-from dcp_zarr.format.chunk_layout import (
-    WHOLE_ARRAY_SHARD_INNER_CHUNKS,
-    ChunkLayout,
-    array_shard_layout,
-    chunk_layout_for_boxes,
-    node_path,
-)
+from dcp_zarr.format.chunk_layout import ChunkLayout, array_shard_layout, chunk_layout_for_boxes, node_path
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.format.torch_arrays import numpy_dtype, torch_dtype_name, zarr_dtype_name
 from dcp_zarr.placement.box_writers import describing_ranks
@@ -87,10 +81,10 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
     several ranks hold in row blocks is one shard file they all write (``layout.array_shard_layout``). With
     ``compression``, every candidate array is compressed: a save DCP plans carries no samples of the data
     (planning/compression_sample.py serves saves planned locally), and a codec stores data that does not compress
-    within its overhead (format/codecs.py). With ``records_chunks`` (an incremental save), one object per chunk
-    (``ChunkLayout.one_object_per_chunk``), except in the ``whole_arrays`` (nodes: ``SaveOptions.whole_arrays``:
-    a full save's shards, of at most ``WHOLE_ARRAY_SHARD_INNER_CHUNKS``), and no shard spanning an array (the chunk
-    path records each object its rank wrote)."""
+    within its overhead (format/codecs.py). With ``records_chunks`` (an incremental save), ``ChunkLayout.recorded``:
+    one object per chunk, or a full save's shards of at most 16 inner chunks for the ``whole_arrays`` (nodes:
+    ``SaveOptions.whole_arrays``), and no shard spanning an array (the chunk path records each object its rank
+    wrote)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}
     byte_io = WriteItemType.BYTE_IO
@@ -116,8 +110,7 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
         codec = (compression.codec(np_dtype.itemsize)
                  if compression is not None and compression.compresses(str(data.properties.dtype), nbytes) else None)
         if records_chunks:
-            layout = layout.shards_of_at_most(WHOLE_ARRAY_SHARD_INNER_CHUNKS) if nodes[fqn] in whole_arrays \
-                else layout.one_object_per_chunk()
+            layout = layout.recorded(changed_whole=nodes[fqn] in whole_arrays)
         elif array_shards and codec is None:
             layout = array_shard_layout(layout, saved) or layout
         layout = layout.compressed(codec)

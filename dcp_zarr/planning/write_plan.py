@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_zarr.collective.aggregation import Aggregation, plan_aggregation
 from dcp_zarr.format.array_spec import ArraySpec
-from dcp_zarr.format.chunk_layout import WHOLE_ARRAY_SHARD_INNER_CHUNKS, ChunkLayout
+from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.codecs import Codec
 from dcp_zarr.format.torch_arrays import torch_dtype_name
 from dcp_zarr.placement.box_writers import Decisions, exchange_decisions, rank_decisions, without_aggregated
@@ -130,8 +130,7 @@ class _Layouts:
         layout, count = entry_layout(entry, entry.dtype.itemsize, self.key.options.inner_chunk_bytes,
                                      self.key.array_shards and codec is None and not records, boxes)
         if records:
-            layout = layout.shards_of_at_most(WHOLE_ARRAY_SHARD_INNER_CHUNKS) \
-                if node in self.key.options.whole_arrays else layout.one_object_per_chunk()
+            layout = layout.recorded(changed_whole=node in self.key.options.whole_arrays)
         aggregated = self.aggregation.arrays.get(entry.fqn)
         return (layout if aggregated is None else aggregated.layout).compressed(codec), count
 

@@ -124,9 +124,7 @@ class ChunkReuse:
             self._store_by_bytes(storage, node, index, key, data, layout, previous)
             return
         if previous is None and node in self._whole:  # laid out anew, as it changed whole: not hashed (see above)
-            buffers = encode_chunk(data, layout)
-            storage.write(key, buffers)
-            self._note(node, index, _stored(UNHASHED, buffers, layout), linked=False)
+            self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED)
             return
         digest = data_digest(as_bytes(data))
         if previous is not None and previous.digest == digest \
@@ -134,9 +132,7 @@ class ChunkReuse:
             self._note(node, index, previous, linked=True)
             return
         changed = previous is not None and previous.digest != digest
-        buffers = encode_chunk(data, layout)
-        storage.write(key, buffers)
-        self._note(node, index, _stored(UNHASHED if changed else digest, buffers, layout), linked=False)
+        self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED if changed else digest)
 
     def _store_by_bytes(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray,
                         layout: ChunkLayout, previous: StoredChunk) -> None:
@@ -147,8 +143,13 @@ class ChunkReuse:
                 and self._linked(storage, key, previous, layout, lambda: buffers):
             self._note(node, index, stored._replace(digest=data_digest(as_bytes(data))), linked=True)
             return
+        self._write(storage, node, index, key, buffers, layout, UNHASHED)
+
+    def _write(self, storage: Storage, node: str, index: int, key: str, buffers: list, layout: ChunkLayout,
+               digest: bytes) -> None:
+        """Write the chunk's ``buffers`` anew (replacing a link that did not hold what was recorded) and note it."""
         storage.write(key, buffers)
-        self._note(node, index, stored, linked=False)
+        self._note(node, index, _stored(digest, buffers, layout), linked=False)
 
     def counts(self) -> ReuseCounts:
         return ReuseCounts(*self._counts)
