@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from dcp_zarr.testing import s3_server
 from tests.support import marks
 from tests.support.ranks import Zygote
 from tests.support.s3 import AWS_ENVIRONMENT, S3Server
@@ -18,12 +19,17 @@ def pytest_runtest_setup(item) -> None:
     marks.current = frozenset(m.name for m in item.iter_markers())
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    if s3_server.FALLBACK_NOTE:
+        terminalreporter.write_line(f"NOTE: {s3_server.FALLBACK_NOTE}", yellow=True)
+
+
 @pytest.fixture(scope="module")
 def s3(request) -> S3Server:
     """A loopback S3 server for this module, with a bucket named after the module (``s3.bucket``).
 
-    Module-scoped: starting moto costs about a second. The bucket is the module's own because moto keeps one
-    in-process backend for every server, so what one module wrote would otherwise still be there for the next.
+    Module-scoped, in front of one server for the whole session (radosgw takes about 20 s to start; moto where
+    Ceph is not installed, outside CI): the bucket is the module's own, so one module never sees another's keys.
     """
     server = S3Server()
     server.bucket = server.make_bucket(request.module.__name__.rsplit(".", 1)[-1].replace("_", "-"))

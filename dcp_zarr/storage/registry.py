@@ -1,7 +1,9 @@
 """Which ``Storage`` class serves a location: a table of URL schemes, as fsspec's ``register_implementation`` is.
 
-A path without a scheme, and ``file://``, is a local directory (``LocalStorage``); any other scheme goes to fsspec
-through zarr's ``FsspecStore`` (``ZarrStoreStorage``) unless a class was registered for it. A class is named by a
+A path without a scheme, and ``file://``, is a local directory (``LocalStorage``); an object store's URL (``s3://``,
+``gs://``, ``az://``, ...) goes to obstore (``ObstoreStorage``, which hands it to fsspec where obstore is missing or
+``client="fsspec"`` is asked for); any other scheme goes to fsspec through zarr's ``FsspecStore``
+(``ZarrStoreStorage``) unless a class was registered for it. A class is named by a
 loader so that registering costs no import (zarr's, fsspec's) until a location of that scheme is opened.
 """
 
@@ -29,7 +31,16 @@ def _fsspec() -> type[Storage]:
     return ZarrStoreStorage
 
 
-_BY_SCHEME: dict[str, StorageLoader] = {_LOCAL: _local, "file": _local}
+def _object_store() -> type[Storage]:
+    from dcp_zarr.storage.obstore_storage import ObstoreStorage
+
+    return ObstoreStorage
+
+
+# The object stores obstore serves (storage/obstore_storage.py; fsspec's file systems where it is not installed)
+OBJECT_STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss")
+_BY_SCHEME: dict[str, StorageLoader] = {_LOCAL: _local, "file": _local,
+                                        **{scheme: _object_store for scheme in OBJECT_STORE_SCHEMES}}
 
 
 def scheme_of(location: str | os.PathLike) -> str:

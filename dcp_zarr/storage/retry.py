@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ _TRANSIENT_CODES = frozenset({
     "ThrottledException", "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
     "BandwidthLimitExceeded", "LimitExceededException", "RequestThrottled", "SlowDown",
 })
+_THROTTLING_CODES = _TRANSIENT_CODES - {"RequestTimeout", "RequestTimeoutException", "PriorRequestNotComplete"}
 # No connection was made: aiohttp's connector errors (DNS failures are a subclass), botocore's wrappers of them,
 # urllib3's, and the OS errors underneath. Matched by name, like _TRANSIENT_NAMES.
 _NO_CONNECTION_NAMES = frozenset({
@@ -85,6 +87,23 @@ _TRANSIENT_ERRNOS = frozenset({
 })
 _PERMANENT_TYPES = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError,
                     ValueError, TypeError, KeyError, NotImplementedError)
+
+
+# obstore (a Rust client) raises its errors with their causes in the message text: the HTTP status, the S3 error
+# body, the kind of connection failure and the request's URL. Read from there, as the attributes of the Python
+# clients' errors are read.
+_OBSTORE_STATUS = re.compile(r"non-2xx status code: (\d{3})")
+_OBSTORE_CODE = re.compile(r"<Code>(\w+)</Code>")
+_OBSTORE_URL = re.compile(r"Error performing \w+ (\S+)")
+_OBSTORE_NO_CONNECTION = (("dns error", "the host name does not resolve"),
+                          ("ConnectionRefused", "connection refused"),
+                          ("Connection refused", "connection refused"))
+_OBSTORE_TRANSIENT = ("error sending request", "error decoding response body", "connection closed", "timed out",
+                      "connection reset", "ConnectionReset", "broken pipe", "IncompleteMessage")
+
+
+def _obstore_text(exc: BaseException) -> str | None:
+    return str(exc) if type(exc).__module__.startswith("obstore") else None
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -107,6 +126,9 @@ def http_status(exc: BaseException) -> int | None:
             status = getattr(link, attribute, None)
             if isinstance(status, int) and 100 <= status <= 599:
                 return status
+        found = _OBSTORE_STATUS.search(_obstore_text(link) or "")
+        if found:
+            return int(found.group(1))
     return None
 
 
@@ -118,6 +140,9 @@ def error_code(exc: BaseException) -> str | None:
             code = response.get("Error", {}).get("Code")
             if isinstance(code, str):
                 return code
+        found = _OBSTORE_CODE.search(_obstore_text(link) or "")
+        if found:
+            return found.group(1)
     return None
 
 
@@ -133,6 +158,9 @@ def is_transient(exc: BaseException) -> bool:
     for link in _chain(exc):
         if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(link).__mro__):
             return True
+        text = _obstore_text(link)
+        if text is not None and any(sign in text for sign in _OBSTORE_TRANSIENT):
+            return True
     return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
 
 
@@ -142,6 +170,9 @@ def no_connection(exc: BaseException) -> str | None:
         return None  # something answered
     found = None
     for link in _chain(exc):
+        text = _obstore_text(link)
+        if text is not None and "kind: Connect" in text:
+            return next((why for sign, why in _OBSTORE_NO_CONNECTION if sign in text), "no connection could be made")
         names = {cls.__name__ for cls in type(link).__mro__}
         if "ClientConnectorDNSError" in names or "gaierror" in names or "NameResolutionError" in names:
             return "the host name does not resolve"
@@ -165,6 +196,10 @@ def endpoint_of(exc: BaseException) -> str | None:
         host, port = getattr(link, "host", None), getattr(link, "port", None)
         if isinstance(host, str) and isinstance(port, int):
             return f"{host}:{port}"
+        found = _OBSTORE_URL.search(_obstore_text(link) or "")
+        if found:
+            parts = urlsplit(found.group(1))
+            return f"{parts.scheme}://{parts.netloc}"
     return None
 
 
@@ -209,7 +244,8 @@ class Retrying:
                 else:
                     transient = is_transient(exc)
                 if not transient or attempt >= policy.attempts:
-                    why = f"gave up after {attempt} attempts" if transient else "not retried: the error is permanent"
+                    why = f"gave up after {attempt} attempts{_throttled(exc)}" if transient else \
+                        "not retried: the error is permanent"
                     raise ObjectStoreError(
                         getattr(exc, "errno", None) or errno.EIO,
                         f"{url}: {what} {key!r} failed ({why}): {type(exc).__name__}: {_one_line(exc)}",
@@ -219,6 +255,14 @@ class Retrying:
                           url, what, key, type(exc).__name__, exc, attempt + 1, policy.attempts, delay)
                 sleep(delay)
                 attempt += 1
+
+
+def _throttled(exc: BaseException) -> str:
+    """``", throttled by the store (503 SlowDown)"`` where the last failure was the store asking for fewer requests."""
+    status, code = http_status(exc), error_code(exc)
+    if code in _THROTTLING_CODES or (code is None and status in (429, 503)):
+        return f", throttled by the store ({status or '?'} {code or 'throttling'}): fewer ranks or requests in flight"
+    return ""
 
 
 def _one_line(exc: BaseException) -> str:

@@ -39,13 +39,20 @@ class ZarrStoreStorage(Storage):
                                      read_only=read_only)
         return cls(store, location, retrying)
 
-    def __init__(self, store: Store, url: str, retrying: Retrying | None = None):
+    def __init__(self, store: Store, url: str, retrying: Retrying | None = None, prefix: str = ""):
         self.store = store
+        # Where this root's keys are in ``store``: "" where the store is the root (an FsspecStore opened at the
+        # URL), the root's path in the bucket where the store is a whole bucket's (obstore_storage.py)
+        self.prefix = prefix.strip("/")
         self.url = url
         self.retrying = retrying or Retrying()
         self._prototype = default_buffer_prototype()
         # A class says what all its stores can do; this one knows its file system (an S3 store copies in place).
         self.links_objects = _copies_server_side(store)
+
+    def _path(self, key: str) -> str:
+        """``key`` of this root as the store names it."""
+        return f"{self.prefix}/{key}" if self.prefix and key else key or self.prefix
 
     def _call(self, operation, what: str, key: str):
         if key:  # "" is the root itself (delete everything under, list)
@@ -55,10 +62,10 @@ class ZarrStoreStorage(Storage):
     def write(self, key: str, buffers: Sequence) -> None:
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         buffer = self._prototype.buffer.from_bytes(data)
-        self._call(lambda: sync(self.store.set(key, buffer)), "write", key)
+        self._call(lambda: sync(self.store.set(self._path(key), buffer)), "write", key)
 
     def _get(self, key: str, byte_range=None) -> bytes:
-        buffer = self._call(lambda: sync(self.store.get(key, self._prototype, byte_range)), "read", key)
+        buffer = self._call(lambda: sync(self.store.get(self._path(key), self._prototype, byte_range)), "read", key)
         if buffer is None:
             raise FileNotFoundError(f"{self.url}: no key {key!r}")
         return buffer.to_bytes()
@@ -73,23 +80,23 @@ class ZarrStoreStorage(Storage):
         return self._get(key, SuffixByteRequest(length))
 
     def exists(self, key: str) -> bool:
-        return self._call(lambda: sync(self.store.exists(key)), "look up", key)
+        return self._call(lambda: sync(self.store.exists(self._path(key))), "look up", key)
 
     def remove(self, key: str) -> None:
-        self._call(lambda: sync(self.store.delete(key)), "delete", key)
+        self._call(lambda: sync(self.store.delete(self._path(key))), "delete", key)
 
     def remove_all(self) -> None:
-        self._call(lambda: sync(self.store.delete_dir("")), "delete everything under", "")
+        self._call(lambda: sync(self.store.delete_dir(self.prefix)), "delete everything under", "")
 
     def size(self, key: str) -> int:
         self._forget_listings()  # s3fs answers from its listings where it has one
 
         async def size_or_none():
             try:
-                return await self.store.getsize(key)
+                return await self.store.getsize(self._path(key))
             except Exception:
                 # a missing key is FileNotFoundError in fsspec's stores, obstore's own NotFoundError in ObjectStore
-                if await self.store.exists(key):
+                if await self.store.exists(self._path(key)):
                     raise
                 return None
 
@@ -119,8 +126,8 @@ class ZarrStoreStorage(Storage):
     def first_keys(self, limit: int) -> list[str]:
         async def collect():
             found = []
-            async for key in self.store.list_prefix(""):
-                found.append(key)
+            async for key in self.store.list_prefix(f"{self.prefix}/" if self.prefix else ""):
+                found.append(key.removeprefix(f"{self.prefix}/") if self.prefix else key)
                 if len(found) >= limit:
                     break
             return found
@@ -131,13 +138,13 @@ class ZarrStoreStorage(Storage):
         self._forget_listings()  # other processes write here: list afresh
 
         async def collect():
-            return [name async for name in self.store.list_dir(prefix)]
+            return [name async for name in self.store.list_dir(self._path(prefix))]
 
         return sorted({name.rstrip("/") for name in self._call(lambda: sync(collect()), "list", prefix)} - {""})
 
     def size_under(self, prefix: str) -> int:
         self._forget_listings()
-        return int(self._call(lambda: sync(self.store.getsize_prefix(prefix)), "measure", prefix))
+        return int(self._call(lambda: sync(self.store.getsize_prefix(self._path(prefix))), "measure", prefix))
 
     def _forget_listings(self) -> None:
         """fsspec file systems cache listings (s3fs does); this store's keys may have changed since."""

@@ -11,6 +11,7 @@ import pytest
 from dcp_zarr.storage import LocalStorage, open_storage, register_storage, storage_class, unregister_storage
 from dcp_zarr.storage.base import Storage, checked_key
 from dcp_zarr.storage.retry import Retrying
+from dcp_zarr.storage.obstore_storage import ObstoreStorage
 from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
 
@@ -122,11 +123,12 @@ class TestDictStorage(StorageContract):
         return lambda: calls[0]
 
 
-def test_the_built_in_schemes_are_a_local_directory_and_fsspec():
+def test_the_built_in_schemes_are_a_local_directory_obstore_for_object_stores_and_fsspec():
     assert storage_class("ckpt.zarr") is LocalStorage
     assert storage_class("/tmp/ckpt.zarr") is LocalStorage
     assert storage_class("file:///tmp/ckpt.zarr") is LocalStorage
-    assert storage_class("s3://bucket/ckpt.zarr") is ZarrStoreStorage
+    for url in ("s3://bucket/ckpt.zarr", "gs://bucket/ckpt.zarr", "az://container/ckpt.zarr"):
+        assert storage_class(url) is ObstoreStorage, url
     assert storage_class("memory://ckpt.zarr") is ZarrStoreStorage
 
 

@@ -1,5 +1,6 @@
 """Every Storage backend against one contract (dcp_zarr/testing/storage_contract.py): a local directory, zarr's
-MemoryStore given as a store object, an fsspec URL (memory://), s3fs and obstore against the loopback S3 server."""
+MemoryStore given as a store object, an fsspec URL (memory://), and against the loopback S3 server an s3:// URL
+through obstore (the default) and through s3fs, and obstore's S3Store given as a store object."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 import zarr.storage
 
 from dcp_zarr.storage import LocalStorage, local, open_storage, store_objects
+from dcp_zarr.storage.obstore_storage import ObstoreStorage
 from dcp_zarr.storage.retry import Retrying
 from dcp_zarr.storage.throttled import ThrottledStorage
 from dcp_zarr.storage.zarr_store import ZarrStoreStorage
+from dcp_zarr.testing.s3_server import FaultRule
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
 
 
@@ -48,8 +51,17 @@ class ZarrStoreContract(StorageContract):
         return lambda: failing.calls
 
 
-class S3Contract(ZarrStoreContract):
-    """Against the loopback S3 server, which counts the bytes of every request's body."""
+class S3Contract(StorageContract):
+    """Against the loopback S3 server, which counts the bytes of every request's body and injects the faults: the
+    next ``count`` requests are answered with the error's HTTP counterpart (a refusal 403, a timeout 503 SlowDown,
+    anything else 500), and the calls made since are the requests the server saw."""
+
+    def break_next_calls(self, storage, count, error, monkeypatch):
+        action = "403" if isinstance(error, PermissionError) else "503" if isinstance(error, TimeoutError) else "500"
+        rule = FaultRule(action, ("GET", "HEAD", "PUT", "POST", "DELETE"), ".", count, 0, float("inf"))
+        monkeypatch.setattr(self.server._proxy, "rules", [rule])  # undone after the test
+        monkeypatch.setattr(self.server._proxy, "log", [])
+        return lambda: len(self.server.fault_log)
 
     @contextlib.contextmanager
     def counting_transfers(self):
@@ -120,8 +132,26 @@ class TestS3fs(S3Contract):
         self.server, self.prefix = s3, f"s3fs-{uuid.uuid4().hex[:8]}"
 
     def make_storage(self, name, retry=FAST_RETRY):
-        return open_storage(f"s3://{self.server.bucket}/{self.prefix}/{name}", self.server.storage_options(),
-                            retry=retry)
+        return open_storage(f"s3://{self.server.bucket}/{self.prefix}/{name}", self.storage_options(), retry=retry)
+
+    def storage_options(self):
+        return self.server.storage_options(client="fsspec")
+
+
+@pytest.mark.s3
+class TestObstoreURL(S3Contract):
+    """An ``s3://`` URL with the default client: obstore, one client for the bucket, copies within the server."""
+
+    links_objects = True
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3):
+        self.server, self.prefix = s3, f"obstore-url-{uuid.uuid4().hex[:8]}"
+
+    def make_storage(self, name, retry=FAST_RETRY):
+        storage = open_storage(f"s3://{self.server.bucket}/{self.prefix}/{name}", self.storage_options(), retry=retry)
+        assert isinstance(storage, ObstoreStorage)
+        return storage
 
 
 @pytest.mark.s3
@@ -148,7 +178,7 @@ def test_every_backend_has_a_contract_subclass():
 
     # the package's own: tests subclass backends to count or fail their calls
     implementations = {cls for cls in _subclasses(Storage) if cls.__module__.startswith("dcp_zarr.")}
-    covered = {LocalStorage, ZarrStoreStorage, ThrottledStorage}  # ThrottledStorage's: tests/storage/test_throttled.py
+    covered = {LocalStorage, ZarrStoreStorage, ObstoreStorage, ThrottledStorage}  # ThrottledStorage's: tests/storage/test_throttled.py
     assert implementations == covered, f"Storage subclasses without a contract test: {implementations - covered}"
 
 
