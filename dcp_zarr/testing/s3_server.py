@@ -123,6 +123,15 @@ class FaultRule:
         return True
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that drops its connection (a killed rank, a reset fault) is no error of the proxy's."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
+
 class _Proxy:
     """The front: forwards to ``upstream`` (``host:port``), one kept-alive upstream connection per client connection."""
 
@@ -135,7 +144,7 @@ class _Proxy:
         self.traffic: Traffic | None = None
         self.rules: list[FaultRule] = []
         self.log: list[tuple[str, str, str]] = []  # (method, path, action or "forwarded") while rules are set
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True, name="s3-proxy").start()

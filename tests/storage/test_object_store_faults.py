@@ -2,24 +2,21 @@
 exponential backoff and the save or load succeeds; permanent ones (403, a missing bucket) fail the save at once, with
 the key named and nothing committed.
 
-The store is a moto S3 server on 127.0.0.1 behind a small HTTP proxy in this file that injects the faults. The
-clients' own retries are turned off (botocore ``total_max_attempts=1``, ``S3FileSystem.retries = 1``) so that every
-fault reaches dcp_zarr's retry layer (dcp_zarr/storage/retry.py); one test keeps them on, as users will.
+The store is the loopback S3 server (radosgw) behind the proxy of dcp_zarr/testing/s3_server.py, which injects the
+faults; every test runs through both clients, obstore (the default) and s3fs (``client="fsspec"``). The clients' own
+retries are turned off (obstore's by default, botocore ``total_max_attempts=1``, ``S3FileSystem.retries = 1``) so
+that every fault reaches dcp_zarr's retry layer (dcp_zarr/storage/retry.py); one test keeps them on, as users will.
 """
 
 from __future__ import annotations
 
 import errno
-import http.client
 import logging
 import random
 import re
-import socket
-import threading
 import time
 import uuid
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch.distributed.checkpoint as dcp
@@ -35,182 +32,39 @@ from tests.support.states import load_full, save_plain
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|unavailable|not initialized).*")
 
-BUCKET = "dcp-zarr-fault-injection"  # moto's backend is shared by every server in the process: a bucket of our own
 STATE = crash_state(11)
 WRITER = {"inner_chunk_bytes": 2048}
 FAST = RetryPolicy(attempts=6, initial_delay=0.01, max_delay=0.05)
-_ERROR = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code><Message>%s</Message></Error>'
-ACTIONS = {
-    "503": (503, b"ServiceUnavailable", b"Service is unavailable, try again"),
-    "500": (500, b"InternalError", b"We encountered an internal error"),
-    "429": (429, b"TooManyRequests", b"Too many requests"),
-    "403": (403, b"AccessDenied", b"Access Denied"),
-}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class FaultProxy:
-    """Forwards HTTP to the moto server, except the requests a rule claims: those get an error, a stall or a reset."""
-
-    def __init__(self, upstream_port: int):
-        self.upstream_port = upstream_port
-        self.rules: list[dict] = []
-        self.log: list[tuple[str, str, str]] = []
-        self.lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    body = b""
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0], 16)
-                        if size == 0:
-                            self.rfile.readline()
-                            return body
-                        body += self.rfile.read(size)
-                        self.rfile.readline()
-                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
-
-            def _handle(self):
-                body = self._body()
-                action = proxy._claim(self.command, self.path)
-                with proxy.lock:
-                    proxy.log.append((self.command, self.path, action or "forwarded"))
-                if action in ACTIONS:
-                    status, code, message = ACTIONS[action]
-                    payload = _ERROR % (code, message) if self.command != "HEAD" else b""
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_ERROR % (code, message))))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                    return
-                if action == "stall":  # longer than the client's read timeout; the request never reaches the store
-                    time.sleep(2.5)
-                    self.close_connection = True
-                    return
-                if action == "reset":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                self._forward(body)
-
-            def _forward(self, body: bytes):
-                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection")}
-                headers["Content-Length"] = str(len(body))
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                response = upstream.getresponse()
-                data = response.read()
-                self.send_response(response.status)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                upstream.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def _claim(self, method: str, path: str) -> str | None:
-        with self.lock:
-            for rule in self.rules:
-                if rule["remaining"] and method in rule["methods"] and re.search(rule["path"], path):
-                    if rule["skip"]:
-                        rule["skip"] -= 1
-                        continue
-                    if rule["hits"].get(path, 0) >= rule["per_key"]:
-                        continue
-                    rule["hits"][path] = rule["hits"].get(path, 0) + 1
-                    rule["remaining"] -= 1
-                    rule["served"] += 1
-                    return rule["action"]
-        return None
-
-    def inject(self, action: str, methods=("PUT",), path: str = r"/c(\.|$|\?)", times: float = 1, skip: int = 0,
-               per_key: float = float("inf")) -> dict:
-        """``action`` for ``times`` requests (``float("inf")``: all) whose path matches ``path``, after letting ``skip``
-        through, at most ``per_key`` times for any one key."""
-        rule = {"action": action, "methods": set(methods), "path": path, "remaining": times, "served": 0, "skip": skip,
-                "per_key": per_key, "hits": {}}
-        with self.lock:
-            self.rules.append(rule)
-        return rule
-
-    def reset(self) -> None:
-        with self.lock:
-            self.rules.clear()
-            self.log.clear()
-
-    def close(self) -> None:
-        self.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    proxy = FaultProxy(port)
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="test",
-                          aws_secret_access_key="test", region_name="us-east-1")
-    try:  # moto keeps one in-process backend for every server: the bucket may exist from an earlier module
-        client.create_bucket(Bucket=BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
-    yield proxy
-    proxy.close()
-    server.stop()
-
-
-def options(proxy: FaultProxy, client_retries: bool = False) -> dict:
-    opts = {"key": "test", "secret": "test", "client_kwargs": {"endpoint_url": proxy.url, "region_name": "us-east-1"},
+def options(proxy, client_retries: bool = False) -> dict:
+    opts = {"key": "testing", "secret": "testing", "client": proxy.client,
+            "client_kwargs": {"endpoint_url": proxy.endpoint, "region_name": "us-east-1"},
             "config_kwargs": {"read_timeout": 1.0, "connect_timeout": 1.0}}
     if not client_retries:
         opts["config_kwargs"]["retries"] = {"total_max_attempts": 1, "mode": "standard"}
     return opts
 
 
-@pytest.fixture
-def proxy(s3, monkeypatch, caplog):
+@pytest.fixture(params=["obstore", "fsspec"])
+def proxy(s3, monkeypatch, caplog, request):
+    """The module's S3 server, its proxy injecting the faults; each test runs through both clients."""
     import s3fs
 
-    s3.reset()
+    s3.clear_faults()
+    monkeypatch.setattr(s3, "client", request.param, raising=False)
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries of timeouts and dropped connections
     monkeypatch.setattr(retry, "DEFAULT_POLICY", FAST)
     caplog.set_level(logging.DEBUG, logger="dcp_zarr.storage")  # retries are logged at DEBUG
     yield s3
-    s3.reset()
+    s3.clear_faults()
 
 
 _prefixes = iter(range(10**6))
 
 
-def fresh_url() -> str:
-    return f"s3://{BUCKET}/run{next(_prefixes)}-{uuid.uuid4().hex[:8]}/ckpt.zarr"
+def fresh_url(proxy) -> str:
+    return f"s3://{proxy.bucket}/run{next(_prefixes)}-{uuid.uuid4().hex[:8]}/ckpt.zarr"
 
 
 def _retries_logged(caplog) -> list[str]:
@@ -239,9 +93,9 @@ def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(prox
         rule = proxy.inject(action, path=r"/ckpt\.zarr/optim/step/c$", times=times, per_key=times)
     else:
         rule = proxy.inject(action, times=times, per_key=2)
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    assert rule["served"] == times, "the faults were injected"
+    assert rule.served == times, "the faults were injected"
     # An HTTP error reaches dcp_zarr every time; aiohttp itself retries some dropped keep-alive connections.
     assert len(_retries_logged(caplog)) >= (times if action.isdigit() else 1), "dcp_zarr retried"
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
@@ -250,22 +104,22 @@ def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(prox
 @pytest.mark.s3
 @pytest.mark.parametrize("action", ["503", "reset"])
 def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy, caplog, action):
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     if action == "reset":  # as for writes: 4 resets on one key outlast aiohttp's own retry of a dropped connection
         times, rule = 4, proxy.inject(action, methods=("GET",), path=r"/ckpt\.zarr/optim/step/c$", times=4, per_key=4)
     else:
         times, rule = 10, proxy.inject(action, methods=("GET",), times=10, per_key=3)
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
-    assert rule["served"] == times and len(_retries_logged(caplog)) >= (times if action.isdigit() else 1)
+    assert rule.served == times and len(_retries_logged(caplog)) >= (times if action.isdigit() else 1)
 
 
 @pytest.mark.s3
 def test_a_fault_on_the_commit_write_is_retried(proxy, caplog):
     rule = proxy.inject("503", path=r"/ckpt\.zarr/zarr\.json$", times=3)
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    assert rule["served"] == 3
+    assert rule.served == 3
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
@@ -275,16 +129,16 @@ def test_with_the_clients_own_retries_on_too_the_save_succeeds(proxy, monkeypatc
 
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 5)
     rule = proxy.inject("503", times=12, per_key=4)
-    url, opts = fresh_url(), options(proxy, client_retries=True)
+    url, opts = fresh_url(proxy), options(proxy, client_retries=True)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    assert rule["served"] == 12
+    assert rule.served == 12
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
 
 
 @pytest.mark.s3
 def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
     proxy.inject("503", path=r"/ckpt\.zarr/optim/step/c$", times=5)
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     delays = [float(re.search(r"in ([0-9.]+) s", m).group(1)) for m in _retries_logged(caplog) if "optim/step/c" in m]
     assert len(delays) == 5
@@ -296,9 +150,9 @@ def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
 @pytest.mark.s3
 def test_retries_are_logged_at_debug_and_nothing_reaches_stderr(proxy, caplog, capfd):
     rule = proxy.inject("503", times=6, per_key=2)
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    assert rule["served"] == 6
+    assert rule.served == 6
     retried = [r for r in caplog.records if r.name == "dcp_zarr.storage"]
     assert len(retried) >= 6 and {r.levelno for r in retried} == {logging.DEBUG}, [r.levelname for r in retried]
     assert "attempt" not in capfd.readouterr().err, "a retry that succeeded printed something"
@@ -310,14 +164,14 @@ TWO = PublicRetryPolicy(attempts=2, initial_delay=0.01, max_delay=0.01)  # the f
 
 
 def _attempts_on(proxy, key_pattern: str, method: str) -> int:
-    return sum(1 for m, p, a in proxy.log if m == method and re.search(key_pattern, p) and a == "503")
+    return sum(1 for m, p, a in proxy.fault_log if m == method and re.search(key_pattern, p) and a == "503")
 
 
 @pytest.mark.s3
 def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
     key = r"/ckpt\.zarr/optim/step/c$"
     proxy.inject("503", path=key, times=float("inf"))
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     with pytest.raises(CheckpointException) as info:
         dcp.save(STATE, planner=ZarrSavePlanner(),
                  storage_writer=ZarrWriter(url, storage_options=opts, retry=TWO, **WRITER))
@@ -328,18 +182,18 @@ def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
 
 @pytest.mark.s3
 def test_a_readers_retry_policy_is_used_for_its_calls(proxy):
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     key = r"/ckpt\.zarr/optim/step/c$"
     proxy.inject("503", methods=("GET",), path=key, times=float("inf"))
     with pytest.raises(CheckpointException, match="gave up after 2 attempts"):
         load_full(url, STATE, storage_options=opts, retry=TWO)
     assert _attempts_on(proxy, key, "GET") == 2
-    proxy.log.clear()
+    proxy.fault_log.clear()
     with pytest.raises(ObjectStoreError, match="gave up after 3 attempts"):
         open_checkpoint(url, opts, retry=RetryPolicy(attempts=3, initial_delay=0.01)).read("optim.step")
     assert _attempts_on(proxy, key, "GET") == 3
-    proxy.log.clear()
+    proxy.fault_log.clear()
     with pytest.raises(CheckpointException, match=f"gave up after {FAST.attempts} attempts"):
         load_full(url, STATE, storage_options=opts)  # no retry=: the process-wide policy
     assert _attempts_on(proxy, key, "GET") == FAST.attempts
@@ -357,18 +211,19 @@ def test_a_retry_option_that_is_not_a_policy_is_refused():
 
 @pytest.mark.s3
 def test_a_transient_fault_that_never_ends_fails_the_save_after_the_last_attempt(proxy):
-    sentinel, opts = fresh_url(), options(proxy)
+    sentinel, opts = fresh_url(proxy), options(proxy)
     save_plain(crash_state(12), sentinel, storage_options=opts, **WRITER)
     rule = proxy.inject("503", path=r"/layers\.0\.w/c\.", times=float("inf"))
-    url = fresh_url()
+    url = fresh_url(proxy)
     started = time.monotonic()
     with pytest.raises(CheckpointException) as info:
         save_plain(STATE, url, storage_options=opts, **WRITER)
     cause = causes(info.value)[0]
     assert isinstance(cause, ObjectStoreError) and f"gave up after {FAST.attempts} attempts" in str(cause), cause
     assert re.search(r"'model/layers\.0\.w/c\.\d+\.\d+'", str(cause)), "the key is named"
-    assert rule["served"] % FAST.attempts == 0 and time.monotonic() - started < 20
-    proxy.reset()
+    assert "throttled by the store (503 SlowDown)" in str(cause), "throttling is named as such"
+    assert rule.served % FAST.attempts == 0 and time.monotonic() - started < 20
+    proxy.clear_faults()
     _assert_not_committed(url, opts)
     assert_state_equal(load_full(sentinel, crash_state(12), storage_options=opts), crash_state(12))
 
@@ -378,15 +233,15 @@ def test_a_transient_fault_that_never_ends_fails_the_save_after_the_last_attempt
 def test_access_denied_fails_the_save_at_once_with_the_key_named(proxy, where):
     path = r"/c(\.|$)" if where == "chunk" else r"/ckpt\.zarr/zarr\.json$"
     rule = proxy.inject("403", path=path, times=float("inf"))
-    url, opts = fresh_url(), options(proxy)
+    url, opts = fresh_url(proxy), options(proxy)
     with pytest.raises(CheckpointException) as info:
         save_plain(STATE, url, storage_options=opts, **WRITER)
     cause = causes(info.value)[0]
     assert isinstance(cause, ObjectStoreError) and isinstance(cause.__cause__, PermissionError), repr(cause)
     assert "not retried" in str(cause) and url in str(cause) and "'" in str(cause)
-    failed_keys = [p for m, p, a in proxy.log if a == "403"]
-    assert len(failed_keys) == len(set(failed_keys)) == rule["served"], "a permanent error is never retried"
-    proxy.reset()
+    failed_keys = [p for m, p, a in proxy.fault_log if a == "403"]
+    assert len(failed_keys) == len(set(failed_keys)) == rule.served, "a permanent error is never retried"
+    proxy.clear_faults()
     _assert_not_committed(url, opts)
 
 
@@ -408,31 +263,25 @@ class _Killed(BaseException):
     """Stands for the process dying: nothing after it runs."""
 
 
-async def _keys(store) -> list[str]:
-    return sorted([key async for key in store.list()])
-
-
 @pytest.mark.s3
 def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_that_looks_complete(proxy, monkeypatch):
-    opts, url = options(proxy), fresh_url()
+    opts, url = options(proxy), fresh_url(proxy)
     sibling = url.replace("ckpt.zarr", "ckpt.zarr2")  # shares the prefix: must survive the overwrite's deletes
     save_plain(crash_state(13), sibling, storage_options=opts, **WRITER)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    real_remove_all = zarr_store.ZarrStoreStorage.remove_all
-
     def remove_half_then_die(self):  # sorted keys: "model/..." first, the root "zarr.json" last
-        from zarr.core.sync import sync
-
-        keys = sync(_keys(self.store))
+        keys = sorted(self.first_keys(10**6))
         for key in keys[: len(keys) // 2]:
             self.remove(key)
         raise _Killed()
 
-    monkeypatch.setattr(zarr_store.ZarrStoreStorage, "remove_all", remove_half_then_die)
+    backend = type(open_storage(url, opts))
+    real_remove_all = backend.remove_all
+    monkeypatch.setattr(backend, "remove_all", remove_half_then_die)
     with pytest.raises(BaseException) as info:
         save_plain(crash_state(14), url, storage_options=opts, overwrite=True, **WRITER)
     assert any(isinstance(c, _Killed) for c in causes(info.value)), info.value
-    monkeypatch.setattr(zarr_store.ZarrStoreStorage, "remove_all", real_remove_all)
+    monkeypatch.setattr(backend, "remove_all", real_remove_all)
     _assert_not_committed(url, opts)
     assert_state_equal(load_full(sibling, crash_state(13), storage_options=opts), crash_state(13))
     save_plain(STATE, url, storage_options=opts, overwrite=True, **WRITER)  # a new save over the remains
@@ -442,12 +291,12 @@ def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_
 @pytest.mark.s3
 @pytest.mark.parametrize("after", [0, 4, 9])  # of the 10 chunk writes
 def test_an_overwrite_that_fails_while_writing_commits_nothing(proxy, after):
-    opts, url = options(proxy), fresh_url()
+    opts, url = options(proxy), fresh_url(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     proxy.inject("403", times=float("inf"), skip=after)
     with pytest.raises(CheckpointException):
         save_plain(crash_state(14), url, storage_options=opts, overwrite=True, **WRITER)
-    proxy.reset()
+    proxy.clear_faults()
     _assert_not_committed(url, opts)  # object stores replace in place: the old checkpoint is gone, never half-mixed
 
 

@@ -1,4 +1,5 @@
-"""Object stores through fsspec: a real S3-compatible server (moto) on 127.0.0.1, and ``memory://``."""
+"""Object stores: a real S3 server (radosgw) on 127.0.0.1 through obstore (the default) and s3fs, and ``memory://``
+through fsspec."""
 
 from __future__ import annotations
 
@@ -217,3 +218,40 @@ def test_a_store_reached_with_other_options_is_read_and_written_not_copied_in_pl
 def test_a_memory_url_store_does_not_claim_to_link():
     storage = open_storage(f"memory://links-{uuid.uuid4().hex[:8]}")
     assert not storage.links_objects and storage_class("memory://x").links_objects is False
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_a_shard_above_the_servers_single_put_limit_is_uploaded_in_parts_and_read_back_in_ranges(s3):
+    from dcp_zarr.storage import obstore_storage
+
+    if s3.backend != "radosgw":
+        pytest.skip(f"the single-PUT limit is radosgw's ('rgw max put size'); this run's server is {s3.backend}")
+    from dcp_zarr.testing import radosgw
+
+    limit = radosgw.shared().max_put_bytes
+    assert obstore_storage.MULTIPART_ABOVE < limit
+    url = fresh_url(s3, "large")
+    storage = open_storage(url, s3.storage_options())
+    import obstore
+
+    with pytest.raises(Exception, match="EntityTooLarge"):  # the limit is real: one PUT above it is refused
+        obstore.put(storage.raw, f"probe-{uuid.uuid4().hex[:8]}", b"x" * (limit + 1), use_multipart=False)
+    state = {"w": torch.arange((limit + (8 << 20)) // 4, dtype=torch.float32)}  # one shard, 8 MiB above the limit
+    with s3.counting() as saved:
+        dcp.save(state, planner=ZarrSavePlanner(), storage_writer=ZarrWriter(url, storage_options=s3.storage_options()),
+                 no_dist=True)
+    shard = next(o for (method, o), n in saved.object_requests.items() if method == "POST" and o.endswith("/w/c.0"))
+    assert saved.put_bytes[shard] > limit and saved.object_requests[("POST", shard)] >= 2, "create and complete"
+    loaded = {"w": torch.zeros_like(state["w"])}
+    with s3.counting() as read:
+        dcp.load(loaded, storage_reader=ZarrReader(url, storage_options=s3.storage_options()), no_dist=True)
+    assert torch.equal(loaded["w"], state["w"])
+    assert read.object_requests[("GET", shard)] >= 2, "a large read is several ranged GETs"
+    import zarr
+    from zarr.storage import FsspecStore
+
+    store = FsspecStore.from_url(url, storage_options={**s3.storage_options(), "skip_instance_cache": True},
+                                 read_only=True)
+    assert (zarr.open_array(store, path="w", mode="r")[:] == state["w"].numpy()).all(), "zarr-python reads it"
+    assert storage.size("w/c.0") > limit
