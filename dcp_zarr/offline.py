@@ -35,8 +35,8 @@ from dcp_zarr.format.manifest import OBJECT, TENSOR, VALUE, Manifest, ObjectEntr
 from dcp_zarr.format.manifest import Entry as ManifestEntry
 from dcp_zarr.optim.wrapper_names import explain_missing_name
 from dcp_zarr.progress import progress_bar
-from dcp_zarr.storage import Storage, open_storage, storage_class, store_objects
-from dcp_zarr.storage.retry import Retrying, RetryPolicy
+from dcp_zarr.storage import Storage, directory_of, open_storage, store_objects
+from dcp_zarr.storage.retry import RetryPolicy
 from dcp_zarr.store_io.chunks import RegionReader
 from dcp_zarr.store_io.entry_data import stored_object_bytes, stored_value, tensor_reader
 from dcp_zarr.store_io.root_document import holds_dcp_checkpoint, read_manifest
@@ -276,11 +276,11 @@ def open_checkpoint(path: str | os.PathLike | None = None, storage_options: dict
     reading; no process group needed. ``retry``: the ``RetryPolicy`` of its object-store calls."""
     location, store = store_objects.resolve("open_checkpoint", path, store, writable=False)
     if store is not None:
-        storage = store_objects.open_store(store, Retrying(retry))
+        storage = open_storage(store=store, retry=retry)
         return Checkpoint(storage, read_manifest(storage), thread_count=thread_count, safe_globals=safe_globals)
     if not location:
         raise ValueError("open_checkpoint needs a path or a store: pass path or store=")
-    local = storage_class(location).directory(location)
+    local = directory_of(location)
     if local is not None:
         if not os.path.exists(local):
             raise NotACheckpointError(f"{local} does not exist")
@@ -297,7 +297,7 @@ def is_dcp_directory(path: str | os.PathLike) -> bool:
     """A local torch.distributed.checkpoint directory (``.metadata`` + ``.distcp`` files)? Only a directory is one:
     DCP's FileSystemReader, which dcp_dir.py reads them with, reads nothing else."""
     location = os.fspath(path)
-    directory = storage_class(location).directory(location)
+    directory = directory_of(location)
     return directory is not None and holds_dcp_checkpoint(open_storage(directory, read_only=True))
 
 

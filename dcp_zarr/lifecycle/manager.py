@@ -77,7 +77,7 @@ class CheckpointManager:
         if incremental:
             writer_options["incremental"] = True
         ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
-        self.root = CheckpointRoot(root, storage_options)
+        self.root = CheckpointRoot(root, storage_options, writer_options.get("retry"))
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._lock = threading.Lock()

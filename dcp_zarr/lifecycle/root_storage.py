@@ -9,22 +9,27 @@ from __future__ import annotations
 import os
 
 from dcp_zarr.errors import ZarrCheckpointError
-from dcp_zarr.storage import Storage, open_storage, storage_class
+from dcp_zarr.storage import Storage, as_retrying, directory_of, open_storage
+from dcp_zarr.storage.retry import Retrying, RetryPolicy
 
 
 class RootStorage:
     """``root`` (a local directory, made if missing, or an fsspec URL) as storage."""
 
-    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None):
+    def __init__(self, root: str | os.PathLike, storage_options: dict | None = None,
+                 retry: RetryPolicy | Retrying | None = None):
         self.url = os.fspath(root).rstrip("/") or "/"
         self.storage_options = storage_options
+        # One Retrying for the root and every store opened under it: the lease, listing and pruning retry as the
+        # manager's saves do (its writers' ``retry``)
+        self.retrying = as_retrying(retry)
         # The root's directory on this machine; None for an object store's prefix.
-        self.directory = storage_class(self.url).directory(self.url)
+        self.directory = directory_of(self.url)
         if self.directory is not None:
             if os.path.exists(self.directory) and not os.path.isdir(self.directory):
                 raise NotADirectoryError(f"checkpoint root {self.directory} is a file, not a directory")
             os.makedirs(self.directory, exist_ok=True)
-        self.storage = open_storage(self.url, storage_options)
+        self.storage = open_storage(self.url, storage_options, retry=self.retrying)
 
     def location(self, name: str) -> str:
         """The path or URL of ``name`` under the root."""
@@ -36,7 +41,7 @@ class RootStorage:
 
     def open(self, name: str, *, read_only: bool = True) -> Storage:
         """The storage of ``name`` (a store, a step folder) under the root."""
-        return open_storage(self.location(name), self.storage_options, read_only=read_only)
+        return open_storage(self.location(name), self.storage_options, read_only=read_only, retry=self.retrying)
 
     def size(self, name: str) -> int:
         """Bytes stored under ``name``."""
@@ -67,4 +72,5 @@ class RootStorage:
             os.rmdir(os.path.join(self.directory, name))
         except OSError:
             return  # not empty, or gone already
-        self.storage = open_storage(self.url, self.storage_options)  # a fresh one: the old remembers it as made
+        # a fresh one: the old remembers it as made
+        self.storage = open_storage(self.url, self.storage_options, retry=self.retrying)

@@ -179,7 +179,9 @@ class ObstoreStorage(ZarrStoreStorage):
             target[offset - start: stop - start] = memoryview(
                 await obstore.get_range_async(self.raw, path, start=offset, end=stop))
 
-        await asyncio.gather(*(fetch(offset) for offset in range(start + len(head), end, RANGE_PART_BYTES)))
+        async with asyncio.TaskGroup() as parts:
+            for offset in range(start + len(head), end, RANGE_PART_BYTES):
+                parts.create_task(fetch(offset))
         return bytes(target)
 
     def link_from(self, source: Storage, key: str) -> bool:

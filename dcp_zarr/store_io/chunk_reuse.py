@@ -45,7 +45,8 @@ from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
 from dcp_zarr.format.encoding import CHECKSUM_BYTES, MISSING, as_bytes, checksum, encode_chunk, shard_index_bytes
 from dcp_zarr.storage import Storage
-from dcp_zarr.storage.registry import scheme_of, storage_class
+from dcp_zarr.storage.location import directory_of
+from dcp_zarr.storage.registry import scheme_of
 
 
 class EarlierCheckpoint(NamedTuple):
@@ -82,7 +83,7 @@ def check_earlier_location(earlier: str, path: str, store) -> None:
 def _place(location: str) -> tuple[str, str]:
     """``(storage, where on it)``: ``("", real path)`` for a directory of this machine, a plain path and a ``file://``
     URL alike; else ``(scheme, URL without a trailing slash)``."""
-    directory = storage_class(location).directory(location)
+    directory = directory_of(location)
     if directory is not None:
         return "", os.path.realpath(directory)
     return scheme_of(location), location.rstrip("/")

@@ -31,7 +31,7 @@ from dcp_zarr.errors import (
     NotACheckpointError,
 )
 from dcp_zarr.format.manifest import ROOT_KEY
-from dcp_zarr.storage import Storage, open_storage, storage_class
+from dcp_zarr.storage import Storage, directory_of, open_storage, storage_class
 from dcp_zarr.store_io.root_document import read_manifest
 
 STAGING_DIR = ".dcp-zarr-staging"
@@ -174,7 +174,7 @@ def strategy(storage: type[Storage]) -> CommitStrategy:
 
 
 def _directory(location: str) -> str:
-    directory = storage_class(location).directory(location)
+    directory = directory_of(location)
     assert directory is not None, f"{location}: a storage that commits by rename is a directory"
     return directory
 

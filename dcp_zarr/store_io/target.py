@@ -44,12 +44,12 @@ class StoreTarget:
 
     def open(self, location: str | None = None) -> Storage:
         """The storage at ``location`` (default: the target's own path); a store object is always itself."""
-        if self.store is not None:
-            return store_objects.open_store(self.store, self.retrying)
         location = self.path if location is None else location
-        if not location:
+        if self.store is None and not location:
             raise ValueError(f"{self.owner} needs a path or a store: pass path or store=, or checkpoint_id= to "
                              f"{self.dcp_call}")
+        if self.store is not None:
+            return open_storage(store=self.store, retry=self.retrying)
         return open_storage(location, self.storage_options, retry=self.retrying, **self._open_options())
 
     def _open_options(self) -> dict:

@@ -157,7 +157,7 @@ class Radosgw:
                 dead = [str(p.args[0]) for p in self._processes if p.poll() is not None]  # type: ignore[index]
                 if dead or time.monotonic() > deadline:
                     why = f"{', '.join(dead)} exited" if dead else f"no answer in {START_TIMEOUT_S} s"
-                    raise RuntimeError(f"radosgw: the gateway did not start ({why}; logs in {self.root}/log)")
+                    raise RuntimeError(f"radosgw: the gateway did not start ({why}; logs in {self.root}/log)") from None
                 time.sleep(0.25)
 
     def _warm_up(self) -> None:

@@ -367,7 +367,8 @@ class S3Server:
                per_key: float = float("inf"), stall_s: float = 2.5) -> FaultRule:
         """Answer ``times`` requests (``float("inf")``: all) that match with ``action`` instead of forwarding them:
         an HTTP error of ``FAULTS``, ``"stall"`` (no answer for ``stall_s``, then the connection closes) or
-        ``"reset"`` (the connection is dropped). See ``FaultRule``; ``fault_log`` lists what came while rules were set."""
+        ``"reset"`` (the connection is dropped). See ``FaultRule``; ``fault_log`` lists what came while rules were
+        set."""
         rule = FaultRule(action, methods, path, times, skip, per_key)
         with self._proxy.lock:
             self._proxy.stall_s = stall_s

@@ -21,7 +21,6 @@ from dcp_zarr.errors import (
     IncompleteCheckpointError,
     MalformedMetadataError,
     NotACheckpointError,
-    TorchNotImportableError,
     ZarrCheckpointError,
 )
 
@@ -51,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dcp-zarr {args.command}: error: {exc}", file=sys.stderr)
         return ERROR
     except ImportError as exc:
-        if _torch_importable():  # some other missing module: a broken install, keep the traceback
+        from dcp_zarr.tools.convert import torch_importable
+
+        if torch_importable():  # some other missing module: a broken install, keep the traceback
             raise
         print(f"dcp-zarr {args.command}: error: this needs torch, which cannot be imported here ({exc})",
               file=sys.stderr)
@@ -114,10 +115,10 @@ def _refuse_a_mixed_folder(path: str, storage_options: dict | None) -> None:
     both, and how to keep one."""
     from dcp_zarr.lifecycle.root import CheckpointRoot
     from dcp_zarr.offline import is_dcp_directory
-    from dcp_zarr.storage import storage_class
+    from dcp_zarr.storage import directory_of
     from dcp_zarr.tools.root_report import mixed_folder
 
-    directory = storage_class(path).directory(path)
+    directory = directory_of(path)
     if directory is None or not is_dcp_directory(directory):
         return
     parent, name = os.path.split(directory.rstrip(os.sep))
@@ -154,10 +155,11 @@ def _convert(args) -> int:
 
 
 def _diff(args) -> int:
+    from dcp_zarr.tools.convert import open_source
     from dcp_zarr.tools.diff import EQUAL, diff_checkpoints
 
-    a = _open_any(args.a, args.storage_options)
-    b = _open_any(args.b, args.storage_options)
+    a = open_source(args.a, args.storage_options)
+    b = open_source(args.b, args.storage_options)
     report = diff_checkpoints(a, b, atol=args.atol, progress=args.progress)
     if args.json:
         entries = [{"fqn": e.fqn, "status": e.status, "detail": e.detail, "differing": e.differing,
@@ -193,40 +195,13 @@ def _prune_root(args) -> int:
 
 def _checkpoint_root(args):
     from dcp_zarr.lifecycle.root import CheckpointRoot
-    from dcp_zarr.storage import storage_class
+    from dcp_zarr.storage import directory_of
 
-    directory = storage_class(args.root).directory(args.root)
+    directory = directory_of(args.root)
     if directory is not None and not os.path.isdir(directory):
         what = "is a file" if os.path.exists(directory) else "does not exist"
         raise UsageError(f"{args.root} {what}; expected the directory a CheckpointManager saves into")
     return CheckpointRoot(args.root, args.storage_options)
-
-
-def _open_any(path: str, storage_options: dict | None):
-    """A zarr store (torch-free) or a DCP directory (which only torch reads)."""
-    from dcp_zarr.offline import is_dcp_directory, open_checkpoint
-
-    if not is_dcp_directory(path):
-        return open_checkpoint(path, storage_options)
-    try:
-        from dcp_zarr.tools.dcp_dir import DcpCheckpoint
-    except ImportError as exc:
-        if _torch_importable():
-            raise
-        raise TorchNotImportableError(
-            f"{path} is a torch.distributed.checkpoint directory (.metadata + .distcp files); reading it needs "
-            f"torch, which cannot be imported here ({exc})") from None
-    return DcpCheckpoint(path)
-
-
-def _torch_importable() -> bool:
-    # Asked only after an ImportError: trying the import itself is the one reliable test (torch may be installed
-    # but broken), and where torch imports, it is needed next anyway.
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # -- arguments -------------------------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from dcp_zarr.errors import ConversionError
+from dcp_zarr.errors import ConversionError, TorchNotImportableError
 from dcp_zarr.offline import Checkpoint, is_dcp_directory, open_checkpoint, refuse_a_file
-from dcp_zarr.storage import storage_class
+from dcp_zarr.storage import directory_of
 from dcp_zarr.tools.outputs import check_local_output, staging_name, swap_into_place
 from dcp_zarr.tools.safetensors_export import DEFAULT_SAFETENSORS_SHARD_BYTES, to_safetensors
 
@@ -30,7 +30,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, overwrit
     if to == "zarr":
         from dcp_zarr.tools.resave import dcp_to_zarr, zarr_to_zarr
 
-        directory = storage_class(src).directory(os.fspath(src))
+        directory = directory_of(src)
         if directory is not None:
             refuse_a_file(directory)
         if is_dcp_directory(src):
@@ -41,19 +41,36 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, overwrit
     if "compression" in options:
         raise ConversionError(f"compression applies to a conversion to zarr, not to {to}")
     check_local_output(dst, overwrite)
-    source = _open_source(src, storage_options)
+    source = open_source(src, storage_options)
     if to == "torch":
         return [to_torch_save(source, dst, overwrite=overwrite, progress=progress)]
     return to_safetensors(source, dst, overwrite=overwrite, progress=progress, **options)
 
 
-def _open_source(path: str | os.PathLike, storage_options: dict | None):
-    """A dcp_zarr store (any URL, torch-free) or a DCP directory (local; torch reads it), whichever ``path`` is."""
-    if is_dcp_directory(path):
+def open_source(path: str | os.PathLike, storage_options: dict | None):
+    """A dcp_zarr store (any URL, torch-free) or a DCP directory (local; only torch reads it), whichever ``path`` is;
+    ``TorchNotImportableError`` naming it for a DCP directory where torch cannot be imported."""
+    if not is_dcp_directory(path):
+        return open_checkpoint(path, storage_options)
+    try:
         from dcp_zarr.tools.dcp_dir import DcpCheckpoint
+    except ImportError as exc:
+        if torch_importable():
+            raise
+        raise TorchNotImportableError(
+            f"{os.fspath(path)} is a torch.distributed.checkpoint directory (.metadata + .distcp files); reading it "
+            f"needs torch, which cannot be imported here ({exc})") from None
+    return DcpCheckpoint(path)
 
-        return DcpCheckpoint(path)
-    return open_checkpoint(path, storage_options)
+
+def torch_importable() -> bool:
+    # Asked only after an ImportError: trying the import itself is the one reliable test (torch may be installed
+    # but broken), and where torch imports, it is needed next anyway.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def to_torch_save(source: Checkpoint, dst: str | os.PathLike, *, overwrite: bool = False,

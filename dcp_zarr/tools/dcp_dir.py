@@ -33,7 +33,7 @@ from dcp_zarr.offline import (
     set_by_path,
 )
 from dcp_zarr.planning.dcp_internals import whole_state_dict_planner
-from dcp_zarr.storage import storage_class
+from dcp_zarr.storage import directory_of
 from dcp_zarr.store_io.root_document import DCP_METADATA_FILE as METADATA_FILE
 
 
@@ -42,7 +42,7 @@ class DcpCheckpoint:
 
     def __init__(self, path: str | os.PathLike):
         location = os.fspath(path)
-        self.path = storage_class(location).directory(location) or location  # a URL is refused below, named
+        self.path = directory_of(location) or location  # a URL is refused below, named
         self.url = self.path
         refuse_a_file(self.path)
         if not is_dcp_directory(self.path):

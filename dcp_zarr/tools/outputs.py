@@ -8,7 +8,7 @@ import shutil
 import uuid
 
 from dcp_zarr.errors import CheckpointExistsError, ConversionError
-from dcp_zarr.storage import storage_class
+from dcp_zarr.storage import directory_of
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -16,7 +16,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 def check_local_output(dst: str | os.PathLike, overwrite: bool) -> str:
     """The absolute local path of an output, refusing URLs and anything we must not replace."""
     location = os.fspath(dst)
-    target = storage_class(location).directory(location)
+    target = directory_of(location)
     if target is None:
         raise ConversionError(f"{location}: torch and safetensors outputs must be local paths")
     if not os.path.lexists(target):

@@ -14,7 +14,7 @@ from dcp_zarr.errors import CheckpointExistsError, ConversionError, IncompleteCh
 from dcp_zarr.format.compression import COMPRESSORS, Compression
 from dcp_zarr.format.manifest import TensorEntry
 from dcp_zarr.offline import Checkpoint, open_checkpoint
-from dcp_zarr.storage import storage_class
+from dcp_zarr.storage import directory_of, storage_class
 from dcp_zarr.store_io import commit
 from dcp_zarr.tools.dcp_dir import DcpCheckpoint
 from dcp_zarr.writer import ZarrWriter
@@ -108,7 +108,7 @@ def source_compression(source: Checkpoint) -> Compression | None:
 
 def _same_store(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
     a, b = os.fspath(src), os.fspath(dst)
-    directory_a, directory_b = storage_class(a).directory(a), storage_class(b).directory(b)
+    directory_a, directory_b = directory_of(a), directory_of(b)
     if directory_a is not None and directory_b is not None:
         return os.path.realpath(directory_a) == os.path.realpath(directory_b)
     return a.rstrip("/") == b.rstrip("/")

@@ -10,8 +10,8 @@ import pytest
 
 from dcp_zarr.storage import LocalStorage, open_storage, register_storage, storage_class, unregister_storage
 from dcp_zarr.storage.base import Storage, checked_key
-from dcp_zarr.storage.retry import Retrying
 from dcp_zarr.storage.obstore_storage import ObstoreStorage
+from dcp_zarr.storage.retry import Retrying
 from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
 

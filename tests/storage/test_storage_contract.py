@@ -178,7 +178,8 @@ def test_every_backend_has_a_contract_subclass():
 
     # the package's own: tests subclass backends to count or fail their calls
     implementations = {cls for cls in _subclasses(Storage) if cls.__module__.startswith("dcp_zarr.")}
-    covered = {LocalStorage, ZarrStoreStorage, ObstoreStorage, ThrottledStorage}  # ThrottledStorage's: tests/storage/test_throttled.py
+    # ThrottledStorage's contract: tests/storage/test_throttled.py
+    covered = {LocalStorage, ZarrStoreStorage, ObstoreStorage, ThrottledStorage}
     assert implementations == covered, f"Storage subclasses without a contract test: {implementations - covered}"
 
 
