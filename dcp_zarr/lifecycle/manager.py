@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_zarr.errors import CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError
+from dcp_zarr.lifecycle.background import BackgroundDeletions
 from dcp_zarr.lifecycle.lease import DEFAULT_TIMEOUT_S, Lease
 from dcp_zarr.lifecycle.listing import StepStore
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
@@ -78,6 +79,7 @@ class CheckpointManager:
             writer_options["incremental"] = True
         ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
         self.root = CheckpointRoot(root, storage_options, writer_options.get("retry"))
+        self._deletions = BackgroundDeletions(self.root, self.root.delete_step)  # retention's, off this thread
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._lock = threading.Lock()
@@ -124,7 +126,8 @@ class CheckpointManager:
         and retention has run."""
         self._check_open()
         step = _checked_step(step, self.root.url)
-        self.wait()
+        self._wait_for_save()
+        self._deletions.raise_failure()
         if self._lease is not None:
             self._lease.check()
             # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
@@ -149,7 +152,16 @@ class CheckpointManager:
         return None
 
     def wait(self) -> None:
-        """Wait for the async save in flight, if any; raise its error; then apply retention."""
+        """Wait for the async save in flight, if any, and raise its error; then for retention's deletions (which run
+        in the background), raising the first that failed."""
+        try:
+            self._wait_for_save()
+        finally:
+            self._deletions.join()
+        self._deletions.raise_failure()
+
+    def _wait_for_save(self) -> None:
+        """Wait for the async save in flight, if any; raise its error; then ask retention for its deletions."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -200,12 +212,13 @@ class CheckpointManager:
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the save in flight, then give up the root's lease. Safe to call twice."""
+        """Wait for the save in flight and retention's deletions, then give up the root's lease. Safe to call twice."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
+            self._deletions.close()
             self._closed = True
             if self._lease is not None:
                 self._lease.release()
@@ -255,21 +268,23 @@ class CheckpointManager:
         self._apply_retention()
 
     def _after_failure(self) -> None:
+        self._deletions.join()  # what the failed save left is cleaned below: never beside a deletion in flight
         if self._lease is not None:
             self.root.clean_leftovers()  # nothing of this manager's is in flight now: what the failed save left can go
 
     def _step_stores(self) -> list[StepStore]:
         """The root's step stores; folders of several (accelerate's checkpoint_N) are not a manager's to load."""
-        return [s for s in self.root.step_stores() if not s.folder]
+        deleting = self._deletions.pending()  # on their way out: never listed, loaded or reused
+        return [s for s in self.root.step_stores() if not s.folder and s.step not in deleting]
 
     def _apply_retention(self) -> None:
         complete = {s.step: s.name for s in self._step_stores() if s.complete}
         with self._lock:
             doomed = steps_to_delete(list(complete), self.keep_last, self.keep_every, self._in_use)
-        assert self._lease is not None  # only the manager holding the lease applies retention (_after_save)
+        lease = self._lease
+        assert lease is not None  # only the manager holding the lease applies retention (_after_save)
         for step in doomed:
-            self._lease.check()
-            self.root.delete_step(step, complete[step])
+            self._deletions.submit(step, complete[step], lease.check)
 
 def _positive_or_none(name: str, value):
     if value is None:

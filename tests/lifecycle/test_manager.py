@@ -10,13 +10,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
 import pytest
 import torch
 
-from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrSavePlanner
+from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundError, ZarrCheckpointError, ZarrSavePlanner
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.records import RECORDS
 from dcp_zarr.lifecycle.root import CheckpointRoot
@@ -63,6 +64,48 @@ def test_keep_last_and_keep_every_delete_only_what_they_no_longer_keep(tmp_path)
     expected = [RECORDS, "notes.txt", "other.zarr"] + [step_name(s) for s in (0, 4, 8, 9, 10)]
     assert sorted(os.listdir(root)) == sorted(expected)
     assert os.listdir(root / RECORDS) == [], "the lease is given back at close, and no record is left"
+
+
+def test_retention_deletes_in_the_background_and_save_returns_before_it_is_done(tmp_path, monkeypatch):
+    root = tmp_path / "run"
+    release, order, threads = threading.Event(), [], set()
+    real = CheckpointRoot.delete_step
+
+    def slow_delete(self, step, name=None):
+        threads.add(threading.current_thread().name)
+        assert release.wait(30), "the test never released the deletion"
+        order.append(step)
+        real(self, step, name)
+
+    monkeypatch.setattr(CheckpointRoot, "delete_step", slow_delete)
+    with CheckpointManager(root, keep_last=1) as manager:
+        for step in range(3):
+            manager.save(step, state(step))  # returns while steps 0, then 1, wait to be deleted
+        assert manager.steps() == [2], "a step being deleted is no longer listed"
+        assert os.path.isdir(root / step_name(0)), "the deletion has not run: the test holds it"
+        release.set()
+        manager.wait()
+        assert sorted(os.listdir(root)) == sorted([RECORDS, step_name(2)])
+        assert threads and threading.current_thread().name not in threads, "deleted off the caller's thread"
+        assert order == [0, 1], "one deletion at a time, in order"
+        assert saved_step(manager, 2) == 2
+
+
+def test_a_failed_background_deletion_is_raised_naming_the_step_at_the_next_save(tmp_path, monkeypatch):
+    def failing_delete(self, step, name=None):
+        raise PermissionError(f"cannot remove {name} (injected)")
+
+    monkeypatch.setattr(CheckpointRoot, "delete_step", failing_delete)
+    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    manager.save(0, state(0))
+    manager.save(1, state(1))  # asks for step 0's deletion, which fails on the retention thread
+    manager._deletions.join()
+    with pytest.raises(ZarrCheckpointError, match=r"retention could not delete step 0 \(step-0+\.zarr\).*injected"):
+        manager.save(2, state(2))
+    monkeypatch.undo()
+    manager.close()  # the failure was raised once: close gives the lease back
+    with CheckpointManager(tmp_path / "run") as again:
+        assert again.steps() == [0, 1], "nothing was lost"
 
 
 def test_without_keep_last_every_checkpoint_stays_and_steps_sort_numerically(tmp_path):
