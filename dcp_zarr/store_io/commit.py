@@ -95,7 +95,10 @@ class MarkerCommit(CommitStrategy):
         return True
 
     def removal(self, target: str) -> str:
-        return "delete every key under that prefix"
+        # a command for any storage written in place (an object store, a store object's URL): its own client's
+        # command would differ from one service to the next, and the credentials are the user's already
+        return (f"python -c \"from dcp_zarr.storage import open_storage; open_storage('{target}').remove_all()\" "
+                "(with the storage_options the save had, if any)")
 
     def commit(self, staging: Storage, target: str, replace: bool) -> None:
         pass  # the root zarr.json, written before, was the commit

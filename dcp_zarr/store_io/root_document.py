@@ -31,7 +31,7 @@ def read_root(storage: Storage) -> bytes:
     except NotADirectoryError:  # a file (model.pt) where a checkpoint directory was named
         raise NotACheckpointError(f"{storage.url} is a file, not a checkpoint directory") from None
     except FileNotFoundError:
-        if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json"):
+        if storage.exists("model/zarr.json") or storage.exists("optim/zarr.json") or _holds_zarr_keys(storage):
             raise IncompleteCheckpointError(
                 f"{storage.url} is an incomplete dcp_zarr checkpoint: it has no root zarr.json, which is written "
                 "last; the save was interrupted or is still running"
@@ -42,6 +42,19 @@ def read_root(storage: Storage) -> bytes:
         raise MetadataTooLargeError(f"{storage.url}/{ROOT_KEY} is larger than {MAX_MANIFEST_BYTES} bytes; refused "
                                     "unread")
     return data
+
+
+def _holds_zarr_keys(storage: Storage) -> bool:
+    """Whether a store written in place (an object store's prefix) holds a zarr node's document or a chunk: what an
+    interrupted save leaves there (its ranks write chunks first, the groups' zarr.json near the end). A directory
+    is never written in place (its saves are staged and renamed), so there this is never asked."""
+    if type(storage).commits_by_rename:
+        return False
+    try:
+        keys = storage.first_keys(64)
+    except NotImplementedError:
+        return False
+    return any(key.endswith("/zarr.json") or "/c/" in key or "/c." in key or key.endswith("/c") for key in keys)
 
 
 def is_committed(storage: Storage) -> bool:

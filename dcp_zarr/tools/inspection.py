@@ -21,6 +21,7 @@ from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.codecs import codec_from_json
 from dcp_zarr.format.manifest import TENSOR, ValueEntry
 from dcp_zarr.offline import Checkpoint, Entry
+from dcp_zarr.storage import directory_of
 from dcp_zarr.tools.listing import depth_groups, matches, natural_key, node_key
 from dcp_zarr.tools.stored_sizes import stored_sizes
 from dcp_zarr.tools.summary import shown_values, summary_groups, summary_values, value_text
@@ -144,7 +145,7 @@ def format_summary(summary: dict, *, tree: bool = False) -> str:
         origin = incremental["reused_from"]
         reused = ("the first of a chain: nothing reused" if origin is None else
                   f"{_plural(origin.get('reused_chunks', 0), 'chunk')} ({human_bytes(origin.get('reused_bytes', 0))}) "
-                  f"linked from {origin.get('path')}")
+                  f"{_reused_how(origin.get('path'))} {origin.get('path')}")
         lines.append(f"  incremental: {_plural(incremental['recorded_arrays'], 'array')} recorded; {reused}")
     lines.append(f"  steps: {_format_steps(summary['steps'])}")
     if "filter" in summary:
@@ -284,6 +285,14 @@ def _layout(row: dict) -> str:
         inner = "x".join(map(str, row["inner_chunk_shape"]))
         return f"{_plural(row['chunks'], 'shard')} {stored}, chunks {inner}{compressed}"
     return f"{_plural(row['chunks'], 'chunk')} {stored}{compressed}"
+
+
+def _reused_how(origin: str | None) -> str:
+    """How a save reused chunks of ``origin``: hard links in a directory, copies within the service elsewhere (an
+    object store's server-side copy; bytes through the process where the two stores share no client)."""
+    if origin is None or directory_of(origin) is not None:
+        return "linked from"
+    return "copied within the store from"
 
 
 def human_bytes(n: float) -> str:

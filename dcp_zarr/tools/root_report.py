@@ -14,6 +14,8 @@ from dcp_zarr.lifecycle.listing import StepStore
 from dcp_zarr.lifecycle.retention import steps_to_delete
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.lifecycle.step_forms import STEP_NAME_FORMS
+from dcp_zarr.storage import storage_class
+from dcp_zarr.store_io.commit import strategy as commit_strategy
 from dcp_zarr.tools.inspection import human_bytes
 
 DCP_SHARD_SUFFIX = ".distcp"
@@ -54,7 +56,7 @@ def _state(root: CheckpointRoot, store: StepStore, mixed: str | None) -> dict:
     why = (folder_state(root, store.name).why_incomplete() if store.folder
            else "no committed zarr.json: its save was interrupted, or is still running")
     return {"state": "incomplete", "detail": f"{why}; nothing loads it. Remove it once no job saves here: "
-                                             f"rm -r {location}"}
+                                             f"{commit_strategy(storage_class(location)).removal(location)}"}
 
 
 def mixed_folder(root: CheckpointRoot, name: str) -> str | None:

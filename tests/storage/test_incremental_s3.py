@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_zarr import IncrementalBaseError, ZarrReader, ZarrWriter
 from dcp_zarr.format.encoding import CHECKSUM_BYTES
 from dcp_zarr.store_io.chunk_reuse import ReuseCounts
+from dcp_zarr.tools.cli import main as cli_main
 from tests.support.compare import assert_state_equal
 from tests.support.faults import shard_named
 from tests.support.ranks import run_ranks
@@ -121,7 +122,7 @@ def _delete_and_load(s3, a: str, b: str) -> None:
 
 
 @pytest.mark.s3
-def test_an_incremental_save_on_s3_copies_unchanged_chunks_on_the_server_and_puts_the_changed_ones(s3):
+def test_an_incremental_save_on_s3_copies_unchanged_chunks_on_the_server_and_puts_the_changed_ones(s3, capsys):
     a, b = _urls(s3)
     options = s3.storage_options()
     dcp.save(full_state(False), storage_writer=ZarrWriter(a, storage_options=options, incremental=True,
@@ -132,6 +133,10 @@ def test_an_incremental_save_on_s3_copies_unchanged_chunks_on_the_server_and_put
     assert writer.reuse_counts is not None
     figures = _check_traffic(s3, traffic, a, b, [writer.reuse_counts])
     print(f"\nincremental save to S3, one process: {figures}")
+    cli_options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
+    assert cli_main(["inspect", b, *cli_options]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"copied within the store from {a}" in said and "linked from" not in said, said
     _delete_and_load(s3, a, b)
 
 

@@ -3,6 +3,7 @@ through fsspec."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 import uuid
 
@@ -108,6 +109,31 @@ def test_the_cli_takes_storage_options(s3, capsys):
     assert cli_main(["verify", url, *options]) == 0
     assert cli_main(["inspect", url + "-missing", *options]) == 2
     assert "not a dcp_zarr checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.s3
+def test_the_cli_says_an_interrupted_s3_save_is_incomplete_and_how_to_remove_it_with_a_working_command(s3, capsys,
+                                                                                                    monkeypatch):
+    root = f"s3://{s3.bucket}/cli-root-{uuid.uuid4().hex[:8]}"
+    url = f"{root}/step-00000007.zarr"
+    dcp.save({"model": {"w": torch.ones(3, 2)}, "optim": {"step": torch.tensor(7.0)}}, planner=ZarrSavePlanner(),
+             storage_writer=ZarrWriter(url, storage_options=s3.storage_options()))
+    storage = open_storage(url, s3.storage_options())
+    for document in ("zarr.json", "model/zarr.json", "optim/zarr.json"):  # as a save killed before its documents
+        storage.remove(document)
+    options = ["-o", f"endpoint_url={s3.endpoint}", "-o", "key=testing", "-o", "secret=testing"]
+
+    assert cli_main(["verify", url, *options]) == 1, "an interrupted save is a check that failed, as documented"
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert cli_main(["list", root, *options]) == 0
+    listed = " ".join(capsys.readouterr().out.split())  # the report wraps its lines
+    command = listed.split("Remove it once no job saves here: ", 1)[1].split(" (with the storage_options", 1)[0]
+    assert command.startswith("python -c ") and "rm -r" not in listed, listed
+    for name, value in {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ALLOW_HTTP": "true", "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(name, value)
+    subprocess.run(command, shell=True, check=True)  # the suggestion works as printed
+    assert storage.first_keys(10) == [], "the interrupted save is gone"
 
 
 @pytest.mark.s3
