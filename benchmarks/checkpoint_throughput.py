@@ -37,8 +37,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for key, default in DEFAULTS.items():
         p.add_argument(f"--{key}", type=int, help=f"default {default}; --quick {QUICK[key]}")
-    p.add_argument("--dtype", choices=sorted(h.DTYPES), default="float32")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="gloo: CPU tensors; nccl: CUDA")
     p.add_argument("--target", default=h.SCRATCH, help="directory for the checkpoints (default: tmpfs)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
     p.add_argument("--threads", type=int, default=4, help="thread count of every writer and zarr reader")
@@ -62,11 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     faulthandler.enable()  # a crash in a native thread (gloo, zarr's IO loop) still shows every Python stack
-    h.on_ranks("checkpoint_throughput", args.out, lambda ranks: run(args, ranks), args.backend)
+    h.on_ranks("checkpoint_throughput", args.out, lambda ranks: run(args, ranks))
 
 
 def run(args: argparse.Namespace, ranks: h.Ranks) -> tuple[dict, str] | None:
-    cfg = h.ModelConfig(args.layers, args.hidden, args.vocab, args.dtype)
+    cfg = h.ModelConfig(args.layers, args.hidden, args.vocab)
     state = h.fsdp_model_state(cfg, ranks.mesh, ranks.device)
     # What is alive now lives for the whole run: frozen, the gc.collect() before each timed region costs ms, not 0.25 s
     gc.collect()
@@ -246,7 +244,7 @@ def summary(d: dict) -> str:
                      d["footprint"].get(name, {}).get("files", "")])
         if name == "async/zarr":
             rows.append(["async/zarr blocked", f"{m['median_blocking_s']:.4f}", "", f"{m['blocking_gbps']:.3f}"])
-    lines = [f"{c['world_size']} ranks, {c['backend']}, {c['threads']} threads, medians of {c['repeats']}, state dict "
+    lines = [f"{c['world_size']} ranks, gloo, {c['threads']} threads, medians of {c['repeats']}, state dict "
              f"{d['state_dict']['total_bytes'] / h.GB:.3f} GB, target {c['target']}", "",
              h.table(["measurement", "median s", "min s", "GB/s", "files"], rows), ""]
     lines += [f"- {name}: {value:.3f}" for name, value in d["ratios"].items()]

@@ -7,10 +7,10 @@ embedding): ``bf16`` (bfloat16 weights and AdamW state) and ``fp32``, after ``--
 
 Targets (``--targets``): ``tmpfs`` (/dev/shm); ``disk`` (``--disk-dir``; the writers fsync, and the page cache is
 dropped before every load: ``drop_caches`` as root, else each file's pages evicted, as the result says); ``s3``
-(dcp_zarr.testing's loopback S3 server, large objects spooled to tmpfs); ``throttled``: tmpfs behind a link of
-``--throttle-mb-s`` per rank shared by its threads, every byte written and read charged to it (dcp_zarr's
-``throttled://`` storage, dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where
-bandwidth, not a server's CPU, is the limit.
+(dcp_zarr.testing's S3 server, radosgw); ``throttled``: tmpfs behind a link of ``--throttle-mb-s`` per rank shared by
+its threads, every byte written and read charged to it (dcp_zarr's ``throttled://`` storage,
+dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where bandwidth, not a server's CPU, is
+the limit.
 
 Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
 (``zarr-plain:compression=...``), ``dcp`` (``fs``; ``fsspec`` on S3) and ``dcp-zstd`` (``fs:zstd``, which needs the
@@ -198,7 +198,6 @@ def main(argv: list[str] | None = None) -> None:
             if name == "s3":
                 from dcp_zarr.testing.s3_server import S3Server
 
-                tempfile.tempdir = h.SCRATCH  # moto spools objects over 5 MB to a temporary file: tmpfs
                 server = S3Server()
                 cleanup.callback(server.stop)
                 targets[name] = {"root": f"s3://{server.make_bucket('bench')}/{run_id}",

@@ -106,10 +106,11 @@ class Ranks:
 def init_ranks(backend: str = "gloo") -> Ranks:
     """Join the torchrun job's process group, or make a 1-process group when no torchrun variables are set."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.elastic.utils.distributed import get_free_port
 
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(
-            _free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(get_free_port()))
     timeout = datetime.timedelta(minutes=30)  # a checkpoint of several GB on a slow disk keeps ranks apart long
     device = torch.device("cpu")
     if backend == "nccl":
@@ -122,14 +123,6 @@ def init_ranks(backend: str = "gloo") -> Ranks:
         dist.init_process_group("gloo", timeout=timeout)
     world = dist.get_world_size()
     return Ranks(dist.get_rank(), world, device, init_device_mesh(device.type, (world,)))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def end(code: int = 0) -> None:

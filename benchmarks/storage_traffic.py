@@ -1,17 +1,18 @@
-"""Requests, bytes and times through storage per save and per load: dcp_zarr (with its collective I/O: aggregated
-writes, reads done once) beside DCP's FsspecWriter/Reader and FileSystemWriter/Reader, in real gloo runs against a
-loopback S3 server with added latency per request and a local directory; or, with ``--simulate``, the requests
-counted at up to 1,024 ranks from the plans dcp_zarr makes (commands: benchmarks/README.md).
+"""Times, requests and bytes of saves and loads on a real S3 server (Ceph's radosgw, dcp_zarr.testing's), in real
+gloo runs, or, with ``--simulate``, the requests counted at up to 1,024 ranks from the plans dcp_zarr makes
+(commands: benchmarks/README.md).
 
-The state: ``--arrays`` fp32 tensors of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an
-8B model's are at 1,024) in the FSDP, HSDP and DDP layouts; or, with ``--model``, the FSDP2 transformer with AdamW
-state. This process runs the S3 server (moto) and spawns the ranks. The server sleeps the latency before each request
-(concurrent sleeps overlap: a distant server, not a slow one) and counts requests, bytes and its own CPU per
-operation (moto serves in Python under one GIL: a CPU time near an operation's time means the server set its pace).
-Kinds on S3: ``zarr`` (a URL: zarr's FsspecStore over s3fs), ``zarr-obstore`` (``--backends obstore``: ``store=``
-zarr's ObjectStore over obstore) and ``fsspec``; on ``--local-dir`` (the files each kind opens, the bytes through
-them) ``zarr`` and ``fs``; ``--off`` adds ``zarr-off``, dcp_zarr without collective I/O. ZarrSavePlanner plans
-dcp_zarr's saves; the counts are those of the first timed round.
+Real runs: every kind runs in ``--fresh`` new sets of rank processes of its own (forked from a server that imported
+torch and dcp_zarr): their first save and load pay the one-time setup of its client, ``--repeats`` later ones in the
+same processes do not. Each load is checked equal, each store's objects listed. States: ``small`` (64
+nn.Linear(256, 256)) and ``large`` (12 nn.Linear(2048, 2048)), FSDP2 with AdamW state, or ``--arrays`` fp32 tensors
+of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an 8B model's are at 1,024) in the
+``fsdp``, ``hsdp`` and ``ddp`` layouts. Kinds: ``zarr`` (an ``s3://`` URL: obstore), ``zarr-s3fs`` (the same with
+``client="fsspec"``), ``zarr-off`` (dcp_zarr without collective I/O) and DCP's ``fsspec``; ZarrSavePlanner plans
+dcp_zarr's saves. The server is reached directly, or, with ``--latency-ms``, through its proxy, which sleeps that
+long before each request (concurrent sleeps overlap: a distant server, not a slow one) and counts each save's and
+load's requests, bytes and server CPU. The floor: the objects ``zarr`` stored (their count and sizes) PUT again by
+a tight obstore loop, 32 in flight per rank: what any writer of that many objects pays on this server.
 
 The simulation plans every rank of a job in turn, on torch's fake process group with meta tensors, by the functions
 a real save and load call (ZarrSavePlanner, ``LocalSave.rank_writes`` and its aggregation, then DCP's load planner,
@@ -23,14 +24,12 @@ two per shard (index, inner chunks); the coordinator the root. No bytes move.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import os
-import shutil
 import statistics
-import threading
 import time
 from collections import Counter
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,167 +40,196 @@ from dcp_zarr.testing import s3_server
 from dcp_zarr.testing.shardings import LAYOUTS, in_layout
 
 BUCKET = "bench"
-BACKENDS = {"s3fs": "zarr", "obstore": "zarr-obstore"}  # --backends -> kind
 OFF = "zarr:aggregate_below=0:read_once=False"  # zarr-off: without collective I/O, as before it
+# kind: (writers.py's kind, the storage options it adds). DCP's files go up in multipart parts of s3fs's block size, 50
+# MiB by default: above the test server's largest PUT (radosgw.MAX_PUT_BYTES, 48 MiB), which refuses such a part.
+KINDS = {"zarr": ("zarr", {}), "zarr-s3fs": ("zarr", {"client": "fsspec"}), "zarr-off": (OFF, {}),
+         "fsspec": ("fsspec", {"default_block_size": 32 << 20})}
+STATES = {"small": (64, 256), "large": (12, 2048)}  # nn.Linear layers, width
+QUICK_STATES = {"small": (8, 64), "large": (2, 256)}
+FLOOR_IN_FLIGHT = 32
+# The targets, for ZarrWriter/ZarrReader (zarr) at the server itself: first / later save and load and later save /
+# floor at most; load speed against FsspecReader's at least (small, large)
+FIRST_VS_LATER, SAVE_VS_FLOOR, LOAD_VS_PEER = 1.3, 1.2, {"small": 1.0, "large": 2.0}
 
 
-class LocalCalls:
-    """Counts, in this process, the files each writer and reader opens (a local file system's requests: each open is
-    a metadata operation, what a parallel file system feels most) and the bytes through them: dcp_zarr's local
-    storage's calls, and DCP's files through ``file_system``, the FileSystem the ``fs`` kind is given."""
+def build_state(name: str, args, ranks: h.Ranks) -> dict:
+    """A layout (LAYOUTS) of ``--arrays`` tensors of ``--shape``, or a stack of STATES, each nn.Linear and the stack
+    FSDP2-sharded, after an AdamW step."""
+    from torch.distributed.fsdp import fully_shard
 
-    def __init__(self):
-        from dcp_zarr.storage.local import LocalStorage, OpenFile
-
-        self.lock, self.counts = threading.Lock(), Counter()
-        written = lambda args, _: sum(memoryview(b).nbytes for b in args[-1])  # noqa: E731
-        read = lambda args, result: len(result)  # noqa: E731
-        for cls, name, what, size, opens in (
-                (LocalStorage, "write", "writes", written, 1), (LocalStorage, "write_at", "writes", written, 1),
-                (LocalStorage, "read", "reads", read, 1), (LocalStorage, "read_range", "reads", read, 1),
-                (LocalStorage, "open_value", "reads", lambda a, r: 0, 1),  # then reads through the handle:
-                (OpenFile, "read_range_into", "reads", lambda a, r: r, 0), (OpenFile, "read_tail", "reads", read, 0)):
-            setattr(cls, name, self._counted(getattr(cls, name), what, size, opens))
-        self.file_system = writers.metered_file_system(self._stream)
-
-    def _counted(self, original, what, size, opens):
-        def counted(*args, **kwargs):
-            result = original(*args, **kwargs)
-            self.add(what, size(args, result), opens)
-            return result
-
-        return counted
-
-    def _stream(self, mode: str) -> SimpleNamespace:
-        """A DCP stream opened: one open counted, then the bytes written or read through it (its meter's ``timed``)."""
-        what = "writes" if "w" in mode else "reads"
-        self.add(what, 0, 1)
-        return SimpleNamespace(timed=lambda transfer, size: self._counted(transfer, what, lambda _, r: size(r), 0)())
-
-    def add(self, what: str, nbytes: int, opens: int) -> None:
-        with self.lock:
-            self.counts[what] += opens
-            self.counts[f"{what}_bytes"] += nbytes
-
-    def take(self) -> Counter:
-        with self.lock:
-            counts, self.counts = self.counts, Counter()
-        return counts
+    torch.manual_seed(11)  # the same tensors on every rank: each cuts or shards its own piece
+    if name in LAYOUTS:
+        shape = tuple(int(n) for n in args.shape.split("x"))
+        return in_layout(name, ranks.world_size, {f"layers.{i}.weight": torch.randn(shape) for i in range(args.arrays)})
+    layers, width = (QUICK_STATES if args.quick else STATES)[name]
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    for module in [*model, model]:
+        fully_shard(module, mesh=ranks.mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, width)).square().mean().backward()
+    optim.step()
+    return h._state(model, optim)
 
 
-def _obstore(url: str, options: dict):
-    """zarr's ObjectStore over obstore's S3 client, for ``url``'s prefix (each rank builds its own)."""
-    from obstore.store import S3Store
-    from zarr.storage import ObjectStore
+def put_floor(ranks: h.Ranks, bucket, sizes: list[int], prefix: str) -> float:
+    """The slowest rank's seconds to PUT its deal of ``sizes`` (the largest first, dealt in turn) under ``prefix``,
+    FLOOR_IN_FLIGHT at a time, each PUT as dcp_zarr's obstore storage makes it."""
+    import obstore
 
-    return ObjectStore(S3Store(BUCKET, prefix=url.removeprefix(f"s3://{BUCKET}/"), endpoint=options["endpoint_url"],
-                               region="us-east-1", access_key_id=options["key"],
-                               secret_access_key=options["secret"], client_options={"allow_http": True}))
+    from dcp_zarr.storage.obstore_storage import MULTIPART_ABOVE, PART_BYTES, PARTS_IN_FLIGHT
+
+    mine = sorted(sizes, reverse=True)[ranks.rank::ranks.world_size]
+    data = memoryview(os.urandom(max(mine, default=0)))
+
+    async def put_all() -> None:
+        slots = asyncio.Semaphore(FLOOR_IN_FLIGHT)
+
+        async def put(i: int, size: int) -> None:
+            async with slots:
+                await obstore.put_async(bucket, f"{prefix}/{ranks.rank}.{i}", data[:size], chunk_size=PART_BYTES,
+                                        use_multipart=size > MULTIPART_ABOVE, max_concurrency=PARTS_IN_FLIGHT)
+
+        await asyncio.gather(*(put(i, size) for i, size in enumerate(mine)))
+
+    return h.timed(lambda: asyncio.run(put_all()))[0]
 
 
-def transfer(op: str, kind: str, state, where: str, args, options: dict | None, file_system=None) -> None:
-    """``writers.save`` or ``writers.load`` (``op``) of a kind: ``zarr-obstore`` is dcp_zarr given ``store=``."""
-    threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads if op == "save" else None
-    store = _obstore(where, options or {}) if kind == "zarr-obstore" else None
-    spec = "zarr" if store else OFF if kind == "zarr-off" else kind
-    getattr(writers, op)(spec, state, "" if store else where, threads, None if store else options, store, file_system)
+def rounds(ranks: h.Ranks, args, name: str, kind: str, endpoint: str, latency: float | None) -> dict:
+    """Fresh rank processes: ``kind``'s first save and load of state ``name`` at ``endpoint``, then ``--repeats``
+    more, each store deleted after its load; the requests, bytes and server CPU of each, where the proxy counts them
+    (``latency`` set); for ``zarr``, the floor after each save (the first one's warms its client)."""
+    import obstore
 
+    from dcp_zarr.storage.obstore_options import obstore_store
 
-def measure(ranks: h.Ranks, args, endpoint: str) -> dict:
-    """One rank's rounds; complete on rank 0, which reads the server's counts."""
-    options = {"endpoint_url": endpoint, **s3_server.CREDENTIALS}
-    shape = tuple(int(n) for n in args.shape.split("x"))
-    calls, rows = LocalCalls() if args.local_dir else None, []
-    if args.model:
-        cfg = h.ModelConfig(4, 128, 2048) if args.quick else h.ModelConfig(args.layers, args.hidden, args.vocab)
-        states = {"model": h.fsdp_model_state(cfg, ranks.mesh, ranks.device)}
-    else:
-        g = torch.Generator().manual_seed(11)
-        full = {f"layers.{i}.weight": torch.randn(shape, generator=g) for i in range(args.arrays)}
-        states = {layout: in_layout(layout, ranks.world_size, full) for layout in LAYOUTS
-                  if layout != "hsdp" or ranks.world_size % 2 == 0}
-    tensor_bytes = h.global_bytes(next(iter(states.values())))
+    options, (spec, extra) = {"endpoint_url": endpoint, **s3_server.CREDENTIALS}, KINDS[kind]
+    threads = args.zarr_threads if kind.startswith("zarr") else args.fsspec_threads  # FsspecReader takes none
+    bucket, proxy = obstore_store(f"s3://{BUCKET}", options), latency is not None and ranks.rank == 0
+    if proxy:
+        s3_server.control(endpoint, f"latency?ms={latency}")
+    state = build_state(name, args, ranks)
+    target, run = h.zeroed(state), h.gather(f"{name}-{kind}-{os.getpid()}")[0]
+    times, counts = {"save": [], "load": [], "floor": []}, []
 
-    def counted(fn, s3: bool) -> tuple[float, dict]:
-        if s3 and ranks.rank == 0:
+    def counted(op: str, tree, where: str) -> dict:
+        if proxy:
             s3_server.control(endpoint, "reset")
-        if calls:
-            calls.take()
-        seconds = h.timed(fn)[0]
-        if not s3:
-            local = sum(h.gather(calls.take() if calls else {}), Counter())
-            return seconds, {"requests": {"writes": local["writes"], "reads": local["reads"]},
-                             "bytes_in": local["writes_bytes"], "bytes_out": local["reads_bytes"]}
-        counts = s3_server.control(endpoint, "counts") if ranks.rank == 0 else {}
-        return seconds, {"requests": counts.get("methods", {}), "bytes_in": counts.get("bytes_in"),
-                         "bytes_out": counts.get("bytes_out"), "server_cpu_s": counts.get("server_cpu_s")}
+        io = getattr(writers, op)
+        times[op].append(h.timed(lambda: io(spec, tree, f"s3://{BUCKET}/{where}", threads, {**options, **extra}))[0])
+        found = s3_server.control(endpoint, "counts") if proxy else {}
+        return {"requests": found.get("methods", {}), **{k: found.get(k) for k in ("bytes_out", "server_cpu_s")}}
 
-    targets = [("s3", float(ms)) for ms in args.latency_ms.split(",")] + ([("local", 0.0)] if args.local_dir else [])
-    for name, state in states.items():
-        for storage, latency in targets:
-            s3 = storage == "s3"
-            kinds = ([BACKENDS[b] for b in args.backends.split(",")] + ["fsspec"] if s3 else ["zarr", "fs"])
-            kinds += ["zarr-off"] * args.off
-            if s3 and ranks.rank == 0:
-                s3_server.control(endpoint, f"latency?ms={latency}")
-            times: dict[tuple[str, str], list[float]] = {}
-            counts: dict[tuple[str, str], dict] = {}
-            for repeat in range(args.repeats + 1):  # round 0 warms up
-                for kind in h.rotated(kinds, repeat):
-                    label = f"{name}-{kind}-{latency:g}-{repeat}"
-                    where = f"s3://{BUCKET}/{label}" if s3 else os.path.join(args.local_dir, label)
-                    opts, fs = (options, None) if s3 else (None, calls and calls.file_system)
-                    save_s, save_counts = counted(lambda: transfer("save", kind, state, where, args, opts, fs), s3)
-                    target = h.zeroed(state)
-                    load_s, load_counts = counted(lambda: transfer("load", kind, target, where, args, opts, fs), s3)
-                    if not all(h.gather(h.equal(target, state))):
-                        raise SystemExit(f"{kind} {name}: the loaded state differs from the saved one")
-                    if not s3 and ranks.rank == 0:
-                        save_counts["files"] = h.footprint(where)["files"]
-                    for op, seconds, found in (("save", save_s, save_counts), ("load", load_s, load_counts)):
-                        if repeat:
-                            times.setdefault((kind, op), []).append(seconds)
-                            counts.setdefault((kind, op), {**found, "server_cpu_s": []})["server_cpu_s"].append(
-                                found.get("server_cpu_s"))
-                    dist.barrier()
-                    if ranks.rank == 0:
-                        writers.remove_s3(where, options) if s3 else shutil.rmtree(where, ignore_errors=True)
-                    dist.barrier()
-            for (kind, op), samples in times.items():
-                cpu = [c for c in counts[(kind, op)].pop("server_cpu_s") if c is not None]
-                rows.append({"world_size": ranks.world_size, "state": name, "storage": storage, "latency_ms": latency,
-                             "kind": kind, "op": op, "median_s": statistics.median(samples), "samples_s": samples,
-                             "server_cpu_s": statistics.median(cpu) if cpu else None, **counts[(kind, op)]})
-    return {"world_size": ranks.world_size, "tensor_bytes": tensor_bytes, "rows": rows}
+    for round_ in range(args.repeats + 1):
+        where = f"{run}/{round_}"
+        counts.append({"save": counted("save", state, where)})
+        h.fill_zeros(target)
+        counts[-1]["load"] = counted("load", target, where)
+        if not all(h.gather(h.equal(target, state))):
+            raise SystemExit(f"{kind} {name}: the loaded state differs from the saved one")
+        sizes = h.gather([o["size"] for o in obstore.list(bucket, where).collect()] if ranks.rank == 0 else None)[0]
+        if kind == "zarr":
+            times["floor"].append(put_floor(ranks, bucket, sizes, f"{run}/floor-{round_}"))
+        dist.barrier()
+        if ranks.rank == 0:
+            obstore.delete(bucket, [o["path"] for o in obstore.list(bucket, run).collect()])
+        dist.barrier()
+    return {"times_s": times, "counts": counts, "objects": len(sizes), "tensors": len(h.leaves(state)),
+            "bytes": h.global_bytes(state)}
 
 
-def markdown(report: dict) -> str:
+def summary(runs: dict[tuple, list[dict]]) -> list[dict]:
+    """A row per (ranks, state, storage, kind): each fresh process's first save and load (and floor), every later
+    one, medians; the first round's counts, the server's median CPU in later ones; the ratios."""
     rows = []
-    for run in report["runs"]:
-        by = {(r["state"], r["storage"], r["latency_ms"], r["kind"], r["op"]): r for r in run["rows"]}
-        states = list(dict.fromkeys(r["state"] for r in run["rows"]))
-        for (state, storage, latency, kind, op), row in sorted(by.items(), key=lambda item: (
-                states.index(item[0][0]), item[0][1] != "s3", *item[0][2:4])):
-            if op == "save":
-                loaded = by[(state, storage, latency, kind, "load")]
-                peers = [by.get((state, storage, latency, "fsspec" if storage == "s3" else "fs", o)) for o in (
-                    "save", "load")]
-                put = row["requests"].get("PUT", row["requests"].get("writes", 0))
-                get = loaded["requests"].get("GET", loaded["requests"].get("reads", 0))
-                cpu = "" if row["server_cpu_s"] is None else f"{row['server_cpu_s']:.2f} / {loaded['server_cpu_s']:.2f}"
-                rows.append([run["world_size"], state, f"S3, {latency:g} ms" if storage == "s3" else "local", kind,
-                             f"{put:,}", f"{get:,}", f"{(loaded['bytes_out'] or 0) / run['tensor_bytes']:.2f}",
-                             f"{row['median_s']:.3f}", f"{loaded['median_s']:.3f}", " / ".join(
-                                 f"{p['median_s'] / r['median_s']:.2f}x" for p, r in zip(peers, (row, loaded))
-                                 if p) if kind.startswith("zarr") else "", cpu])
-    what = (f"the FSDP2 model ({report['runs'][0]['tensor_bytes'] / 1e6:.0f} MB)" if report["model"] else
-            f"{report['arrays']} fp32 arrays of {report['shape']}")
-    return (f"{what}, gloo ranks, moto. Requests per save are PUTs (object store) or files opened to "
-            "write (local), per load GETs or files opened to read; `read x`: bytes read per load over the tensors' "
-            "bytes; times: medians of the slowest rank's; `vs peer`: time of FsspecWriter/Reader (S3) or "
-            "FileSystemWriter/Reader (local) over dcp_zarr's, save / load; the S3 server's CPU per operation.\n\n"
-            + h.table(["ranks", "state", "storage", "kind", "requests per save", "requests per load", "read x",
-                       "save s", "load s", "vs peer", "server CPU s"], rows))
+    for (world, name, storage, kind), found in runs.items():
+        first = {op: [r["times_s"][op][0] for r in found if r["times_s"][op]] for op in ("save", "load", "floor")}
+        later = {op: [t for r in found for t in r["times_s"][op][1:]] for op in first}
+        cpu = {op: [c[op]["server_cpu_s"] for r in found for c in r["counts"][1:] if c[op].get("server_cpu_s")]
+               for op in ("save", "load")}
+        rows.append({"world_size": world, "state": name, "storage": storage, "kind": kind, **{
+            k: found[0][k] for k in ("objects", "tensors", "bytes")}, "counts": found[0]["counts"][0],
+            "server_cpu_s": {op: statistics.median(c) if c else None for op, c in cpu.items()}, "first_s": first,
+            "later_s": later, "median_s": {f"{when}_{op}": statistics.median(t) for when, times in (
+                ("first", first), ("later", later)) for op, t in times.items() if t}})
+    by = {(r["world_size"], r["state"], r["storage"], r["kind"]): r["median_s"] for r in rows}
+    for r in rows:
+        m, at = r["median_s"], (r["world_size"], r["state"], r["storage"])
+        floor, peer = by.get((*at, "zarr"), {}).get("later_floor"), by.get((*at, "fsspec"))
+        r["ratios"] = {"first_vs_later_save": m["first_save"] / m["later_save"],
+                       "first_vs_later_load": m["first_load"] / m["later_load"],
+                       "later_save_vs_floor": m["later_save"] / floor if floor and "zarr" in r["kind"] else None,
+                       **{f"{op}_speed_vs_peer": peer[f"later_{op}"] / m[f"later_{op}"] if peer else None
+                          for op in ("save", "load")}}
+    return rows
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    """The targets, for ZarrWriter and ZarrReader (zarr) at the server itself: (state, ratio, bound, met)."""
+    found = []
+    for r in (r for r in rows if (r["kind"], r["storage"]) == ("zarr", "s3") and r["state"] in LOAD_VS_PEER):
+        for ratio, bound in (("first_vs_later_save", FIRST_VS_LATER), ("first_vs_later_load", FIRST_VS_LATER),
+                             ("later_save_vs_floor", SAVE_VS_FLOOR), ("load_speed_vs_peer", LOAD_VS_PEER[r["state"]])):
+            value, most = r["ratios"][ratio], "speed" not in ratio
+            found.append({"state": r["state"], "target": f"{ratio} {'<=' if most else '>='} {bound}", "value": value,
+                          "met": value is not None and (value <= bound if most else value >= bound)})
+    return found
+
+
+def markdown(result: dict) -> str:
+    def cell(times: list[float]) -> str:
+        return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})" if times else ""
+
+    def pair(*values, fmt: str = "{:.2f}") -> str:
+        return " / ".join("" if v is None else fmt.format(v) for v in values).strip(" /")
+
+    c, out = result["config"], []
+    out.append(f"Each kind in {c['fresh']} fresh sets of gloo rank processes, {c['repeats']} later rounds in each; "
+               "times: the slowest rank's, median (range) in seconds. Objects: what a save stored; requests (through "
+               "the proxy): a save's PUTs / a load's GETs, the first round's; `read x`: bytes read per load over the "
+               f"tensors' bytes; floor: zarr's objects PUT by obstore, {FLOOR_IN_FLIGHT} in flight per rank; `vs "
+               "peer`: the later saves' / loads' time of FsspecWriter/Reader over the kind's; server CPU s per save / "
+               "load, median.")
+    for world, name in dict.fromkeys((r["world_size"], r["state"]) for r in result["rows"]):
+        rows = [r for r in result["rows"] if (r["world_size"], r["state"]) == (world, name)]
+        layers, width = (QUICK_STATES if c["quick"] else STATES).get(name, (0, 0))
+        what = (f"{c['arrays']} fp32 arrays of {c['shape']}" if name in LAYOUTS else
+                f"{layers} nn.Linear({width}, {width}) with AdamW state")
+        out += ["", f"**{name}**, {world} ranks: {what}; {rows[0]['tensors']} tensors, {rows[0]['bytes'] / 1e6:.1f} MB",
+                ""]
+        cells = []
+        for r in rows:
+            put, get = (r["counts"][op]["requests"].get(method) for op, method in (("save", "PUT"), ("load", "GET")))
+            read, ratios = r["counts"]["load"]["bytes_out"], list(r["ratios"].values())
+            cells.append([r["storage"], r["kind"], *(cell(r[f"{w}_s"][op]) for op in ("save", "load") for w in (
+                "first", "later")), f"{r['objects']:,}", pair(put, get, fmt="{:,}"), pair(read and read / r["bytes"]),
+                *(pair(v) for v in ratios[:3]), pair(*ratios[3:]), pair(*r["server_cpu_s"].values())])
+            if r["later_s"]["floor"]:
+                cells.append([r["storage"], "floor", "", cell(r["later_s"]["floor"]), "", "", *[""] * 8])
+        out.append(h.table(["storage", "kind", "first save s", "later saves s", "first load s", "later loads s",
+                            "objects", "requests", "read x", "first / later save", "first / later load",
+                            "later save / floor", "vs peer", "server CPU s"], cells))
+    out += ["", "Targets (zarr: ZarrWriter and ZarrReader at the server itself):", ""] if result["verdicts"] else []
+    return "\n".join(out + [f"- {v['state']}: {v['target']}: {pair(v['value']) or 'not measured'}, "
+                            f"{'met' if v['met'] else 'NOT met'}" for v in result["verdicts"]])
+
+
+def real_runs(args, server) -> dict:
+    """Every (ranks, state, storage, kind) in ``--fresh`` new sets of rank processes, kinds in rotating order."""
+    storages = [("s3", server.direct_endpoint, None)] if not args.latency_ms else [
+        (f"s3, {float(ms):g} ms", server.endpoint, float(ms)) for ms in args.latency_ms.split(",")]
+    runs: dict[tuple, list[dict]] = {}
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        for name in (s for s in args.states.split(",") if s != "hsdp" or world % 2 == 0):
+            for storage, endpoint, latency in storages:
+                for fresh in range(args.fresh):
+                    for kind in h.rotated(args.kinds.split(","), fresh):
+                        found = h.spawn(rounds, world, args, name, kind, endpoint, latency)[0]
+                        runs.setdefault((world, name, storage, kind), []).append(found)
+                        print(f"{world} ranks, {name}, {storage}, {kind}: {found['times_s']}", flush=True)
+    rows = summary(runs)
+    return {"config": {k: v for k, v in vars(args).items() if k not in ("simulate", "out")}, "rows": rows,
+            "verdicts": verdicts(rows)}
 
 
 # -- The simulation ---------------------------------------------------------------------------------------------------
@@ -365,43 +393,31 @@ def simulate_report(worlds: list[int], arrays: int, shape: tuple[int, ...]) -> t
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world-sizes", help="comma-separated (default 2,4,8; 2 with --model)")
-    p.add_argument("--latency-ms", default="0,20", help="comma-separated added latencies (default 0,20)")
-    h.add_options(p, repeats=3, arrays=240, shape="96x40")
-    p.add_argument("--model", action="store_true", help="the FSDP2 model's state instead of the arrays")
-    p.add_argument("--layers", type=int, default=8, help="--model's blocks (default 8: the 2 GB model)")
-    h.add_options(p, hidden=1024, vocab=32000)
-    p.add_argument("--quick", action="store_true", help="--model: a 16 MB model, 1 repeat")
-    p.add_argument("--local-dir", help="a local directory to measure too ('' for none; default: one on tmpfs, "
-                   "none with --model)")
-    p.add_argument("--off", action="store_true", help="also dcp_zarr without collective I/O (zarr-off)")
-    p.add_argument("--backends", default="s3fs", help="dcp_zarr's S3 clients: s3fs (a URL), obstore (store=)")
-    h.add_options(p, zarr_threads=4, fsspec_threads=4)
+    p.add_argument("--states", default="small,large", help=f"comma-separated of {', '.join([*STATES, *LAYOUTS])}")
+    p.add_argument("--kinds", default="zarr,zarr-s3fs,fsspec", help=f"comma-separated of {', '.join(KINDS)}")
+    p.add_argument("--world-sizes", default="2", help="comma-separated")
+    p.add_argument("--latency-ms", default="", help="through the proxy, counted, at each of these added latencies "
+                   "(comma-separated) instead of at the server itself")
+    h.add_options(p, fresh=3, repeats=4, arrays=240, shape="96x40", zarr_threads=4, fsspec_threads=4)
+    p.add_argument("--quick", action="store_true", help="small and large states of a few layers, 1 fresh set, "
+                   "1 later round")
     p.add_argument("--simulate", help="world sizes to simulate instead, as 8,64,256,1024")
     p.add_argument("--out", help="result JSON (default benchmarks/results/storage_traffic.json)")
     args = p.parse_args(argv)
-    if set(args.backends.split(",")) - set(BACKENDS):
-        p.error(f"--backends takes {', '.join(BACKENDS)}")
-    args.world_sizes = args.world_sizes or ("2" if args.model else "2,4,8")
-    args.repeats = 1 if args.quick else args.repeats
-    if args.local_dir is None:
-        args.local_dir = "" if args.model else os.path.join(h.SCRATCH, "dcp-zarr-traffic")
+    if set(args.states.split(",")) - {*STATES, *LAYOUTS} or set(args.kinds.split(",")) - set(KINDS):
+        p.error("--states or --kinds names an unknown one")
+    if args.quick:
+        args.fresh, args.repeats = 1, 1
     if args.simulate:
         shape = tuple(int(n) for n in args.shape.split("x"))
         result, text = simulate_report([int(w) for w in args.simulate.split(",")], args.arrays, shape)
-        h.write_result("storage_traffic", args.out, result, text)
-        return
+        return h.write_result("storage_traffic", args.out, result, text)
     server = s3_server.S3Server()
     server.make_bucket(BUCKET)
-    if args.local_dir:
-        os.makedirs(args.local_dir, exist_ok=True)
     try:
-        runs = [h.spawn(measure, int(ws), args, server.endpoint)[0] for ws in args.world_sizes.split(",")]
+        result = real_runs(args, server)
     finally:
         server.stop()
-        if args.local_dir:
-            shutil.rmtree(args.local_dir, ignore_errors=True)
-    result = {**{k: getattr(args, k) for k in ("model", "arrays", "shape", "repeats", "backends")}, "runs": runs}
     h.write_result("storage_traffic", args.out, result, markdown(result))
 
 

@@ -37,13 +37,13 @@ _READER_ONLY = ("read_once", "read_once_below")
 _READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
 
 
-def throttled(path: str, storage_options: dict | None, file_system: Any, bytes_per_second: float | None,
+def throttled(path: str, storage_options: dict | None, bytes_per_second: float | None,
               zarr: bool) -> tuple[str, dict | None, Any]:
-    """(path, storage_options, DCP FileSystem) for a kind behind this process's link of ``bytes_per_second``
+    """(path, storage_options, DCP FileSystem or None) for a kind behind this process's link of ``bytes_per_second``
     (dcp_zarr/storage/throttled.py): dcp_zarr's ``throttled://`` location, DCP's files through a FileSystem whose
     writes and reads are charged to the same link."""
     if not bytes_per_second:
-        return path, storage_options, file_system
+        return path, storage_options, None
     from dcp_zarr.storage.throttled import link, register_throttled
 
     if zarr:
@@ -85,15 +85,14 @@ def metered_file_system(meter_for: Callable[[str], Any]) -> Any:
 
 
 def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
+         bytes_per_second: float | None = None) -> None:
     """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
     alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
     planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
-    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``store``: a zarr store, no path;
-    ``file_system``: the ``fs`` kind's DCP ``FileSystem``; ``bytes_per_second``: behind a link (``throttled``)."""
+    ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``bytes_per_second``: behind a link
+    (``throttled``)."""
     kind, options = parse_kind(spec)
-    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
-                                                   kind in ZARR_KINDS)
+    path, storage_options, file_system = throttled(path, storage_options, bytes_per_second, kind in ZARR_KINDS)
     counts = {} if threads is None else {"thread_count": threads}
     planner = None
     if kind == "raw":
@@ -104,7 +103,7 @@ def save(spec: str, state: Any, path: str, threads: int | None = None, storage_o
         from dcp_zarr.testing.planners import DCPsPlanning
 
         options = {k: v for k, v in options.items() if k not in _READER_ONLY}
-        writer: Any = ZarrWriter(path, store=store, storage_options=storage_options, **counts, **options)
+        writer: Any = ZarrWriter(path, storage_options=storage_options, **counts, **options)
         planner = {"zarr": ZarrSavePlanner(), "zarr-dcp": DCPsPlanning()}.get(kind)
     elif kind == "fs":
         writer = FileSystemWriter(path, sync_files=True, **counts, **_extensions(options))
@@ -129,18 +128,17 @@ def _extensions(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(spec: str, target: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         store: Any = None, file_system: Any = None, bytes_per_second: float | None = None) -> None:
+         bytes_per_second: float | None = None) -> None:
     """``dcp.load`` into ``target`` with a kind's reader (FileSystemReader, FsspecReader: no threads), or read_raw."""
     kind, options = parse_kind(spec)
-    path, storage_options, file_system = throttled(path, storage_options, file_system, bytes_per_second,
-                                                   kind in ZARR_KINDS)
+    path, storage_options, file_system = throttled(path, storage_options, bytes_per_second, kind in ZARR_KINDS)
     if kind == "raw":
         return read_raw(target, os.path.join(path, f"rank{dist.get_rank()}.bin"), threads or 4)
     if kind in ZARR_KINDS:
         from dcp_zarr import ZarrReader
 
         options = {k: v for k, v in options.items() if k in _READER_OPTIONS}
-        reader: Any = ZarrReader(path, store=store, storage_options=storage_options,
+        reader: Any = ZarrReader(path, storage_options=storage_options,
                                  **({} if threads is None else {"thread_count": threads}), **options)
     elif kind == "fs":
         reader = FileSystemReader(path)

@@ -82,14 +82,36 @@ def test_the_simulation_counts_the_same_requests_from_the_plans_at_more_ranks(tm
     assert without["puts_per_save"] == 12 * 16 + 12 + 1 and without["gets_per_load"] == 16 * 12 + 16, without
 
 
-def test_the_benchmark_runs_end_to_end_and_counts_at_the_server(tmp_path):
-    report = run_benchmark(tmp_path, "--world-sizes", "2", "--latency-ms", "0", "--repeats", "1", "--arrays", "6",
-                           "--off", "--local-dir", str(tmp_path / "local"))
-    rows = report["runs"][0]["rows"]
-    by = {(r["state"], r["storage"], r["kind"], r["op"]): r for r in rows}
-    assert by[("fsdp", "s3", "zarr", "save")]["requests"]["PUT"] == 2 * 6 + 1
-    assert by[("ddp", "s3", "zarr", "load")]["requests"]["GET"] == 6 + 1
-    assert by[("ddp", "s3", "zarr-off", "load")]["requests"]["GET"] == 2 * (6 + 1)  # every rank reads everything
-    assert by[("fsdp", "local", "fs", "save")]["requests"]["writes"] > 0
-    assert (tmp_path / "traffic.md").read_text().count("| 2 |") == len(rows) // 2
+def test_the_benchmark_counts_at_the_proxy_each_kind_in_processes_of_its_own(tmp_path):
+    """A real run through the proxy: each kind's first save and load in fresh ranks and a later one, the requests of
+    each counted at the server, the floor beside dcp_zarr's saves, every load equal (the run fails otherwise)."""
+    report = run_benchmark(tmp_path, "--states", "fsdp,ddp", "--arrays", "6", "--latency-ms", "0", "--kinds",
+                           "zarr,zarr-off,fsspec", "--fresh", "1", "--repeats", "1")
+    by = {(r["state"], r["kind"]): r for r in report["rows"]}
+    assert set(by) == {(s, k) for s in ("fsdp", "ddp") for k in ("zarr", "zarr-off", "fsspec")}
+    assert by[("fsdp", "zarr")]["counts"]["save"]["requests"]["PUT"] == by[("fsdp", "zarr")]["objects"] == 2 * 6 + 1
+    assert by[("ddp", "zarr")]["counts"]["load"]["requests"]["GET"] == 6 + 1
+    assert by[("ddp", "zarr-off")]["counts"]["load"]["requests"]["GET"] == 2 * (6 + 1)  # every rank reads everything
+    for row in by.values():
+        assert len(row["first_s"]["save"]) == len(row["later_s"]["load"]) == 1 and row["ratios"]["first_vs_later_save"]
+    assert len(by[("fsdp", "zarr")]["later_s"]["floor"]) == 1 and not by[("fsdp", "fsspec")]["later_s"]["floor"]
+    assert (tmp_path / "traffic.md").read_text().count("| s3, 0 ms | ") == len(by) + 2  # and a floor row per state
     assert report["stamp"]["commit"] in (tmp_path / "traffic.md").read_text()
+
+
+def test_the_quick_run_times_first_and_later_saves_against_the_floor_and_judges_the_targets(tmp_path):
+    """--quick: the small and large states, obstore, s3fs and DCP's FsspecWriter at the server itself, one fresh set
+    of ranks each, one later round; objects listed (DCP's: one per rank and the metadata), every target judged."""
+    report = run_benchmark(tmp_path, "--quick")
+    by = {(r["state"], r["kind"]): r for r in report["rows"]}
+    assert set(by) == {(s, k) for s in ("small", "large") for k in ("zarr", "zarr-s3fs", "fsspec")}
+    for state in ("small", "large"):
+        zarr, s3fs, fsspec = (by[(state, k)] for k in ("zarr", "zarr-s3fs", "fsspec"))
+        assert zarr["objects"] == s3fs["objects"] > fsspec["objects"] and zarr["storage"] == "s3"
+        assert all(t > 0 for t in [*zarr["first_s"]["save"], *zarr["later_s"]["save"], *zarr["later_s"]["floor"]])
+        assert zarr["ratios"]["later_save_vs_floor"] > 0 and fsspec["ratios"]["later_save_vs_floor"] is None
+        assert zarr["ratios"]["load_speed_vs_peer"] > 0 and fsspec["ratios"]["load_speed_vs_peer"] == 1.0
+    judged = {(v["state"], v["target"].split()[0]) for v in report["verdicts"]}
+    assert judged == {(s, t) for s in ("small", "large") for t in ("first_vs_later_save", "first_vs_later_load",
+                                                                   "later_save_vs_floor", "load_speed_vs_peer")}
+    assert "| s3 | floor |" in (tmp_path / "traffic.md").read_text()
