@@ -7,7 +7,7 @@ states     bit patterns of every dtype, blank load targets, save and load withou
 faults     kill hooks, the crash trials' state and rank programs, ``causes`` of a failed save or load
 shardings  the rank program of the random-sharding property test
 stores     a store's files on disk: tree digests, chunk files, the root manifest read and edited in place
-s3         a loopback S3 server (moto) that counts uploads in flight
+s3         the loopback S3 server (radosgw behind a counting, fault-injecting proxy; moto outside CI without Ceph)
 
 Rank functions passed to ``run_ranks`` or ``Zygote.launch`` must be module-level (they travel pickled by reference).
 The fixtures built on these (the S3 server, the zygote, store copies) are in tests/conftest.py.
