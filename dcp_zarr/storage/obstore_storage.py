@@ -138,19 +138,8 @@ class ObstoreStorage(ZarrStoreStorage):
 
         self._call(lambda: sync(put()), "write", key)
 
-    def read_range_into(self, key: str, start: int, buffers: list[memoryview]) -> int:
-        length = sum(len(b) for b in buffers)
-        if length <= SPLIT_READS_ABOVE:
-            return super().read_range_into(key, start, buffers)
-        data = memoryview(self.read_range(key, start, length))
-        done = 0
-        for buffer in buffers:
-            piece = data[done: done + len(buffer)]
-            buffer[: len(piece)] = piece
-            done += len(piece)
-        return done
-
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        """Storage's ``read_range_into`` reads through this too, so a large read into buffers is split as well."""
         if length <= SPLIT_READS_ABOVE:
             return super().read_range(key, start, length)
         return self._call(lambda: sync(self._read_parts(key, start, length)), "read", key)
