@@ -9,15 +9,14 @@ import numpy as np
 import torch
 
 from dcp_zarr.errors import UnsupportedDtypeError
+from dcp_zarr.format.dtype_table import ZARR_DATA_TYPES
 from dcp_zarr.format.zarr_dtypes import STORED_DTYPES  # importing it registers the zarr data types
 
 # ---- torch <-> numpy <-> zarr ------------------------------------------------------------------------------------
 
-# torch dtype -> (numpy dtype, zarr v3 data_type).
-_SUPPORTED: dict[torch.dtype, tuple[np.dtype, str]] = {
-    getattr(torch, name.removeprefix("torch.")): types for name, types in STORED_DTYPES.items()
-}
-_BY_ZARR_NAME = {name: dtype for dtype, (_, name) in _SUPPORTED.items()}
+# torch dtype -> its name in STORED_DTYPES (whose rows are looked up on use: some import ml_dtypes).
+_SUPPORTED: dict[torch.dtype, str] = {getattr(torch, name.removeprefix("torch.")): name for name in STORED_DTYPES}
+_BY_ZARR_NAME = {ZARR_DATA_TYPES[name]: dtype for dtype, name in _SUPPORTED.items()}
 _BY_TORCH_NAME = {str(dtype): dtype for dtype in _SUPPORTED}
 # torch.Tensor.numpy() rejects these, so they cross as same-width integers and are reinterpreted on each side.
 _BITS_AS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -25,7 +24,7 @@ _BITS_AS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torc
 
 def _lookup(torch_dtype: torch.dtype) -> tuple[np.dtype, str]:
     try:
-        return _SUPPORTED[torch_dtype]
+        return STORED_DTYPES[_SUPPORTED[torch_dtype]]
     except (KeyError, TypeError):
         raise UnsupportedDtypeError(f"dtype {torch_dtype} is not supported by dcp_zarr") from None
 
