@@ -16,12 +16,17 @@ server-side copy between two of them is one request. What zarr's ``ObjectStore``
   5 MiB, three requests and more for a 6 MiB shard; S3 refuses a single PUT above 5 GiB, and a server may set less);
 * a read of more than ``SPLIT_READS_ABOVE`` bytes is ``RANGE_PART_BYTES`` ranged GETs in flight together;
 * deleting a root lists it and deletes in batches (S3's DeleteObjects takes 1,000 keys a request);
-* obstore's own retries are off unless configured: storage/retry.py is the one retry layer.
+* obstore's own retries are off unless configured: storage/retry.py is the one retry layer;
+* the IO threads call obstore's blocking functions, not zarr's ``ObjectStore``: those release the GIL and wait on
+  obstore's own runtime, where a call through zarr hops to zarr's event loop thread and back. 1,000 GETs of 40 KB,
+  32 threads, on radosgw: 0.47-0.49 s and 0.21-0.22 s of the client's CPU against 0.79-0.80 s and 0.52-0.57 s through
+  the loop; PUTs 0.25-0.27 s of CPU against 0.47-0.57 s. zarr's store stays for zarr's own API (listing).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
@@ -29,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from zarr.abc.store import SuffixByteRequest
 from zarr.core.sync import sync
 
 from dcp_zarr.errors import ObjectStoreError
@@ -126,17 +132,62 @@ class ObstoreStorage(ZarrStoreStorage):
         """The obstore client (zarr's ``ObjectStore.store``)."""
         return self.store.store  # type: ignore[attr-defined]
 
+    def _writable(self) -> None:
+        self.store._check_writable()  # zarr's ObjectStore refuses writes where it was opened read-only
+
     def write(self, key: str, buffers: Sequence) -> None:
         import obstore
 
+        self._writable()
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         path = self._path(key)
+        self._call(lambda: obstore.put(self.raw, path, data, use_multipart=len(data) > MULTIPART_ABOVE,
+                                       chunk_size=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT), "write", key)
 
-        async def put() -> None:  # obstore's calls need the running loop when called, not only when awaited
-            await obstore.put_async(self.raw, path, data, use_multipart=len(data) > MULTIPART_ABOVE,
-                                    chunk_size=PART_BYTES, max_concurrency=PARTS_IN_FLIGHT)
+    def _get(self, key: str, byte_range=None) -> bytes:
+        import obstore
 
-        self._call(lambda: sync(put()), "write", key)
+        path = self._path(key)
+        if byte_range is None:
+            return self._call(lambda: bytes(obstore.get(self.raw, path).bytes()), "read", key)
+        if isinstance(byte_range, SuffixByteRequest):
+            options = {"range": {"suffix": byte_range.suffix}}
+            return self._call(lambda: bytes(obstore.get(self.raw, path, options=options).bytes()), "read", key)
+        return self._call(lambda: bytes(obstore.get_range(self.raw, path, start=byte_range.start,
+                                                          end=byte_range.end)), "read", key)
+
+    def exists(self, key: str) -> bool:
+        import obstore
+
+        def found() -> bool:
+            try:
+                obstore.head(self.raw, self._path(key))
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call(found, "look up", key)
+
+    def size(self, key: str) -> int:
+        import obstore
+
+        try:
+            return int(self._call(lambda: obstore.head(self.raw, self._path(key))["size"], "look up the size of", key))
+        except ObjectStoreError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise FileNotFoundError(f"{self.url}: no key {key!r}") from exc.__cause__
+            raise
+
+    def remove(self, key: str) -> None:
+        import obstore
+
+        self._writable()
+
+        def delete() -> None:
+            with contextlib.suppress(FileNotFoundError):  # GCS and Azure refuse a missing key, S3 does not
+                obstore.delete(self.raw, self._path(key))
+
+        self._call(delete, "delete", key)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """Storage's ``read_range_into`` reads through this too, so a large read into buffers is split as well."""
@@ -181,13 +232,10 @@ class ObstoreStorage(ZarrStoreStorage):
             return Storage.link_from(self, source, key)
         import obstore
 
+        self._writable()
         origin, destination = source._path(key), self._path(key)
-
-        async def copy() -> None:
-            await obstore.copy_async(self.raw, origin, destination)
-
         try:
-            self._call(lambda: sync(copy()), "copy", key)
+            self._call(lambda: obstore.copy(self.raw, origin, destination), "copy", key)
         except Exception as exc:
             if isinstance(exc.__cause__, FileNotFoundError) or isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(f"{source.url}: no key {key!r}") from exc
@@ -198,14 +246,15 @@ class ObstoreStorage(ZarrStoreStorage):
         """List this root and delete what it holds in batches (S3: DeleteObjects, 1,000 keys a request)."""
         import obstore
 
-        async def delete_all() -> None:
-            # a prefix is whole path segments to object_store: "a/b" lists a/b/..., never a/bc
-            found = await obstore.list(self.raw, self.prefix or None).collect_async()
-            paths = [meta["path"] for meta in found]
-            if paths:
-                await obstore.delete_async(self.raw, paths)
+        self._writable()
 
-        self._call(lambda: sync(delete_all()), "delete everything under", "")
+        def delete_all() -> None:
+            # a prefix is whole path segments to object_store: "a/b" lists a/b/..., never a/bc
+            paths = [meta["path"] for meta in obstore.list(self.raw, self.prefix or None).collect()]
+            if paths:
+                obstore.delete(self.raw, paths)
+
+        self._call(delete_all, "delete everything under", "")
 
 
 def _as_python_error(operation):
