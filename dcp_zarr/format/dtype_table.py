@@ -1,8 +1,8 @@
 """Every dtype dcp_zarr stores, by torch's name for it: the numpy dtype its chunks hold and its Zarr v3 data type.
 
-Needs neither torch nor zarr (only numpy, and ml_dtypes for the types it adds), so the readers behind ``dcp-zarr inspect``, ``verify`` and
-``diff`` size and read any array without importing either. ``zarr_dtypes.py`` defines the zarr types for bfloat16
-and float8 named here; ``torch_arrays.py`` maps torch.dtype objects onto this table.
+Needs neither torch nor zarr (only numpy, and ml_dtypes for the types it adds), so the readers behind ``dcp-zarr
+inspect``, ``verify`` and ``diff`` size and read any array without importing either. ``zarr_dtypes.py`` defines the
+zarr types for bfloat16 and float8 named here; ``torch_arrays.py`` maps torch.dtype objects onto this table.
 """
 
 from __future__ import annotations

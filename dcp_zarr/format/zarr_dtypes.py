@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import ClassVar, SupportsFloat, SupportsIndex
+from typing import ClassVar, SupportsFloat, SupportsIndex, TypeGuard
 
 import numpy as np
 from zarr.dtype import ZDType, data_type_registry
@@ -74,7 +74,7 @@ class _MlDtypesFloat(ZDType, HasItemSize):
     _zarr_v3_name: ClassVar[str]
 
     @classmethod
-    def _check_native_dtype(cls, dtype) -> bool:
+    def _check_native_dtype(cls, dtype) -> TypeGuard[np.dtype]:
         # zarr asks every registered type about every native dtype it meets: float32 must not import ml_dtypes, and
         # while ml_dtypes is not imported, no dtype can be one of its types
         return "ml_dtypes" in sys.modules and type(dtype) is cls.dtype_cls

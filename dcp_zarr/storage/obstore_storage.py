@@ -151,7 +151,7 @@ class ObstoreStorage(ZarrStoreStorage):
         if byte_range is None:
             return self._call(lambda: bytes(obstore.get(self.raw, path).bytes()), "read", key)
         if isinstance(byte_range, SuffixByteRequest):
-            options = {"range": {"suffix": byte_range.suffix}}
+            options: Any = {"range": {"suffix": byte_range.suffix}}  # obstore's GetOptions, a TypedDict
             return self._call(lambda: bytes(obstore.get(self.raw, path, options=options).bytes()), "read", key)
         return self._call(lambda: bytes(obstore.get_range(self.raw, path, start=byte_range.start,
                                                           end=byte_range.end)), "read", key)
