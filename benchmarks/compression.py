@@ -9,7 +9,7 @@ Targets (``--targets``): ``tmpfs`` (/dev/shm); ``disk`` (``--disk-dir``; the wri
 dropped before every load: ``drop_caches`` as root, else each file's pages evicted, as the result says); ``s3``
 (dcp_zarr.testing's S3 server, radosgw); ``throttled``: tmpfs behind a link of ``--throttle-mb-s`` per rank shared by
 its threads, every byte written and read charged to it (dcp_zarr's ``throttled://`` storage,
-dcp_zarr/storage/throttled.py, and DCP's files through ``writers.throttled``): where bandwidth, not a server's CPU, is
+dcp_zarr/testing/throttled.py, and DCP's files through ``writers.throttled``): where bandwidth, not a server's CPU, is
 the limit.
 
 Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``

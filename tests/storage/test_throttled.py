@@ -1,4 +1,4 @@
-"""ThrottledStorage (dcp_zarr/storage/throttled.py): the storage contract over a local directory, reached by its
+"""ThrottledStorage (dcp_zarr/testing/throttled.py): the storage contract over a local directory, reached by its
 ``throttled://`` location, and a link that holds its bandwidth (checked on the bytes charged and the sleeps asked
 for, on a clock of the test's own: never on wall time)."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from dcp_zarr.storage import LocalStorage, local, open_storage, storage_class, unregister_storage
-from dcp_zarr.storage.throttled import Link, ThrottledStorage, register_throttled
+from dcp_zarr.testing.throttled import Link, ThrottledStorage, register_throttled
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
 
 
@@ -144,7 +144,7 @@ def test_a_checkpoint_saved_and_loaded_through_a_throttled_location_is_whole(tmp
     import torch.distributed.checkpoint as dcp
 
     from dcp_zarr import ZarrReader, ZarrWriter
-    from dcp_zarr.storage.throttled import link
+    from dcp_zarr.testing.throttled import link
 
     state = {"w": torch.arange(4096, dtype=torch.float32).reshape(64, 64), "step": 3}
     location, options = f"throttled://{tmp_path}/ckpt", {"bytes_per_second": 123e9}
