@@ -8,7 +8,8 @@ same processes do not. Each load is checked equal, each store's objects listed. 
 nn.Linear(256, 256)) and ``large`` (12 nn.Linear(2048, 2048)), FSDP2 with AdamW state, or ``--arrays`` fp32 tensors
 of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an 8B model's are at 1,024) in the
 ``fsdp``, ``hsdp`` and ``ddp`` layouts. Kinds: ``zarr`` (an ``s3://`` URL: obstore), ``zarr-s3fs`` (the same with
-``client="fsspec"``), ``zarr-off`` (dcp_zarr without collective I/O) and DCP's ``fsspec``; ZarrSavePlanner plans
+``client="fsspec"``), ``zarr-off`` (dcp_zarr without collective I/O), ``incremental`` (``zarr``, each later save
+``incremental_from`` the round before's, the first ``incremental=True``) and DCP's ``fsspec``; ZarrSavePlanner plans
 dcp_zarr's saves. The server is reached directly, or, with ``--latency-ms``, through its proxy, which sleeps that
 long before each request (concurrent sleeps overlap: a distant server, not a slow one) and counts each save's and
 load's requests, bytes and server CPU. The floor: the objects ``zarr`` stored (their count and sizes) PUT again by
@@ -44,32 +45,43 @@ OFF = "zarr:aggregate_below=0:read_once=False"  # zarr-off: without collective I
 # kind: (writers.py's kind, the storage options it adds). DCP's files go up in multipart parts of s3fs's block size, 50
 # MiB by default: above the test server's largest PUT (radosgw.MAX_PUT_BYTES, 48 MiB), which refuses such a part.
 KINDS = {"zarr": ("zarr", {}), "zarr-s3fs": ("zarr", {"client": "fsspec"}), "zarr-off": (OFF, {}),
-         "fsspec": ("fsspec", {"default_block_size": 32 << 20})}
-STATES = {"small": (64, 256), "large": (12, 2048)}  # nn.Linear layers, width
-QUICK_STATES = {"small": (8, 64), "large": (2, 256)}
+         "fsspec": ("fsspec", {"default_block_size": 32 << 20}), "incremental": ("zarr", {})}
+STATES = {"small": (64, 256), "large": (12, 2048), "lora": (12, 2048)}  # nn.Linear layers, width
+QUICK_STATES = {"small": (8, 64), "large": (2, 256), "lora": (2, 256)}
+LORA_RANK = 8
 FLOOR_IN_FLIGHT = 32
 # The targets, for ZarrWriter/ZarrReader (zarr) at the server itself: first / later save and load and later save /
-# floor at most; load speed against FsspecReader's at least (small, large)
-FIRST_VS_LATER, SAVE_VS_FLOOR, LOAD_VS_PEER = 1.3, 1.2, {"small": 1.0, "large": 2.0}
+# floor at most; load speed against FsspecReader's at least (small, large); an incremental save's time over a full
+# one's (lora) at most
+FIRST_VS_LATER, SAVE_VS_FLOOR, LOAD_VS_PEER, INCREMENTAL_VS_FULL = 1.3, 1.2, {"small": 1.0, "large": 2.0}, 1.0
 
 
-def build_state(name: str, args, ranks: h.Ranks) -> dict:
+def build_state(name: str, args, ranks: h.Ranks):
     """A layout (LAYOUTS) of ``--arrays`` tensors of ``--shape``, or a stack of STATES, each nn.Linear and the stack
-    FSDP2-sharded, after an AdamW step."""
+    FSDP2-sharded (``lora``: frozen, each followed by trainable rank-LORA_RANK down and up projections, a LoRA
+    adapter's state), after an AdamW step; and a function that takes the next step and returns the state."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(11)  # the same tensors on every rank: each cuts or shards its own piece
     if name in LAYOUTS:
         shape = tuple(int(n) for n in args.shape.split("x"))
-        return in_layout(name, ranks.world_size, {f"layers.{i}.weight": torch.randn(shape) for i in range(args.arrays)})
+        state = in_layout(name, ranks.world_size, {f"layers.{i}.weight": torch.randn(shape) for i in range(args.arrays)})
+        return state, lambda: state
     layers, width = (QUICK_STATES if args.quick else STATES)[name]
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    nn = torch.nn
+    model = nn.Sequential(*(nn.Linear(width, width) if name != "lora" else nn.Sequential(
+        nn.Linear(width, width).requires_grad_(False), nn.Linear(width, LORA_RANK), nn.Linear(LORA_RANK, width))
+        for _ in range(layers)))
     for module in [*model, model]:
         fully_shard(module, mesh=ranks.mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(4, width)).square().mean().backward()
-    optim.step()
-    return h._state(model, optim)
+    optim = torch.optim.AdamW((p for p in model.parameters() if p.requires_grad), lr=1e-3)
+
+    def step() -> dict:
+        model(torch.randn(4, width)).square().mean().backward()
+        optim.step()
+        return h._state(model, optim)
+
+    return step(), step
 
 
 def put_floor(ranks: h.Ranks, bucket, sizes: list[int], prefix: str) -> float:
@@ -108,21 +120,24 @@ def rounds(ranks: h.Ranks, args, name: str, kind: str, endpoint: str, latency: f
     bucket, proxy = obstore_store(f"s3://{BUCKET}", options), latency is not None and ranks.rank == 0
     if proxy:
         s3_server.control(endpoint, f"latency?ms={latency}")
-    state = build_state(name, args, ranks)
+    state, step = build_state(name, args, ranks)
     target, run = h.zeroed(state), h.gather(f"{name}-{kind}-{os.getpid()}")[0]
     times, counts = {"save": [], "load": [], "floor": []}, []
 
-    def counted(op: str, tree, where: str) -> dict:
+    def counted(op: str, tree, where: str, **writer_options) -> dict:
         if proxy:
             s3_server.control(endpoint, "reset")
-        io = getattr(writers, op)
-        times[op].append(h.timed(lambda: io(spec, tree, f"s3://{BUCKET}/{where}", threads, {**options, **extra}))[0])
+        io, url = getattr(writers, op), f"s3://{BUCKET}/{where}"
+        times[op].append(h.timed(lambda: io(spec, tree, url, threads, {**options, **extra}, **writer_options))[0])
         found = s3_server.control(endpoint, "counts") if proxy else {}
         return {"requests": found.get("methods", {}), **{k: found.get(k) for k in ("bytes_out", "server_cpu_s")}}
 
     for round_ in range(args.repeats + 1):
         where = f"{run}/{round_}"
-        counts.append({"save": counted("save", state, where)})
+        state = step() if round_ else state  # a training step between saves: an incremental save's earlier one
+        chain = {} if kind != "incremental" else {"incremental_from": f"s3://{BUCKET}/{run}/{round_ - 1}"} if (
+            round_) else {"incremental": True}
+        counts.append({"save": counted("save", state, where, **chain)})
         h.fill_zeros(target)
         counts[-1]["load"] = counted("load", target, where)
         if not all(h.gather(h.equal(target, state))):
@@ -131,8 +146,9 @@ def rounds(ranks: h.Ranks, args, name: str, kind: str, endpoint: str, latency: f
         if kind == "zarr":
             times["floor"].append(put_floor(ranks, bucket, sizes, f"{run}/floor-{round_}"))
         dist.barrier()
-        if ranks.rank == 0:
-            obstore.delete(bucket, [o["path"] for o in obstore.list(bucket, run).collect()])
+        if ranks.rank == 0:  # all but this round's store, the next incremental save's earlier one; the last one too
+            obstore.delete(bucket, [o["path"] for o in obstore.list(bucket, run).collect() if round_ == args.repeats
+                                    or not o["path"].startswith(f"{where}/")])
         dist.barrier()
     return {"times_s": times, "counts": counts, "objects": len(sizes), "tensors": len(h.leaves(state)),
             "bytes": h.global_bytes(state)}
@@ -155,12 +171,14 @@ def summary(runs: dict[tuple, list[dict]]) -> list[dict]:
     by = {(r["world_size"], r["state"], r["storage"], r["kind"]): r["median_s"] for r in rows}
     for r in rows:
         m, at = r["median_s"], (r["world_size"], r["state"], r["storage"])
-        floor, peer = by.get((*at, "zarr"), {}).get("later_floor"), by.get((*at, "fsspec"))
+        floor, peer, full = (by.get((*at, "zarr"), {}).get("later_floor"), by.get((*at, "fsspec")),
+                             by.get((*at, "zarr"), {}).get("later_save"))
         r["ratios"] = {"first_vs_later_save": m["first_save"] / m["later_save"],
                        "first_vs_later_load": m["first_load"] / m["later_load"],
                        "later_save_vs_floor": m["later_save"] / floor if floor and "zarr" in r["kind"] else None,
                        **{f"{op}_speed_vs_peer": peer[f"later_{op}"] / m[f"later_{op}"] if peer else None
-                          for op in ("save", "load")}}
+                          for op in ("save", "load")},
+                       "later_save_vs_full": m["later_save"] / full if full and r["kind"] == "incremental" else None}
     return rows
 
 
@@ -173,6 +191,10 @@ def verdicts(rows: list[dict]) -> list[dict]:
             value, most = r["ratios"][ratio], "speed" not in ratio
             found.append({"state": r["state"], "target": f"{ratio} {'<=' if most else '>='} {bound}", "value": value,
                           "met": value is not None and (value <= bound if most else value >= bound)})
+    for r in (r for r in rows if (r["kind"], r["storage"]) == ("incremental", "s3")):
+        value = r["ratios"]["later_save_vs_full"]
+        found.append({"state": r["state"], "target": f"incremental later save / zarr's <= {INCREMENTAL_VS_FULL}",
+                      "value": value, "met": value is not None and value <= INCREMENTAL_VS_FULL})
     return found
 
 
@@ -194,7 +216,8 @@ def markdown(result: dict) -> str:
         rows = [r for r in result["rows"] if (r["world_size"], r["state"]) == (world, name)]
         layers, width = (QUICK_STATES if c["quick"] else STATES).get(name, (0, 0))
         what = (f"{c['arrays']} fp32 arrays of {c['shape']}" if name in LAYOUTS else
-                f"{layers} nn.Linear({width}, {width}) with AdamW state")
+                f"{layers} nn.Linear({width}, {width}) with AdamW state" + (
+                    f", frozen, with rank-{LORA_RANK} adapters, a step between saves" if name == "lora" else ""))
         out += ["", f"**{name}**, {world} ranks: {what}; {rows[0]['tensors']} tensors, {rows[0]['bytes'] / 1e6:.1f} MB",
                 ""]
         cells = []
@@ -203,7 +226,7 @@ def markdown(result: dict) -> str:
             read, ratios = r["counts"]["load"]["bytes_out"], list(r["ratios"].values())
             cells.append([r["storage"], r["kind"], *(cell(r[f"{w}_s"][op]) for op in ("save", "load") for w in (
                 "first", "later")), f"{r['objects']:,}", pair(put, get, fmt="{:,}"), pair(read and read / r["bytes"]),
-                *(pair(v) for v in ratios[:3]), pair(*ratios[3:]), pair(*r["server_cpu_s"].values())])
+                *(pair(v) for v in ratios[:3]), pair(*ratios[3:5]), pair(*r["server_cpu_s"].values())])
             if r["later_s"]["floor"]:
                 cells.append([r["storage"], "floor", "", cell(r["later_s"]["floor"]), "", "", *[""] * 8])
         out.append(h.table(["storage", "kind", "first save s", "later saves s", "first load s", "later loads s",

@@ -40,11 +40,11 @@ _READER_OPTIONS = (*_READER_ONLY, "exchange_bytes")
 def throttled(path: str, storage_options: dict | None, bytes_per_second: float | None,
               zarr: bool) -> tuple[str, dict | None, Any]:
     """(path, storage_options, DCP FileSystem or None) for a kind behind this process's link of ``bytes_per_second``
-    (dcp_zarr/storage/throttled.py): dcp_zarr's ``throttled://`` location, DCP's files through a FileSystem whose
+    (dcp_zarr/testing/throttled.py): dcp_zarr's ``throttled://`` location, DCP's files through a FileSystem whose
     writes and reads are charged to the same link."""
     if not bytes_per_second:
         return path, storage_options, None
-    from dcp_zarr.storage.throttled import link, register_throttled
+    from dcp_zarr.testing.throttled import link, register_throttled
 
     if zarr:
         register_throttled()
@@ -85,13 +85,14 @@ def metered_file_system(meter_for: Callable[[str], Any]) -> Any:
 
 
 def save(spec: str, state: Any, path: str, threads: int | None = None, storage_options: dict | None = None,
-         bytes_per_second: float | None = None) -> None:
+         bytes_per_second: float | None = None, **writer_options) -> None:
     """``dcp.save`` with a kind's writer: ``zarr`` (ZarrWriter with ZarrSavePlanner), ``zarr-plain`` (ZarrWriter
     alone, the line users write, which takes DCP's own planner over), ``zarr-dcp`` (ZarrWriter planned by DCP's
     planning: a planner subclass keeps it), ``fs`` (FileSystemWriter, ``sync_files=True``), ``fsspec`` (FsspecWriter);
     ``raw``: ``write_raw`` into ``path``, no DCP. ``threads``: None, the default; ``bytes_per_second``: behind a link
-    (``throttled``)."""
+    (``throttled``); ``writer_options``: ZarrWriter's, besides the kind's."""
     kind, options = parse_kind(spec)
+    options.update(writer_options)
     path, storage_options, file_system = throttled(path, storage_options, bytes_per_second, kind in ZARR_KINDS)
     counts = {} if threads is None else {"thread_count": threads}
     planner = None
