@@ -109,8 +109,7 @@ class Bench:
     def __init__(self, args, ranks: h.Ranks, root: str, state):
         self.args, self.ranks, self.root, self.state = args, ranks, root, state
         # name -> every repeat's per-rank seconds; check -> passed; save/kind -> its files, directories and bytes
-        self.times: dict[str, list[list[float]]] = {}
-        self.checks, self.footprint = {}, {}
+        self.times, self.checks, self.footprint = {}, {}, {}
 
     def check(self, name: str, passed: bool) -> None:
         self.checks[name] = self.checks.get(name, True) and all(h.gather(bool(passed)))
@@ -167,10 +166,9 @@ class Bench:
         into the buffers it staged into last time (pinned ones for CUDA tensors) instead of allocating new ones."""
         from dcp_zarr import ZarrSavePlanner, ZarrWriter
 
-        path = os.path.join(self.root, f"async-{repeat}")
-        if writer is None or self.args.no_staging_cache:
-            writer = ZarrWriter(path, thread_count=self.args.threads, cache_staged_state_dict=not
-                                self.args.no_staging_cache)
+        path, cache = os.path.join(self.root, f"async-{repeat}"), not self.args.no_staging_cache
+        if writer is None or not cache:
+            writer = ZarrWriter(path, thread_count=self.args.threads, cache_staged_state_dict=cache)
         blocking, total = h.timed_async(lambda: dcp.async_save(self.state, storage_writer=writer, checkpoint_id=path,
                                                                planner=ZarrSavePlanner()), self.ranks.device)
         if timed:

@@ -8,9 +8,8 @@ embedding): ``bf16`` (bfloat16 weights and AdamW state) and ``fp32``, after ``--
 Targets (``--targets``): ``tmpfs`` (/dev/shm); ``disk`` (``--disk-dir``; the writers fsync, and the page cache is
 dropped before every load: ``drop_caches`` as root, else each file's pages evicted, as the result says); ``s3``
 (dcp_zarr.testing's S3 server, radosgw); ``throttled``: tmpfs behind a link of ``--throttle-mb-s`` per rank shared by
-its threads, every byte written and read charged to it (dcp_zarr's ``throttled://`` storage,
-dcp_zarr/testing/throttled.py, and DCP's files through ``writers.throttled``): where bandwidth, not a server's CPU, is
-the limit.
+its threads, charged every byte written and read (dcp_zarr's ``throttled://`` storage, dcp_zarr/testing/throttled.py;
+DCP's files through ``writers.throttled``): where bandwidth, not a server's CPU, is the limit.
 
 Kinds, each a writer kind of writers.py: ``zarr`` (``zarr-plain``), ``zarr-zstd`` and ``zarr-lz4``
 (``zarr-plain:compression=...``), ``dcp`` (``fs``; ``fsspec`` on S3) and ``dcp-zstd`` (``fs:zstd``, which needs the
@@ -33,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import torch
@@ -59,10 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--states", default="bf16,fp32", help="comma-separated of bf16, fp32")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated of {', '.join(TARGETS)}")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated of {', '.join(KINDS)}")
-    p.add_argument("--repeats", type=int, default=3)
+    h.add_options(p, repeats=3, ranks=2)
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first, on each target")
     p.add_argument("--threads", type=int, default=4, help="IO threads of every writer and of ZarrReader")
-    p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="AdamW steps that make the optimizer state")
     p.add_argument("--disk-dir", default="/var/tmp", help="the disk target's directory (a local disk, not tmpfs)")
     p.add_argument("--throttle-mb-s", type=float, default=200, help="throttled: each rank's MB/s, reads and writes")
@@ -100,25 +99,22 @@ def ratio_by_group(kind: str, where: str) -> tuple[dict[str, float], list[int] |
     """Logical / stored bytes of a local store's tensors by group (weights, exp_avg, exp_avg_sq): a ZarrWriter store's
     array directories, or a FileSystemWriter checkpoint's items as its metadata records their stored lengths; and,
     of a ZarrWriter store, [arrays compressed, tensor arrays]."""
-    logical: dict[str, int] = {}
-    stored: dict[str, int] = {}
-    arrays = None
+    logical, stored, arrays = Counter[str](), Counter[str](), None
     if kind.startswith("zarr"):
         from dcp_zarr.offline import open_checkpoint
 
         entries = [e for e in open_checkpoint(where).entries.values() if e.is_tensor and e.shape]
         for entry in entries:
-            group = _group(entry.fqn)
-            logical[group] = logical.get(group, 0) + entry.nbytes
-            stored[group] = stored.get(group, 0) + h.footprint(os.path.join(where, entry.node))["bytes"]
+            logical[_group(entry.fqn)] += entry.nbytes
+            stored[_group(entry.fqn)] += h.footprint(os.path.join(where, entry.node))["bytes"]
         arrays = [sum(e.codec is not None for e in entries), len(entries)]
     else:
         metadata = dcp.FileSystemReader(where).read_metadata()
         for index, info in metadata.storage_data.items():
-            stored[_group(index.fqn)] = stored.get(_group(index.fqn), 0) + info.length
+            stored[_group(index.fqn)] += info.length
         for fqn, md in metadata.state_dict_metadata.items():
             if hasattr(md, "size") and len(md.size):
-                logical[_group(fqn)] = logical.get(_group(fqn), 0) + md.size.numel() * md.properties.dtype.itemsize
+                logical[_group(fqn)] += md.size.numel() * md.properties.dtype.itemsize
     return {g: logical[g] / stored[g] for g in ("weights", "exp_avg", "exp_avg_sq") if stored.get(g)}, arrays
 
 
@@ -203,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
                 targets[name] = {"root": f"s3://{server.make_bucket('bench')}/{run_id}",
                                  "options": server.storage_options()}
                 continue
-            root = tempfile.mkdtemp(prefix=f"compression-{run_id}-", dir=args.disk_dir if name == "disk" else
-                                    h.SCRATCH)
+            root = tempfile.mkdtemp(prefix=f"compression-{run_id}-", dir=args.disk_dir if name == "disk" else h.SCRATCH)
             cleanup.callback(shutil.rmtree, root, ignore_errors=True)
             targets[name] = {"root": root, "drop_caches": name == "disk"}
             if name == "throttled":
@@ -238,8 +233,8 @@ def verdicts(rows: list[dict], targets: dict[str, dict]) -> list[dict]:
     limits (a target with ``per_rank``) 1.2x faster."""
     found, index = [], _index(rows)
     for r in (r for r in rows if r["kind"] in COMPRESSED and (r["state"], r["target"], "zarr") in index):
-        gain, per_rank = index[r["state"], r["target"], "zarr"]["save_median_s"] / r["save_median_s"], targets[
-            r["target"]].get("per_rank")
+        gain = index[r["state"], r["target"], "zarr"]["save_median_s"] / r["save_median_s"]
+        per_rank = targets[r["target"]].get("per_rank")
         if r["target"] == "tmpfs":
             found.append({"target": f"tmpfs: {r['state']} {r['kind']} save speed >= {TMPFS_SAVE_FLOOR}x zarr's",
                           "value": gain, "met": gain >= TMPFS_SAVE_FLOOR})

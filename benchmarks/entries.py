@@ -25,8 +25,7 @@ WORKLOADS = {  # name: (count, shape)
     "mib": (800, (1024, 256)),  # 1 MiB each: a transformer's weights and Adam state, 800 tensors
     "uneven": (800, (1025, 255)),  # FSDP2's uneven shards
     "large": (16, (65536, 256)),  # 64 MiB each
-    "small": (5000, (64,)),  # 64 floats each
-}
+    "small": (5000, (64,))}  # 64 floats each
 
 
 def transfer(op: str, kind: str, threads: int, state, path: str) -> None:

@@ -155,8 +155,7 @@ class GpuBench:
         except OSError as exc:
             return {"directory": directory, "skipped": f"{directory} is not usable: {exc}"}
         evict, threads = name != "shm" and not self.args.no_evict, self.args.threads
-        times: dict[str, list] = {}
-        equal, done = True, 0
+        times, equal, done = {}, True, 0  # times: "save/kind" -> (seconds, Peaks) of each repeat
         with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=directory) as work:
             for repeat in range(self.args.repeats):
                 if repeat and time.perf_counter() > self.deadline:

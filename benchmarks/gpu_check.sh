@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The GPU path in one command, on a machine with CUDA and no network (benchmarks/README.md, "GPU check"): 1. installs
-# .whl/*.whl into a private target (the project is never pip-installed), 2. (a) tests/save_load/test_cuda_path.py, 3. (b-d)
-# python -m benchmarks.gpu_bench. --install-wheels installs on a --dry-run too. The commit is stamped from
-# GPU_CHECK_COMMIT (the device machine's copy of the tree has no .git). The benchmark runs even when the tests fail, so
-# that one lent GPU slot shows both; the exit status is non-zero if either failed.
+# .whl/*.whl into a private target (the project is never pip-installed; --install-wheels: on a --dry-run too), 2. (a)
+# tests/save_load/test_cuda_path.py, 3. (b-d) python -m benchmarks.gpu_bench, even when (a) failed: one lent GPU slot
+# shows both; exits non-zero if either failed. GPU_CHECK_COMMIT stamps the commit (that machine's tree has no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)" PY="${PYTHON:-python3}" DRY=0 INSTALL="" OUT="benchmarks/results/gpu" BENCH_ARGS=()

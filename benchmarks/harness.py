@@ -38,6 +38,7 @@ RESULTS = REPO / "benchmarks" / "results"
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # tmpfs: the default target
 GB = 1e9
 CPU = torch.device("cpu")
+TIMEOUT = datetime.timedelta(minutes=30)  # process groups': a checkpoint of several GB on a slow disk keeps ranks apart
 
 # -- The stamp and the results ----------------------------------------------------------------------------------------
 
@@ -81,10 +82,9 @@ def write_result(name: str, out: str | None, result: dict[str, Any], text: str =
     """``result`` stamped, as JSON at ``out`` (default benchmarks/results/NAME.json) and ``text`` (Markdown) beside
     it under the stamp's line; the text is printed."""
     s = stamp()
-    result = {"stamp": s, **result}
     path = Path(out or RESULTS / f"{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps({"stamp": s, **result}, indent=1) + "\n")
     text = (f"{name}, commit {s['commit']}{' (tree differs from it)' if s['dirty'] else ''}, dcp_zarr sources "
             f"{s['dcp_zarr_sources']}, torch {s['torch']}, zarr {s['zarr']}, Python {s['python']}, {s['nproc']} CPUs, "
             f"kernel {s['kernel']}, {s['date']}: `{s['command']}`\n\n{text}").rstrip() + "\n"
@@ -111,16 +111,15 @@ def init_ranks(backend: str = "gloo") -> Ranks:
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(get_free_port()))
-    timeout = datetime.timedelta(minutes=30)  # a checkpoint of several GB on a slow disk keeps ranks apart long
-    device = torch.device("cpu")
+    device = CPU
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise SystemExit("--backend nccl needs CUDA, and torch.cuda.is_available() is False")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=TIMEOUT, device_id=device)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=TIMEOUT)
     world = dist.get_world_size()
     return Ranks(dist.get_rank(), world, device, init_device_mesh(device.type, (world,)))
 
@@ -139,7 +138,6 @@ def on_ranks(name: str, out: str | None, program: Callable[[Ranks], tuple[dict, 
              backend: str = "gloo") -> None:
     """Run ``program`` on every rank (the torchrun job, or this process alone); rank 0 writes the (result, text) it
     returns, if any (``write_result``). Ends the process: 0; 3 if a result's ``checks`` failed; 1 after an exception."""
-    code = 0
     try:
         ranks = init_ranks(backend)
         returned = program(ranks)
@@ -192,9 +190,8 @@ def _rank_entry(rank: int, target: tuple[str, str], world_size: int, port: int, 
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the ranks share the machine's cores
     fn = getattr(importlib.import_module(target[0]), target[1])
-    timeout = datetime.timedelta(minutes=30)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     result = fn(Ranks(rank, world_size, torch.device("cpu"), init_device_mesh("cpu", (world_size,))), *args)
     store.set(f"result/{rank}", pickle.dumps(result))
     end(0)  # an exception instead reaches torch's launcher, which passes its traceback on
@@ -245,8 +242,7 @@ def timed_async(start_save: Callable[[], Any], device: torch.device) -> tuple[fl
 
 def rotated(kinds: list[Any] | tuple[Any, ...], turn: int) -> list[Any]:
     """``kinds`` starting at ``turn``: no kind always runs first (a cold allocator, caches, the CPU's clock)."""
-    shift = turn % len(kinds)
-    return list(kinds[shift:]) + list(kinds[:shift])
+    return [kinds[(turn + i) % len(kinds)] for i in range(len(kinds))]
 
 
 def medians(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -261,12 +257,9 @@ def speed(times: list[float], nbytes: float) -> dict[str, Any]:
 
 def footprint(path: str) -> dict[str, int]:
     """Files, directories (``path`` included) and bytes under ``path``: the metadata work a disk charges for."""
-    files = directories = size = 0
-    for directory, _, names in os.walk(path):
-        directories += 1
-        files += len(names)
-        size += sum(os.path.getsize(os.path.join(directory, name)) for name in names)
-    return {"files": files, "directories": directories, "bytes": size}
+    walk = [(directory, names) for directory, _, names in os.walk(path)]
+    return {"files": sum(len(names) for _, names in walk), "directories": len(walk),
+            "bytes": sum(os.path.getsize(os.path.join(directory, name)) for directory, names in walk for name in names)}
 
 
 def drop_page_cache(path: str) -> str:
@@ -285,11 +278,8 @@ def evict_page_cache(path: str) -> None:
     """Drop the files' clean pages from the page cache (no root needed; a no-op on tmpfs)."""
     for directory, _, names in os.walk(path):
         for name in names:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            with open(os.path.join(directory, name), "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 # -- States: an FSDP2 transformer with AdamW state, and walks over state dicts ----------------------------------------
@@ -312,8 +302,7 @@ class _Block(nn.Module):
         super().__init__()
         self.heads = hidden // 64 if hidden % 64 == 0 else 1
         self.attn_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
-        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
         self.up, self.down = nn.Linear(hidden, 4 * hidden, bias=False), nn.Linear(4 * hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -406,17 +395,12 @@ def trained_stack_state(mb: float, dtype: torch.dtype, steps: int, mesh, rank: i
 
 def spreads(state: Any) -> dict[str, dict[str, float]]:
     """This rank's weights, exp_avg and exp_avg_sq of the linear layers: std, mean |x|, median, zeros."""
-    groups: dict[str, list[torch.Tensor]] = {"weight": [], "exp_avg": [], "exp_avg_sq": []}
-    for fqn, t in state["model"].items():
-        if fqn.endswith(".weight") and "norm" not in fqn:
-            groups["weight"].append(local(t).float().reshape(-1))
-    for fqn, entry in state["optim"]["state"].items():
-        if "norm" not in fqn:
-            for key in ("exp_avg", "exp_avg_sq"):
-                groups[key].append(local(entry[key]).float().reshape(-1))
+    optim = [entry for fqn, entry in state["optim"]["state"].items() if "norm" not in fqn]
+    groups = {"weight": [t for fqn, t in state["model"].items() if fqn.endswith(".weight") and "norm" not in fqn],
+              **{key: [entry[key] for entry in optim] for key in ("exp_avg", "exp_avg_sq")}}
     found = {}
     for key, parts in groups.items():
-        x = torch.cat(parts)
+        x = torch.cat([local(t).float().reshape(-1) for t in parts])
         sample = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
         found[key] = {"std": x.std().item(), "mean_abs": x.abs().mean().item(), "median": sample.median().item(),
                       "zero_fraction": (x == 0).float().mean().item()}

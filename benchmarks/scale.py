@@ -94,7 +94,7 @@ def _new(cls, **fields):
     return obj
 
 
-def rank_plan(tensors, layout: str, rank: int, world: int, planner_data: dict | None = None) -> SavePlan:
+def rank_plan(tensors, layout: str, rank: int, world: int, data: dict | None = None) -> SavePlan:
     items = []
     for fqn, shape in tensors:
         offsets, sizes = rank_box(layout, shape, rank, world)
@@ -102,8 +102,7 @@ def rank_plan(tensors, layout: str, rank: int, world: int, planner_data: dict | 
                           type=WriteItemType.SHARD, bytes_io_data=None, tensor_data=_new(
                               TensorWriteData, chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
                               properties=_PROPS, size=torch.Size(shape))))
-    return SavePlan(items, planner_data=planner_data or {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in
-                                                         tensors})
+    return SavePlan(items, planner_data=data or {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors})
 
 
 def save_plans(tensors, layout: str, world: int) -> list[SavePlan]:
@@ -140,17 +139,14 @@ def zarr_results(global_plan: list[SavePlan], world: int) -> list[list[WriteResu
 
 def _fs_results(plan: SavePlan, rank: int) -> list[WriteResult]:
     """The WriteResults FileSystemWriter.write_data returns: one per item, where its bytes lie in the rank's file."""
-    results, offset = [], 0
-    for item in plan.items:
-        length = math.prod(item.tensor_data.chunk.sizes) * _PROPS.dtype.itemsize
-        results.append(WriteResult(item.index, length, _StorageInfo(f"__{rank}_0.distcp", offset, length)))
-        offset += length
-    return results
+    lengths = [math.prod(item.tensor_data.chunk.sizes) * _PROPS.dtype.itemsize for item in plan.items]
+    return [WriteResult(item.index, length, _StorageInfo(f"__{rank}_0.distcp", offset, length))
+            for item, length, offset in zip(plan.items, lengths, itertools.accumulate(lengths, initial=0))]
 
 
-def loading_shards(tensors) -> dict[str, list[ChunkStorageMetadata]]:
-    """Rank 0's shard of each tensor in a 128-rank FSDP job."""
-    return {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box("fsdp", shape, 0, LOAD_WORLD_SIZE)))]
+def rank_shards(tensors, layout: str, rank: int, world: int) -> dict[str, list[ChunkStorageMetadata]]:
+    """The rank's shard of each tensor, as its load plan asks for it."""
+    return {fqn: [ChunkStorageMetadata(*map(torch.Size, rank_box(layout, shape, rank, world)))]
             for fqn, shape in tensors}
 
 
@@ -174,24 +170,21 @@ def measure(layout: str, world: int, entries: int, repeats: int) -> dict:
         planning["zarr_writer"].finish(planning["metadata"], zarr_results(planning["global_plan"], world))
         root = os.path.join(work, "ckpt.zarr", "zarr.json")
         with open(root) as f:
-            manifest = json.load(f)["attributes"]["dcp_zarr"]
+            document = json.load(f)["attributes"]["dcp_zarr"]
         # the root zarr.json (what a loading rank reads) holds the manifest and a copy of every node's zarr.json
         row.update(zarr_root_bytes=os.path.getsize(root),
-                   zarr_manifest_bytes=len(json.dumps(manifest, separators=(",", ":"))),
+                   zarr_manifest_bytes=len(json.dumps(document, separators=(",", ":"))),
                    dcp_metadata_bytes=os.path.getsize(os.path.join(work, "dcp", ".metadata")))
-        manifest = None
         row["wire"] = dcp_wire(plans, planning, tensors, layout, world)
         planning = plans = None
         # A loading rank: dcp_zarr's steps take milliseconds, so they get more repeats than DCP's (seconds at 8,192
         # ranks); each side runs with only its own metadata alive, as on a real rank: DCP's (millions of objects at
         # 8,192 ranks) would otherwise slow dcp_zarr's steps through the garbage collector.
-        cheap, local = max(25, repeats), loading_shards(tensors)
+        cheap, local = max(25, repeats), rank_shards(tensors, "fsdp", 0, LOAD_WORLD_SIZE)  # rank 0 of an FSDP job
         gc.collect()
         row["zarr_read_metadata_s"], zarr_md = timed(lambda: ZarrReader(os.path.join(work, "ckpt.zarr"))
                                                      .read_metadata(), cheap)
         row["zarr_load_plan_s"], row["zarr_read_items"] = timed(lambda: read_items(zarr_md, local), cheap)
-        with open(root) as f:
-            document = json.load(f)["attributes"]["dcp_zarr"]
         row["zarr_validate_s"], _ = timed(lambda: Manifest.from_json(document, "scale"), cheap)
         zarr_md = document = None  # None, not del: pyflakes would read the lambdas above as using deleted names
         gc.collect()
@@ -234,9 +227,9 @@ def _load_traffic(world: int, up: float, down: float) -> dict:
 
 def dcp_load_plans(tensors, layout: str, world: int, metadata, ranks: list[int]) -> list[LoadPlan]:
     """DCP's LoadPlan of each of ``ranks`` loading at the saved layout, as FileSystemReader passes it on."""
-    return [LoadPlan([item for fqn, shape in tensors for item in create_read_items_for_chunk_list(
-        fqn, metadata.state_dict_metadata[fqn], [ChunkStorageMetadata(*map(torch.Size, rank_box(
-            layout, shape, rank, world)))])]) for rank in ranks]
+    return [LoadPlan([item for fqn, chunks in rank_shards(tensors, layout, rank, world).items()
+                      for item in create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], chunks)])
+            for rank in ranks]
 
 
 def sampled(world: int, count: int) -> list[int]:
@@ -285,11 +278,10 @@ _PLAN_CACHES = {"dcp_zarr.planning.recent_plans": "recent_plans", "dcp_zarr.plac
 def clear_caches() -> None:
     """Empty every cache of dcp_zarr's planning (functools caches and _PLAN_CACHES): a restarted process's first
     save. Says so when a named cache is gone (the library changed: update _PLAN_CACHES)."""
-    for name, module in list(sys.modules.items()):
-        if name == "dcp_zarr" or name.startswith("dcp_zarr."):
-            for value in list(vars(module).values()):
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
+    modules = [module for name, module in list(sys.modules.items()) if name.partition(".")[0] == "dcp_zarr"]
+    for value in [value for module in modules for value in vars(module).values()]:
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
     for module_name, attribute in _PLAN_CACHES.items():
         cache = getattr(sys.modules.get(module_name), attribute, None)
         cache = getattr(cache, "_plans", cache)  # planning/recent_plans.py's RecentPlans keeps an OrderedDict
@@ -312,13 +304,11 @@ class FakeRank:
 
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         self.layout, self.world, self.rank, self.work = layout, world, rank, work
-        if layout == "fsdp":
-            self.mesh, placements = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), (Shard(0),)
-        else:
-            self.mesh = init_device_mesh("cpu", (world // 8, 8), mesh_dim_names=("replicate", "shard") if layout ==
-                                         "hsdp" else ("dp", "tp"))
-            # FSDP over TP's colwise shards, as FSDP2 makes it
-            placements = (Replicate(), Shard(0)) if layout == "hsdp" else (_StridedShard(0, split_factor=8), Shard(0))
+        mesh_shape, names, placements = {  # fsdp_tp: FSDP over TP's colwise shards, as FSDP2 makes it
+            "fsdp": ((world,), ("dp",), (Shard(0),)),
+            "hsdp": ((world // 8, 8), ("replicate", "shard"), (Replicate(), Shard(0))),
+            "fsdp_tp": ((world // 8, 8), ("dp", "tp"), (_StridedShard(0, split_factor=8), Shard(0)))}[layout]
+        self.mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         replicated, self.state = layout == "hsdp" and world > 8, {}
         for fqn, shape in tensors:
             sizes = rank_box(layout, shape, rank, world)[1]
@@ -365,9 +355,8 @@ class FakeRank:
         save = writer._save
         assert isinstance(save, LocallyPlannedSave)
         array_shards = save.settings.open(ticket.staging_location).writes_at_offsets
-        start = time.perf_counter()
-        items, _ = save.local.rank_writes(ticket, array_shards)
-        return time.perf_counter() - start, items
+        seconds, (items, _) = timed(lambda: save.local.rank_writes(ticket, array_shards))
+        return seconds, items
 
 
 def _fake(tensors, layout: str, world: int, rank: int, work: str, then=None):
@@ -464,9 +453,8 @@ def coordinator_cpu(layout: str, world: int, entries: int, repeats: int) -> dict
     tensors, times = model_tensors(entries), defaultdict(list)
 
     def clock(name: str, fn):
-        start = time.perf_counter()
-        result = fn()
-        times[name].append(time.perf_counter() - start)
+        seconds, result = timed(fn)
+        times[name].append(seconds)
         return result
 
     with tempfile.TemporaryDirectory(prefix="dcp-zarr-coordinator-") as work:
@@ -596,26 +584,22 @@ def main(argv=None) -> int:
     p.add_argument("--rank-repeats", type=int, default=5, help="rounds of the per-rank planning timing")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    if args.timing_only:
-        planning = measure_planning([], args, wire=False)
-        h.write_result("planning-timing", os.path.join(args.out, "planning-timing.json"), planning,
-                       planning_tables(planning))
-        return 0
-    points = [(layout, world, 100) for layout, worlds in (QUICK_WORLDS if args.quick else WORLDS).items()
-              for world in worlds]
-    if not args.planning_only:
-        points += [("fsdp", 64, n) for n in ([300, 1000] if args.quick else [300, 2000, 6000, 20000])]
     rows = []
-    for point in points:
-        rows.append(measure(*point, args.repeats))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
-    planning = measure_planning(rows, args)
-    h.write_result("planning", os.path.join(args.out, "planning.json"), planning, planning_tables(planning))
-    if args.planning_only:
-        return 0
-    h.write_result("scale", os.path.join(args.out, "scale.json"), {"rows": rows, "planning": planning}, table(rows) +
-                   "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from 100 tensors):\n\n"
-                   + planning_tables(planning))
+    if not args.timing_only:  # --timing-only: no rows and no bytes, only one rank's planning and the coordinator's CPU
+        points = [(layout, world, 100) for layout, worlds in (QUICK_WORLDS if args.quick else WORLDS).items()
+                  for world in worlds]
+        if not args.planning_only:
+            points += [("fsdp", 64, n) for n in ([300, 1000] if args.quick else [300, 2000, 6000, 20000])]
+        for point in points:
+            rows.append(measure(*point, args.repeats))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    planning = measure_planning(rows, args, wire=not args.timing_only)
+    name = "planning-timing" if args.timing_only else "planning"
+    h.write_result(name, os.path.join(args.out, f"{name}.json"), planning, planning_tables(planning))
+    if not (args.planning_only or args.timing_only):
+        h.write_result("scale", os.path.join(args.out, "scale.json"), {"rows": rows, "planning": planning},
+                       table(rows) + "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from "
+                       "100 tensors):\n\n" + planning_tables(planning))
     return 0
 
 

@@ -65,8 +65,8 @@ def build_state(name: str, args, ranks: h.Ranks):
     torch.manual_seed(11)  # the same tensors on every rank: each cuts or shards its own piece
     if name in LAYOUTS:
         shape = tuple(int(n) for n in args.shape.split("x"))
-        state = in_layout(name, ranks.world_size, {f"layers.{i}.weight": torch.randn(shape) for i in range(args.arrays)})
-        return state, lambda: state
+        tensors = {f"layers.{i}.weight": torch.randn(shape) for i in range(args.arrays)}
+        return in_layout(name, ranks.world_size, tensors), lambda: in_layout(name, ranks.world_size, tensors)
     layers, width = (QUICK_STATES if args.quick else STATES)[name]
     nn = torch.nn
     model = nn.Sequential(*(nn.Linear(width, width) if name != "lora" else nn.Sequential(
