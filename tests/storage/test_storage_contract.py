@@ -14,10 +14,10 @@ import zarr.storage
 from dcp_zarr.storage import LocalStorage, local, open_storage, store_objects
 from dcp_zarr.storage.obstore_storage import ObstoreStorage
 from dcp_zarr.storage.retry import Retrying
-from dcp_zarr.testing.throttled import ThrottledStorage
 from dcp_zarr.storage.zarr_store import ZarrStoreStorage
 from dcp_zarr.testing.s3_server import FaultRule
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
+from dcp_zarr.testing.throttled import ThrottledStorage
 
 
 class _FailingStore:

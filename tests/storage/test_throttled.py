@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from dcp_zarr.storage import LocalStorage, local, open_storage, storage_class, unregister_storage
-from dcp_zarr.testing.throttled import Link, ThrottledStorage, register_throttled
 from dcp_zarr.testing.storage_contract import FAST_RETRY, StorageContract
+from dcp_zarr.testing.throttled import Link, ThrottledStorage, register_throttled
 
 
 class FakeClock:
