@@ -29,7 +29,7 @@ from dcp_zarr.loading.metadata import MANIFEST_IN_STORAGE_DATA, dcp_metadata
 from dcp_zarr.loading.rank_reads import RankReads
 from dcp_zarr.loading.root_once import manifest_read_once
 from dcp_zarr.loading.settings import LoadSettings
-from dcp_zarr.planning import dcp_internals, load_plan
+from dcp_zarr.planning import dcp_internals, load_plan, same_checkpoint
 from dcp_zarr.planning.protocol import LoadSummary, LoadTicket
 from dcp_zarr.storage import store_objects
 from dcp_zarr.storage.retry import Retrying, RetryPolicy
@@ -85,6 +85,7 @@ class ZarrReader(StorageReader):
         self.manifest: Manifest | None = None  # the checkpoint's, from read_metadata until the next reset
         self.bytes_read = 0  # by every load and read_entry of this reader
         self._kept_items: list = []  # this rank's read items, from prepare_local_plan to read_data (not sent)
+        self._metadata_failure: BaseException | None = None  # what read_metadata raised, until it is called again
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -102,10 +103,17 @@ class ZarrReader(StorageReader):
     @step_with_collector_paused
     def read_metadata(self, *args, **kwargs) -> Metadata:
         settings = self.settings
+        failed, self._metadata_failure = self._metadata_failure, None
+        if failed is not None and kwargs.get("rank") is not None:
+            # DCP's second try, for metadata of this rank's own, once this rank's read failed: a store has none, and
+            # the read would join the root's broadcast (root_once.py) that the ranks whose read succeeded have left,
+            # so this rank would wait for them forever. The same failure, at once: DCP fails the load on every rank.
+            raise failed
         try:
             self.manifest = manifest_read_once(settings)
         except Exception as exc:
             carried = dcp_internals.reported_by_dcp_load(exc)  # torch 2.11 and 2.12 drop the reason otherwise
+            self._metadata_failure = carried
             if carried is exc:
                 raise
             raise carried from exc
@@ -129,10 +137,15 @@ class ZarrReader(StorageReader):
         # per rank instead of one pickled ReadItem per local shard and tensor.
         self._kept_items = list(plan.items)
         seen = LoadSummary(*_rank_and_world(self.settings.process_group)) if self.settings.shares_reads() else None
-        return dataclasses.replace(plan, items=[], storage_data=seen)
+        # with the checkpoint this rank loads from, for the coordinator to compare (same_checkpoint.py)
+        return same_checkpoint.named(dataclasses.replace(plan, items=[], storage_data=seen),
+                                     same_checkpoint.checkpoint_name(self.path, self.store))
 
     @step_with_collector_paused
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        # Every rank must name this checkpoint: refused here, before read_data reads any chunk (each rank has read
+        # at most its own root zarr.json, in read_metadata)
+        plans = same_checkpoint.checked(plans, saving=False)
         # Reads are shared only when every rank of DCP's load is the same rank of this reader's group (so their
         # collectives meet): not for a load on one rank alone (no_dist=True), nor with a process group other than
         # the reader's, where each rank reads for itself.

@@ -23,7 +23,7 @@ from dcp_zarr.errors import UnsupportedModeError
 from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.gc_pause import paused_on_main_thread, step_with_collector_paused
-from dcp_zarr.planning import dcp_internals, replicas
+from dcp_zarr.planning import dcp_internals, replicas, same_checkpoint
 from dcp_zarr.planning.protocol import planned_locally
 from dcp_zarr.planning.save_planner import RankState, rank_plan
 from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
@@ -187,12 +187,15 @@ class ZarrWriter(StorageWriter, WriterStaging):
         else:
             save = DcpPlannedSave(self.settings, start.is_coordinator)
         self._save = save
-        return save.local_plan(plan)
+        # the checkpoint this rank saves to travels with its plan, for the coordinator to compare (same_checkpoint.py)
+        return same_checkpoint.named(save.local_plan(plan), same_checkpoint.checkpoint_name(self.path, self.store))
 
     @step_with_collector_paused
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # before anything is written
+        # before anything is written: the save's global_plans begins it (its staging area, on the coordinator's path)
         locally = planned_locally(plans)
+        # every rank must name this checkpoint
+        plans = same_checkpoint.checked(plans, saving=True)
         save = self._save
         if save is None:  # a coordinator handed DCP's plans without its own (benchmarks/scale.py's synthetic plans)
             if locally:
