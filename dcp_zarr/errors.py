@@ -145,7 +145,8 @@ class ConversionError(ZarrCheckpointError, ValueError):
 
 
 class PlanMismatchError(ZarrCheckpointError, ValueError):
-    """Ranks that cannot be planned together: disagreeing entries under one key, or a planner on another group."""
+    """Ranks that cannot be planned together: disagreeing entries under one key, a planner on another group, or ranks
+    naming different checkpoints."""
 
 
 class CollectiveIOError(ZarrCheckpointError, RuntimeError):
