@@ -52,6 +52,11 @@ class Piece(NamedTuple):
 class Aggregation(NamedTuple):
     arrays: dict[str, AggregatedArray]
     rounds: list[list[Unit]]  # unit key: (fqn, block); owner: the block's aggregator
+    budget: int = 0  # the bytes of blocks an aggregator holds in a round (rounds.pack_rounds)
+
+    def rounds_of(self, units: list[Unit]) -> list[list[Unit]]:
+        """``units`` (some of this aggregation's, alike on every rank) packed into rounds as ``rounds`` are."""
+        return pack_rounds(units, self.budget)
 
 
 def aggregated_layout(shape: tuple[int, ...], itemsize: int, inner_chunk_bytes: int, block_bytes: int) -> ChunkLayout:
@@ -102,7 +107,7 @@ def plan_aggregation(entries: dict[str, Holding], world_size: int, below: int, i
         units.append(Unit((fqn, block), owners[(fqn, block)], nbytes, min(largest[fqn], nbytes)))
     for fqn, array in arrays.items():
         arrays[fqn] = array._replace(aggregators=tuple(owners[(fqn, b)] for b in range(array.layout.grid_shape[0])))
-    return Aggregation(arrays, pack_rounds(units, block_bytes))
+    return Aggregation(arrays, pack_rounds(units, block_bytes), block_bytes)
 
 
 def _largest_piece(entry: Holding, itemsize: int, boxes: dict[str, list[Box]] | None) -> tuple[int, int] | None:

@@ -1,13 +1,19 @@
 """The chunk record: what an incremental save needs to know of an earlier checkpoint's chunks without reading them.
 
-For each array whose every chunk was written as one object by the chunk path (``store_io/chunk_reuse.py``), the
-manifest's ``chunks`` table holds the digest of the array's ``zarr.json`` (its shape, grid, data type and codecs) and,
-for each chunk in the grid's C order, 28 bytes: the xxh3-128 digest of the chunk's data as the state dict held it
-(before padding and encoding), the stored object's size, and the crc32c of its stored data (the four bytes that end a
-plain chunk, or those before a shard's index: the index's own crc32c covers only offsets and sizes). A later save
-whose array has the same ``zarr.json`` and whose chunk's data has the same digest stores the same bytes, so it links
-the earlier object instead of writing it (docs/design.md, "Incremental saves", says why a 128-bit digest is exact
-enough); the size and crc32c let it check the object it linked.
+For each array whose every chunk was written as one object through ``store_io/chunk_reuse.py`` (by the rank holding
+it, or by an aggregator: collective/aggregated_writes.py), the manifest's ``chunks`` table holds the digest of the
+array's ``zarr.json`` (its shape, grid, data type and codecs) and, for each chunk in the grid's C order, 28 bytes: the
+xxh3-128 digest of the chunk's data as the state dict held it (before padding and encoding), the stored object's size,
+and the crc32c of its stored data (the four bytes that end a plain chunk, or those before a shard's index: the
+index's own crc32c covers only offsets and sizes). A later save whose array has the same ``zarr.json`` and whose
+chunk's data has the same digest stores the same bytes, so it links the earlier object instead of writing it
+(docs/design.md, "Incremental saves", says why a 128-bit digest is exact enough); the size and crc32c let it check the
+object it linked.
+
+An aggregated block's data is held in parts by several ranks, so its digest is ``parts_digest``: of each part's box
+and its data's digest, which each rank computes for the parts it holds, so that a later save finds an unchanged
+block without sending its bytes to the aggregator. The parts are the ranks' pieces within the block: saved by other
+ranks, the same block has other parts and another digest, and is written anew rather than linked.
 
 A chunk that had changed since the save's own earlier checkpoint is recorded ``UNHASHED`` (16 zero bytes where the
 digest goes): it is likely to change again, and hashing it would cost as much as its crc32c. A later save finds such a
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -45,6 +51,17 @@ class StoredChunk(NamedTuple):
 def data_digest(buffer) -> bytes:
     """The 16-byte xxh3-128 digest of a chunk's data (any contiguous buffer)."""
     return xxhash.xxh3_128_digest(buffer)
+
+
+def parts_digest(parts: Iterable[tuple[Sequence[int], Sequence[int], bytes]]) -> bytes:
+    """The 16-byte digest of a chunk made of ``parts``: ``(offsets, sizes, data_digest of the part's data in C
+    order)`` of each, in the order given (the same on every rank: by offsets); the xxh3-128 digest of their boxes
+    and digests."""
+    hasher = xxhash.xxh3_128()
+    for offsets, sizes, digest in parts:
+        hasher.update(struct.pack(f"<{2 * len(offsets)}q", *offsets, *sizes))
+        hasher.update(digest)
+    return hasher.digest()
 
 
 def metadata_digest(encoded_zarr_json: str) -> str:

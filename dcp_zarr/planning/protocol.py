@@ -10,7 +10,7 @@ A save planned locally:
    differed, so that the ranks exchange what differs; which replica groups disagreed, so that their ranks report
    the checksums of each key instead of writing).
 3. Each rank's write result, gathered by DCP: one ``WriteResult`` holding a ``RankReport`` (the values and object
-   sizes it wrote, and checksums only when asked for), instead of one per item.
+   sizes it wrote, the chunk objects it stored, and checksums only when asked for), instead of one per item.
 
 A load: each rank's ``LoadSummary`` (its place in the reader's process group) and the coordinator's ``LoadTicket``
 (whether the ranks share reads); each rank keeps its read items.
@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning.replicas import ranks_text
+from dcp_zarr.store_io.chunk_reuse import ReuseCounts
 
 REPORT_FQN = "__dcp_zarr_rank_report__"  # no state dict has it: node names starting "__" are refused
 
@@ -87,6 +88,17 @@ class RankReport(NamedTuple):
     objects: dict  # fqn -> bytes of each torch.save value this rank wrote
     checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
     chunks: Any = None  # in a save that records its chunks: the rank's saving/incremental.ChunkReport
+    stored: ReuseCounts | None = None  # the chunk objects the rank stored (linked, written) and their bytes
+
+
+def stored_totals(results: list[list]) -> ReuseCounts | None:
+    """The chunk objects every rank of a save planned locally stored, and their bytes, summed from the write results
+    the coordinator's ``finish`` is given; None for results that do not say (a save DCP planned)."""
+    stored = [result.storage_data.stored for rank_results in results for result in rank_results
+              if result.index.fqn == REPORT_FQN and isinstance(result.storage_data, RankReport)]
+    if not stored or any(counts is None for counts in stored):
+        return None
+    return ReuseCounts(*(sum(column) for column in zip(*stored)))
 
 
 class LoadSummary(NamedTuple):

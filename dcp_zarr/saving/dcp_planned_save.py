@@ -76,8 +76,8 @@ class DcpPlannedSave:
         results = replicas.checksums_result(self._local_items, assignment.replica_checks, planner)
         storage = self.settings.open(assignment.staging_location)
         reuse = ChunkReuse(self.earlier) if self.settings.incremental else None
-        written, self.written_keys = write_items(storage, plan.items, assignment, planner, self.settings.thread_count,
-                                                 reuse=reuse)
+        written, self.written_keys, _ = write_items(storage, plan.items, assignment, planner,
+                                                    self.settings.thread_count, reuse=reuse)
         if reuse is not None:  # one more result, which finish takes out
             report = incremental.ChunkReport.of(reuse)
             self.reuse_counts = report.counts

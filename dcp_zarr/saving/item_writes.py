@@ -19,16 +19,17 @@ from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.assignments import RankAssignment
 from dcp_zarr.planning.dcp_internals import save_lookup_is_dcps, sharded_tensor_type
 from dcp_zarr.storage import Storage
-from dcp_zarr.store_io.chunk_reuse import ChunkReuse
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse, ReuseCounts
 from dcp_zarr.store_io.write_jobs import NOT_LOOKED_UP, WriteJobs
 
 
 def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssignment, planner: SavePlanner,
                 thread_count: int, with_sources: bool = True, reuse: ChunkReuse | None = None
-                ) -> tuple[list[WriteResult], list[str]]:
+                ) -> tuple[list[WriteResult], list[str], ReuseCounts]:
     """Write ``items`` and the zarr.json of the arrays this rank describes; (one WriteResult per item, the chunk
-    keys written). ``with_sources``: each tensor's result says how it was held (a save DCP planned: its manifest is
-    made from the results). ``reuse``: in a save that records its chunks, every chunk goes through it."""
+    keys written, the chunks stored: ``WriteJobs.stored``). ``with_sources``: each tensor's result says how it was
+    held (a save DCP planned: its manifest is made from the results). ``reuse``: in a save that records its chunks,
+    every chunk goes through it."""
     jobs = WriteJobs(storage, reuse)
     for fqn in sorted(assignment.describes):
         jobs.array_metadata(assignment.arrays[fqn])
@@ -52,7 +53,7 @@ def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssign
         results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                    storage_data=storage_data))
     jobs.run(thread_count)
-    return results, jobs.chunk_keys
+    return results, jobs.chunk_keys, jobs.stored()
 
 
 def checked_tensor(value, fqn: str) -> torch.Tensor:

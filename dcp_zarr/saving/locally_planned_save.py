@@ -36,7 +36,7 @@ class LocallyPlannedSave:
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
         self.earlier = incremental.open_earlier(settings)  # before anything is written
-        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.exchange_bytes,
+        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.block_bytes(),
                               settings.compression, settings.incremental, incremental.whole_arrays(self.earlier))
         self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
                                options)
@@ -71,13 +71,17 @@ class LocallyPlannedSave:
         values, objects = {}, {}
         nbytes = 0
         chunks = None
+        stored = ReuseCounts(0, 0, 0, 0)
         if not ticket.detail_groups:  # replicas that disagree: their checksums, for finish's error; nothing written
             storage = settings.open(ticket.staging_location)
             items, assignment = local.rank_writes(ticket, storage.writes_at_offsets)
-            aggregated_keys = self._write_aggregated(storage, planner)
             reuse = ChunkReuse(self.earlier) if settings.incremental else None
-            results, chunk_keys = write_items(storage, items, assignment, planner, settings.thread_count,
-                                              with_sources=False, reuse=reuse)
+            aggregated_keys, aggregated_bytes = self._write_aggregated(storage, planner, reuse)
+            results, chunk_keys, stored = write_items(storage, items, assignment, planner, settings.thread_count,
+                                                      with_sources=False, reuse=reuse)
+            if reuse is None:  # else its counts, in stored, hold the aggregated blocks too
+                stored = stored._replace(written_chunks=stored.written_chunks + len(aggregated_keys),
+                                         written_bytes=stored.written_bytes + aggregated_bytes)
             if reuse is not None:
                 chunks = incremental.ChunkReport.of(reuse)
                 self.reuse_counts = chunks.counts
@@ -89,27 +93,29 @@ class LocallyPlannedSave:
                     objects[result.index.fqn] = result.storage_data["object_nbytes"]
             self.written_keys = aggregated_keys + chunk_keys
         if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
-            self._own_report = RankReport(values, objects, {}, chunks)
+            self._own_report = RankReport(values, objects, {}, chunks, stored)
             values, objects, chunks = {}, {}, None
-        report = RankReport(values, objects, checksums, chunks)
+        report = RankReport(values, objects, checksums, chunks, stored)
         return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
 
-    def _write_aggregated(self, storage: Storage, planner: SavePlanner) -> list[str]:
+    def _write_aggregated(self, storage: Storage, planner: SavePlanner, reuse: ChunkReuse | None
+                          ) -> tuple[list[str], int]:
         """The blocks of the arrays aggregated in this save (collective/): every rank of the save takes part in
         every round, on the planner's process group, which is the one DCP saves on (check_summaries): for
-        dcp.async_save, the background save's own group, whose collectives nothing else interleaves with."""
+        dcp.async_save, the background save's own group, whose collectives nothing else interleaves with. In a save
+        that records its chunks each block goes through ``reuse``, linked where it is unchanged."""
         local = self.local
         plan = local.plan
         assert plan is not None  # rank_writes made it
         if not plan.aggregation.arrays:
-            return []
+            return [], 0
 
         def held() -> dict:  # called inside the exchange, so that a tensor that cannot be saved fails every rank
             return {fqn: [(box, checked_tensor(tensor, fqn)) for box, tensor in boxes]
                     for fqn, boxes in local.held_pieces(planner).items()}
 
         return write_aggregated(plan.aggregation, local.save_entries(), plan.aggregated_specs, held, Group(local.group),
-                                storage, self.settings.thread_count, plan.merged)
+                                storage, self.settings.thread_count, plan.merged, reuse)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The manifest, from the coordinator's own plan and each rank's one report, then the commit (``metadata``,

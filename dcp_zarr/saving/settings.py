@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 from dcp_zarr.collective.transfer import DEFAULT_EXCHANGE_BYTES
-from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES
+from dcp_zarr.format.chunk_layout import INNER_CHUNK_TARGET_BYTES, WHOLE_ARRAY_SHARD_INNER_CHUNKS
 from dcp_zarr.format.compression import Compression
 from dcp_zarr.planning import replicas
 from dcp_zarr.storage import storage_class
@@ -62,12 +62,26 @@ class SaveSettings(StoreTarget):
         return self.store is None and storage_class(self.path).commits_by_rename
 
     def aggregate_below_bytes(self) -> int:
-        """The piece size under which arrays are aggregated: the writer's, else its storage's default."""
+        """The piece size under which arrays are aggregated: the writer's, else its storage's default; in a save that
+        records its chunks (incremental), at least ``inner_chunk_bytes``, even where the storage's default is 0 (a
+        machine's own disk). Such a save never writes a shard that ranks fill at offsets, so an array held in
+        pieces smaller than a chunk would be an object per piece where a full save writes one: aggregated, it is
+        one object per block, as in a full save, which its aggregator links whole where it is unchanged
+        (collective/aggregated_writes.py)."""
         if self.aggregate_below is not None:
             return self.aggregate_below
-        if self.incremental:  # an aggregated block is rewritten at every save: pieces stay chunks of their own
-            return 0
+        if self.incremental:
+            return max(self.storage_aggregate_below(), self.inner_chunk_bytes)
         return self.storage_aggregate_below()
+
+    def block_bytes(self) -> int:
+        """The largest block an aggregator writes as one object, and the bytes it holds in a round:
+        ``exchange_bytes``; in a save that records its chunks, at most ``WHOLE_ARRAY_SHARD_INNER_CHUNKS`` chunks, as
+        an array that changed whole is cut. A block is the unit of reuse of its rows: a changed row rewrites it whole,
+        and one linked is checked by reading it (store_io/chunk_reuse.py), so both stay about 16 MiB at most."""
+        if not self.incremental:
+            return self.exchange_bytes
+        return min(self.exchange_bytes, WHOLE_ARRAY_SHARD_INNER_CHUNKS * self.inner_chunk_bytes)
 
     def staging_location(self, save_id: str) -> str:
         # A store object is written in place, by each rank through its own store: the location is only a name.

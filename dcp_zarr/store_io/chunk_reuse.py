@@ -25,6 +25,11 @@ shard's index: the index's own crc32c, which ends the object, covers only offset
 shards whose data compressed to as many bytes. A shard of several inner chunks (an array that changed whole) is
 recorded by the crc32c of its inner chunks' crc32c's, and a link to one is checked by reading it whole: such a shard
 is linked only when its array has stopped changing, once, after which the array is split again.
+
+An aggregated block (collective/aggregated_writes.py) is a chunk like any other here, but its digest is its parts'
+(``parts_digest``, passed as ``digest_of``), and an unchanged one is linked before its data reaches its aggregator
+(``link_unchanged``): checked against the record alone, a block of several inner chunks by the crc32c's read from it
+(at most 16 inner chunks: saving/settings.py's ``block_bytes``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -118,16 +124,19 @@ class ChunkReuse:
         return found
 
     def store(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray, layout: ChunkLayout,
-              earlier: ArrayRecord | None) -> None:
-        """Store the chunk at ``key`` (grid ``index`` of ``node``) holding ``data``, its unpadded content."""
-        previous = earlier.chunks[index] if earlier is not None and index < len(earlier.chunks) else None
+              earlier: ArrayRecord | None, digest_of: Callable[[], bytes] | None = None) -> None:
+        """Store the chunk at ``key`` (grid ``index`` of ``node``) holding ``data``, its unpadded content.
+        ``digest_of``: the chunk's digest where it is not its data's (an aggregated block's: ``parts_digest``)."""
+        if digest_of is None:
+            digest_of = partial(_data_digest, data)
+        previous = self.previous(earlier, index)
         if previous is not None and previous.digest == UNHASHED:
-            self._store_by_bytes(storage, node, index, key, data, layout, previous)
+            self._store_by_bytes(storage, node, index, key, data, layout, previous, digest_of)
             return
         if previous is None and node in self._whole:  # laid out anew, as it changed whole: not hashed (see above)
             self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED)
             return
-        digest = data_digest(as_bytes(data))
+        digest = digest_of()
         if previous is not None and previous.digest == digest \
                 and self._linked(storage, key, previous, layout, lambda: encode_chunk(data, layout)):
             self._note(node, index, previous, linked=True)
@@ -135,14 +144,31 @@ class ChunkReuse:
         changed = previous is not None and previous.digest != digest
         self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED if changed else digest)
 
+    @staticmethod
+    def previous(earlier: ArrayRecord | None, index: int) -> StoredChunk | None:
+        """The earlier checkpoint's record of the chunk at grid ``index`` of an array (``earlier_array``)."""
+        return earlier.chunks[index] if earlier is not None and index < len(earlier.chunks) else None
+
+    def link_unchanged(self, storage: Storage, node: str, index: int, key: str, layout: ChunkLayout,
+                       earlier: ArrayRecord | None, digest: bytes) -> bool:
+        """Link the chunk at ``key`` from the earlier checkpoint, without its data at hand, if the record has its
+        ``digest`` (an aggregated block that its holders found unchanged by the digests of their parts); whether it
+        did. The linked object is checked against the record, as ``store`` checks it: its size and crc32c."""
+        previous = self.previous(earlier, index)
+        if previous is None or previous.digest == UNHASHED or previous.digest != digest \
+                or not self._linked(storage, key, previous, layout, None):
+            return False
+        self._note(node, index, previous, linked=True)
+        return True
+
     def _store_by_bytes(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray,
-                        layout: ChunkLayout, previous: StoredChunk) -> None:
+                        layout: ChunkLayout, previous: StoredChunk, digest_of: Callable[[], bytes]) -> None:
         """Store a chunk whose earlier one is recorded ``UNHASHED``: by its encoded size and crc32c, then its bytes."""
         buffers = encode_chunk(data, layout)
         stored = _stored(UNHASHED, buffers, layout)
         if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers) \
                 and self._linked(storage, key, previous, layout, lambda: buffers):
-            self._note(node, index, stored._replace(digest=data_digest(as_bytes(data))), linked=True)
+            self._note(node, index, stored._replace(digest=digest_of()), linked=True)
             return
         self._write(storage, node, index, key, buffers, layout, UNHASHED)
 
@@ -165,14 +191,17 @@ class ChunkReuse:
         return held == b"".join(buffers)
 
     def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout,
-                encoded: Callable[[], list]) -> bool:
+                encoded: Callable[[], list] | None) -> bool:
         """Link the earlier object at ``key`` into ``storage``; whether it then holds what ``previous`` records (for a
-        shard of several inner chunks: the ``encoded`` buffers, byte for byte)."""
+        shard of several inner chunks: the ``encoded`` buffers, byte for byte; without them, the recorded size and
+        crc32c of its inner chunks' crc32c's)."""
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
-            if layout.inner_chunks_per_chunk > 1:
+            if layout.inner_chunks_per_chunk > 1 and encoded is not None:
                 same = storage.read(key) == b"".join(encoded())
+            elif layout.inner_chunks_per_chunk > 1:
+                same = _shard_as_recorded(storage.read(key), previous, layout)
             else:
                 same = _ends_as_recorded(storage, key, previous, _crc_before_end(layout) + CHECKSUM_BYTES)
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
@@ -200,6 +229,24 @@ class ChunkReuse:
             f"the incremental save into {storage.url} cannot link the chunks of {self.earlier.location} (another file "
             "system, or a store that cannot copy on its side): the unchanged chunks are copied through this process "
             "instead, so the save is complete but writes their bytes too"), stacklevel=2)
+
+
+def _data_digest(data: np.ndarray) -> bytes:
+    return data_digest(as_bytes(data))
+
+
+def _shard_as_recorded(held: bytes, recorded: StoredChunk, layout: ChunkLayout) -> bool:
+    """Whether ``held``, a shard of several inner chunks, has the recorded size and crc32c of its inner chunks'
+    crc32c's (``_stored``)."""
+    index = shard_index_bytes(layout)
+    if len(held) != recorded.size or len(held) < index:
+        return False
+    index_end = len(held) - CHECKSUM_BYTES
+    buffers = [held[: len(held) - index], held[len(held) - index: index_end], held[index_end:]]
+    try:
+        return checksum(b"".join(_inner_crcs(buffers))) == recorded.crc
+    except (ValueError, IndexError):  # an index that points outside the object: not the recorded shard
+        return False
 
 
 def _crc_before_end(layout: ChunkLayout) -> int:

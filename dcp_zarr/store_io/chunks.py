@@ -69,9 +69,17 @@ def chunks_of_box(
         yield key, local[region]
 
 
-def write_chunk(storage: Storage, key: str, data: np.ndarray, layout: ChunkLayout) -> None:
-    """Encode (checksums: the CPU part) and store one chunk; run on IO threads so encoding overlaps other writes."""
-    storage.write(key, encode_chunk(data, layout))
+def write_chunk(storage: Storage, key: str, data: np.ndarray, layout: ChunkLayout) -> int:
+    """Encode (checksums: the CPU part) and store one chunk; run on IO threads so encoding overlaps other writes.
+    Returns the bytes stored."""
+    buffers = encode_chunk(data, layout)
+    storage.write(key, buffers)
+    return stored_nbytes(buffers)
+
+
+def stored_nbytes(buffers: Sequence) -> int:
+    """The bytes a write of ``buffers`` stores."""
+    return sum(memoryview(b).nbytes for b in buffers)
 
 
 def inner_chunk_runs(layout: ChunkLayout, first_row: int, rows: int, itemsize: int, run_bytes: int
@@ -91,14 +99,15 @@ def inner_chunk_runs(layout: ChunkLayout, first_row: int, rows: int, itemsize: i
 
 
 def write_inner_chunks(storage: Storage, key: str, data: np.ndarray, first_inner: int, layout: ChunkLayout,
-                       with_index: bool = False) -> None:
+                       with_index: bool = False) -> int:
     """Encode whole inner chunks of an array-spanning shard and write them where they lie in its file; with
     ``with_index`` (the run holding the shard's last inner chunk) the shard's index too, which comes right after
-    that chunk: one write, not a second open and write of the file."""
+    that chunk: one write, not a second open and write of the file. Returns the bytes stored."""
     buffers = encode_inner_chunks(data, layout)  # uncompressed only (ChunkLayout.fixed_offsets)
     if with_index:
         buffers += full_shard_index(layout, data.itemsize)
     storage.write_at(key, first_inner * inner_chunk_stored_bytes(layout, data.itemsize), buffers)
+    return stored_nbytes(buffers)
 
 
 class _Piece(NamedTuple):

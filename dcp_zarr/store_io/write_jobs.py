@@ -34,12 +34,13 @@ from dcp_zarr.format.torch_arrays import tensor_as_numpy
 from dcp_zarr.format.values import NotJSONError, encode_value
 from dcp_zarr.json_documents import json_text
 from dcp_zarr.storage import Storage
-from dcp_zarr.store_io.chunk_reuse import ChunkReuse
+from dcp_zarr.store_io.chunk_reuse import ChunkReuse, ReuseCounts
 from dcp_zarr.store_io.chunks import (
     chunk_regions,
     chunks_of_box,
     inner_chunk_runs,
     numbered_chunk_regions,
+    stored_nbytes,
     write_chunk,
     write_inner_chunks,
 )
@@ -52,7 +53,7 @@ SHARD_RUN_BYTES = 16 << 20
 OBJECT_CONTENT = "torch.save bytes (load with weights_only=True)"
 NOT_LOOKED_UP = object()  # a value whose planner cannot look it up (no lookup_object): stored as its bytes
 
-Job = tuple[int, Callable[[], object]]  # (bytes it moves, the call)
+Job = tuple[int, Callable[[], object]]  # (bytes it moves, the call: a chunk's returns the bytes it stored)
 
 
 class WriteJobs:
@@ -67,6 +68,15 @@ class WriteJobs:
         self.jobs: list[Job] = []
         self.chunk_keys: list[str] = []
         self._devices: set[torch.device] = set()  # of tensors copied to host on the IO threads
+        self._objects = 0  # the chunk objects the jobs write themselves (a shard ranks fill: the rank with its index)
+        self._stored_bytes = 0  # what they stored, once run
+
+    def stored(self) -> ReuseCounts:
+        """The chunk objects these jobs stored once run, and their bytes: linked from the earlier checkpoint (through
+        ``reuse``) and written. A shard that ranks fill at offsets counts once, for the rank that writes its index."""
+        reused = self.reuse.counts() if self.reuse is not None else ReuseCounts(0, 0, 0, 0)
+        return reused._replace(written_chunks=reused.written_chunks + self._objects,
+                               written_bytes=reused.written_bytes + self._stored_bytes)
 
     def array_metadata(self, spec: ArraySpec) -> None:
         self.jobs.append((0, partial(_write_array_metadata, self.storage, spec)))
@@ -93,7 +103,8 @@ class WriteJobs:
                 stacklevel=2)
         key = f"{node}/{chunk_key((0,))}"
         self.chunk_keys.append(key)
-        self.jobs.append((len(data), partial(self.storage.write, key, [data, checksum(data)])))
+        self._objects += 1
+        self.jobs.append((len(data), partial(_write, self.storage, key, [data, checksum(data)])))
         self.jobs.append((0, partial(self.storage.write_json, f"{node}/zarr.json",
                                      object_array_metadata(fqn, node, len(data)))))
         return {"object_nbytes": len(data)}, len(data)
@@ -112,6 +123,7 @@ class WriteJobs:
             for chunk, data in chunks_of_box(layout, offsets, tensor_as_numpy(tensor)):
                 key = f"{spec.node}/{chunk}"
                 self.chunk_keys.append(key)
+                self._objects += 1
                 self.jobs.append((data.nbytes, partial(write_chunk, self.storage, key, data, layout)))
         else:
             # Each chunk of a device tensor is copied to host memory on an IO thread just before it is written:
@@ -120,6 +132,7 @@ class WriteJobs:
             for chunk, region in chunk_regions(layout, offsets, tensor.shape):
                 key = f"{spec.node}/{chunk}"
                 self.chunk_keys.append(key)
+                self._objects += 1
                 nbytes = math.prod(s.stop - s.start for s in region) * tensor.element_size()
                 self.jobs.append((nbytes, partial(_write_from_device, self.storage, key, tensor, region, layout)))
 
@@ -154,6 +167,7 @@ class WriteJobs:
             with_index = first + count == layout.inner_chunks_per_chunk
             if with_index:
                 self.chunk_keys.append(f"{key}#index")
+                self._objects += 1
             job = (partial(write_inner_chunks, self.storage, key, host[rows], first, layout, with_index)
                    if host is not None
                    else partial(_write_rows_from_device, self.storage, key, tensor, rows, first, layout, with_index))
@@ -163,9 +177,10 @@ class WriteJobs:
         """Every job, on the storage's IO threads; durable before this returns (the coordinator may commit next)."""
         _wait_for_current_streams(self._devices)
         storage = self.storage
-        run_jobs(self.jobs, storage.requests_in_flight(thread_count), storage.batch_bytes, name="dcp-zarr-write",
-                 max_bytes_in_flight=storage.max_bytes_in_flight)
+        stored = run_jobs(self.jobs, storage.requests_in_flight(thread_count), storage.batch_bytes,
+                          name="dcp-zarr-write", max_bytes_in_flight=storage.max_bytes_in_flight)
         storage.flush()
+        self._stored_bytes = sum(n for n in stored if isinstance(n, int))
 
 
 def object_array_metadata(fqn: str, node: str, nbytes: int) -> dict:
@@ -193,14 +208,19 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
+def _write(storage: Storage, key: str, buffers: list) -> int:
+    storage.write(key, buffers)
+    return stored_nbytes(buffers)
+
+
 def _write_rows_from_device(storage: Storage, key: str, tensor: torch.Tensor, rows: slice, first: int,
-                            layout: ChunkLayout, with_index: bool) -> None:
-    write_inner_chunks(storage, key, tensor_as_numpy(tensor[rows].to("cpu")), first, layout, with_index)
+                            layout: ChunkLayout, with_index: bool) -> int:
+    return write_inner_chunks(storage, key, tensor_as_numpy(tensor[rows].to("cpu")), first, layout, with_index)
 
 
 def _write_from_device(storage: Storage, key: str, tensor: torch.Tensor, region: tuple[slice, ...],
-                       layout: ChunkLayout) -> None:
-    write_chunk(storage, key, tensor_as_numpy(tensor[region].to("cpu")), layout)
+                       layout: ChunkLayout) -> int:
+    return write_chunk(storage, key, tensor_as_numpy(tensor[region].to("cpu")), layout)
 
 
 def _store_recorded(reuse: ChunkReuse, storage: Storage, node: str, index: int, key: str, data, tensor: torch.Tensor,

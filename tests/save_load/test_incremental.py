@@ -1,12 +1,15 @@
 """Incremental saves (``ZarrWriter(incremental_from=...)``): what is linked and what is written anew, and that every
 store of a chain loads exactly on its own, the earlier one deleted: LoRA-like FSDP2 training on gloo ranks loaded at
-other world sizes, frozen weights changed in place, embedding rows, full fine-tunes, DCP's own planning, compression,
-S3's server-side copies, every kind of value, zarr-python reading the store alone, the tools, and CheckpointManager.
+other world sizes, many small tensors aggregated into a full save's files (and objects on S3), their unchanged blocks
+linked without their bytes travelling, frozen weights changed in place, embedding rows, full fine-tunes, DCP's own
+planning, compression, S3's server-side copies, every kind of value, zarr-python reading the store alone, the tools,
+and CheckpointManager.
 test_incremental_bases.py: the earlier checkpoint refused, unrecorded, damaged, or on another file system."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -27,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import dcp_zarr.writer
 from dcp_zarr import Compression, ZarrReader, ZarrWriter
+from dcp_zarr.collective import aggregated_writes, transfer
 from dcp_zarr.errors import IncrementalSaveWarning
 from dcp_zarr.format.chunk_record import UNHASHED, ChunkRecord, data_digest
 from dcp_zarr.saving.dcp_planned_save import DcpPlannedSave
@@ -154,7 +158,7 @@ def test_lora_training_links_the_frozen_base_and_loads_alone_at_other_world_size
     assert {f for f in adapters if f.startswith("model/")} and {f for f in adapters if f.startswith("optim/")}
     assert adapters <= set(written), "every adapter's and optimizer state's chunk is a new file"
     assert sum(written.values()) <= 0.05 * store_bytes(second)
-    assert counts0.linked_chunks > 0 and counts1.linked_chunks > 0  # each rank links its half of the base
+    assert counts0.linked_chunks > 0 and counts1.linked_chunks > 0  # each rank links the base blocks it aggregates
     record = root_manifest(second)["chunks"]
     assert record["incremental_from"]["reused_chunks"] == counts0.linked_chunks + counts1.linked_chunks
     assert record["arrays"].keys() == tensor_nodes(second), "every array recorded, for the next save"
@@ -168,18 +172,21 @@ def test_lora_training_links_the_frozen_base_and_loads_alone_at_other_world_size
     assert_state_equal(load_full(second, trained), trained)
 
 
+FINE_TUNE_CHUNK = 64 << 10
+
+
 def _fine_tune_chain(rank, world_size, root):
     """Four saves of a chain, each after a step that changes everything: (the state, [(chunks hashed, counts)])."""
     hashed = []
     digest = chunk_reuse.data_digest
-    chunk_reuse.data_digest = lambda buffer: (hashed.append(1), digest(buffer))[1]
+    chunk_reuse.data_digest = aggregated_writes.data_digest = lambda buffer: (hashed.append(1), digest(buffer))[1]
     model, optim = _lora(world_size, seed=0, train_base=True)
     saves = []
     for step in range(4):
         _lora_step(model, optim, step)
         hashed.clear()
         more = {"incremental": True} if step == 0 else {"incremental_from": f"{root}/{step - 1}.zarr"}
-        writer = ZarrWriter(f"{root}/{step}.zarr", inner_chunk_bytes=64 << 10, **more)
+        writer = ZarrWriter(f"{root}/{step}.zarr", inner_chunk_bytes=FINE_TUNE_CHUNK, **more)
         dcp.save(_lora_state(model, optim), storage_writer=writer)
         saves.append((len(hashed), writer.reuse_counts))
     return full_state(model, optim), saves
@@ -190,15 +197,18 @@ def _fine_tune_chain(rank, world_size, root):
 def test_a_full_fine_tune_s_later_saves_store_an_object_per_rank_s_box_and_load_at_other_world_sizes(tmp_path):
     """FSDP2 with every weight trained: the chain's first two saves store an object per 64 KiB chunk (nothing is
     known yet; then everything is found changed); from the third on, every array changed whole in the save before,
-    and is stored as a full save on object storage stores it, one object per rank's box, with nothing hashed."""
+    and is stored as a full save on object storage stores it, one object per rank's box, with nothing hashed. The
+    adapters, in pieces smaller than a chunk, are aggregated in every save: one object each."""
     (trained, saves0), (_, saves1) = run_ranks(_fine_tune_chain, 2, str(tmp_path))
     paths = [str(tmp_path / f"{step}.zarr") for step in range(4)]
-    boxes = {}  # node -> how many ranks hold part of it
+    boxes = {}  # node -> the objects a full save on object storage stores it in
     for entry in root_manifest(paths[3])["entries"].values():
         if entry["kind"] == "tensor":
             with open(os.path.join(paths[3], entry["node"], "zarr.json")) as f:
                 shape = json.load(f)["shape"]
-            boxes[entry["node"]] = min(2, shape[0]) if shape else 1
+            piece_bytes = -(-shape[0] // 2) * math.prod(shape[1:]) * 4 if shape else 0
+            boxes[entry["node"]] = 1 if not shape or piece_bytes < FINE_TUNE_CHUNK else min(2, shape[0])
+    assert 1 < sum(boxes.values()) - len(boxes) < len(boxes), "some arrays aggregated, some saved per rank's box"
     for step, path in enumerate(paths):
         files = chunk_files(path)
         per_node = {node: len(chunks_under(files, node)) for node in boxes}
@@ -220,6 +230,141 @@ def test_a_full_fine_tune_s_later_saves_store_an_object_per_rank_s_box_and_load_
     group = zarr.open_group(paths[3], mode="r")
     np.testing.assert_array_equal(group["model/layers.0.base.weight"][...],
                                   trained["model"]["layers.0.base.weight"].numpy())
+
+
+# -- many small tensors: aggregated as in a full save, blocks linked whole ---------------------------------------------
+
+BASE_BYTES = LAYERS * DIM * DIM * 4
+
+
+def _many_small_tensors(rank, world_size, root):
+    """A LoRA chain whose every array is held in pieces smaller than a chunk (the frozen bases' halves are 512 KiB):
+    the chain's start, a full save of the next step, the same step saved incrementally (what this rank sent over the
+    process group meanwhile), then a step after which one rank's half of layer 1's frozen base changed in place."""
+    sent = []
+    exchange = transfer.Group.exchange
+
+    def counted(self, sends, receives):
+        sent.append(sum(buffer.numel() for buffers in sends.values() for buffer in buffers))
+        return exchange(self, sends, receives)
+
+    transfer.Group.exchange = counted
+    model, optim = _lora(world_size, seed=0)
+    _lora_step(model, optim, 0)
+    dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/1.zarr", incremental=True))
+    _lora_step(model, optim, 1)
+    dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/full.zarr"))
+    sent.clear()
+    writer = ZarrWriter(f"{root}/2.zarr", incremental_from=f"{root}/1.zarr")
+    dcp.save(_lora_state(model, optim), storage_writer=writer)
+    sent_by_the_second, counts = sum(sent), writer.reuse_counts
+    _lora_step(model, optim, 2)
+    if rank == 1:
+        with torch.no_grad():
+            model.layers[1].base.weight.to_local()[0, 0] += 1
+    dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/3.zarr", incremental_from=f"{root}/2.zarr"))
+    return full_state(model, optim), sent_by_the_second, counts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_many_small_tensors_are_as_many_files_as_in_a_full_save_and_unchanged_blocks_never_travel(tmp_path):
+    """Each array is aggregated into one block, as a full save on object storage stores it: the incremental store
+    has a full save's files (on a local disk, where a full save aggregates nothing, as many as its one shard per
+    array), the frozen bases' blocks are hard links, and what the ranks sent is the adapters and 16-byte digests,
+    not the bases. A base changed in place on one rank is written anew; the stores load exactly on their own."""
+    (trained, sent0, counts0), (_, sent1, counts1) = run_ranks(_many_small_tensors, 2, str(tmp_path))
+    first, second, third, full = (str(tmp_path / name) for name in ("1.zarr", "2.zarr", "3.zarr", "full.zarr"))
+    assert file_identities(second).keys() == file_identities(full).keys()
+    bases = [f"model/layers.{layer}.base.weight/c.0.0" for layer in range(LAYERS)]
+    earlier, later, last = file_identities(first), file_identities(second), file_identities(third)
+    assert all(later[base] == earlier[base] for base in bases), "an unchanged base's block is linked"
+    assert counts0.linked_chunks + counts1.linked_chunks == LAYERS
+    assert counts0.linked_bytes + counts1.linked_bytes == BASE_BYTES + LAYERS * 4  # each block's crc32c
+    assert sent0 + sent1 < BASE_BYTES / 20, "the bases' bytes travelled to their aggregators"
+    assert {base for base in bases if last[base] != later[base]} == {bases[1]}, "only the changed base is written"
+    for path in (first, second, full):
+        shutil.rmtree(path)
+    assert main(["verify", third]) == 0
+    assert_state_equal(load_full(third, trained), trained)
+    group = zarr.open_group(third, mode="r")
+    np.testing.assert_array_equal(group["model/layers.1.base.weight"][...],
+                                  trained["model"]["layers.1.base.weight"].numpy())
+
+
+def _lora_saved(rank, world_size, path, earlier):
+    """The untrained LoRA model (the same at any world size), saved into ``path`` from ``earlier``."""
+    model, optim = _lora(world_size, seed=0)
+    more = {"incremental_from": earlier} if earlier else {"incremental": True}
+    writer = ZarrWriter(path, **more)
+    dcp.save(_lora_state(model, optim), storage_writer=writer)
+    return full_state(model, optim), writer.reuse_counts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_block_saved_by_another_world_size_is_written_anew_then_linked_again(tmp_path):
+    """A block's digest is of its parts, which are the saving ranks' pieces: saved by 3 ranks, the unchanged blocks
+    that 2 ranks held in other pieces are written anew (the bases' 512 rows, in halves then thirds), those held in
+    the same pieces are linked (``lora_a``'s 2 rows, one a rank either way); the next save by 3 ranks links every
+    block again."""
+    paths = [str(tmp_path / f"{n}.zarr") for n in range(3)]
+    state = run_ranks(_lora_saved, 2, paths[0], None)[0][0]
+    run_ranks(_lora_saved, 3, paths[1], paths[0])
+    written = new_chunks(paths[1], paths[0])
+    for layer in range(LAYERS):
+        assert {f"model/layers.{layer}.{name}/c.0.0" for name in ("base.weight", "lora_b")} <= written
+        assert f"model/layers.{layer}.lora_a/c.0.0" not in written
+    again = run_ranks(_lora_saved, 3, paths[2], paths[1])
+    assert new_chunks(paths[2], paths[1]) == set()
+    assert sum(counts.linked_chunks for _, counts in again) == len(chunk_files(paths[2]))
+    for path in paths[:2]:
+        shutil.rmtree(path)
+    assert_state_equal(load_full(paths[2], state), state)
+
+
+def _lora_chain(rank, world_size, root, options, saves):
+    """The LoRA model after one step and after two, each saved as ``saves`` names: ``first`` (a chain's start, after
+    one), ``full`` and ``second`` (from ``first``, after two); the trained state and the last writer's counts."""
+    model, optim = _lora(world_size, seed=0)
+    _lora_step(model, optim, 0)
+    if "first" in saves:
+        dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/1.zarr", incremental=True, **options))
+    _lora_step(model, optim, 1)
+    writer = None
+    if "full" in saves:
+        dcp.save(_lora_state(model, optim), storage_writer=ZarrWriter(f"{root}/full.zarr", **options))
+    if "second" in saves:
+        writer = ZarrWriter(f"{root}/2.zarr", incremental_from=f"{root}/1.zarr", **options)
+        dcp.save(_lora_state(model, optim), storage_writer=writer)
+    return full_state(model, optim), writer and writer.reuse_counts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.s3
+def test_on_s3_many_small_tensors_are_a_full_save_s_objects_and_unchanged_blocks_are_copied_by_the_server(s3):
+    """On an object store both saves aggregate the arrays held in pieces under 4 MiB: the incremental store has the
+    full save's objects; each frozen base's block is one CopyObject on the server (and a ranged GET that checks it),
+    no byte of it PUT."""
+    root = f"s3://{s3.bucket}/{uuid.uuid4().hex[:8]}"
+    options = {"storage_options": s3.storage_options()}
+    trained = run_ranks(_lora_chain, 2, root, options, ("first", "full"))[0][0]
+    with s3.counting() as traffic:
+        counts = [c for _, c in run_ranks(_lora_chain, 2, root, options, ("second",))]
+    fs = s3.filesystem()
+    bucket_root = root.removeprefix("s3://")
+    objects = {name: {key.removeprefix(f"{bucket_root}/{name}/") for key in fs.find(f"{bucket_root}/{name}")}
+               for name in ("1.zarr", "2.zarr", "full.zarr")}
+    assert objects["2.zarr"] == objects["full.zarr"]
+    bases = [f"model/layers.{layer}.base.weight/c.0.0" for layer in range(LAYERS)]
+    for base in bases:
+        source, copy = (f"{bucket_root}/{name}/{base}" for name in ("1.zarr", "2.zarr"))
+        assert traffic.copies[(source, copy)] == 1 and traffic.put_bytes[copy] == 0, base
+    assert sum(traffic.copies.values()) == sum(c.linked_chunks for c in counts) == LAYERS
+    assert traffic.bytes_in < BASE_BYTES / 20
+    fs.rm(f"{bucket_root}/1.zarr", recursive=True)
+    assert_state_equal(load_full(f"{root}/2.zarr", trained, storage_options=s3.storage_options()), trained)
 
 
 # -- what changed is written, what did not is linked -------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The earlier checkpoint of an incremental save (``ZarrWriter(incremental_from=...)``): refused, naming why, before
-anything is written; saved without a chunk record; changed or damaged since it was recorded; on another file system.
-Whatever it is, the new store is complete and exact on its own."""
+anything is written; saved without a chunk record; changed or damaged since it was recorded (its chunks, and the blocks
+of aggregated arrays); on another file system. Whatever it is, the new store is complete and exact on its own."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dcp_zarr import Compression, ZarrWriter
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.tools.cli import main
 from tests.support.compare import assert_state_equal
-from tests.support.faults import causes
+from tests.support.faults import causes, shard_named
 from tests.support.ranks import run_ranks
 from tests.support.states import load_full, random_bits
 from tests.support.stores import edit_root_manifest, file_identities, new_files, root_manifest, tree_digest
@@ -210,6 +210,57 @@ def test_an_earlier_chunk_deleted_since_it_was_recorded_is_written_anew(recorded
     assert "model/frozen/c.3.0" in written and "model/frozen/c.2.0" not in written
     shutil.rmtree(earlier)
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
+
+
+def aggregated_state(step: int) -> dict:
+    """Three small matrices (the same pattern, offset: compressible), held in halves by two ranks, so aggregated: two
+    frozen, one trained."""
+    pattern = (torch.arange(64 * 64) % 13).float().reshape(64, 64)
+    return {"model": {"frozen": pattern + 0.5, "victim": pattern + 1.5, "trained": pattern + 10 * step}}
+
+
+AGGREGATED = dict.fromkeys(("frozen", "victim", "trained"), 0)
+
+
+def _aggregated_chain(rank, world_size, root, options):
+    """Save ``aggregated_state(1)``, replace the earlier ``victim`` block by ``trained``'s (a valid block of other
+    bytes), then save ``aggregated_state(2)`` from it; the second save's counts."""
+    import torch.distributed as dist
+
+    first = f"{root}/1.zarr"
+    dcp.save(shard_named(aggregated_state(1), world_size, AGGREGATED),
+             storage_writer=ZarrWriter(first, incremental=True, **options))
+    dist.barrier()
+    if rank == 0:
+        shutil.copyfile(f"{first}/model/trained/c.0.0", f"{root}/replacement")
+        os.replace(f"{root}/replacement", f"{first}/model/victim/c.0.0")
+    dist.barrier()
+    writer = ZarrWriter(f"{root}/2.zarr", incremental_from=first, **options)
+    dcp.save(shard_named(aggregated_state(2), world_size, AGGREGATED), storage_writer=writer)
+    return writer.reuse_counts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("options", [
+    {},  # 16 KiB arrays, each one plain chunk
+    {"inner_chunk_bytes": 4 << 10, "aggregate_below": 1 << 20},  # a shard of 4 inner chunks
+    {"inner_chunk_bytes": 4 << 10, "aggregate_below": 1 << 20,
+     "compression": Compression("zstd", min_bytes=0, min_ratio=0)},
+], ids=["chunk", "shard", "compressed-shard"])
+def test_an_aggregated_block_replaced_since_it_was_recorded_is_written_anew(tmp_path, options):
+    """An aggregated block is linked when its holders' parts make the recorded digest, then checked against the
+    record (a plain chunk's last bytes; a shard of several inner chunks read whole, for their crc32c's): the replaced
+    one is gathered and written from the state, the unchanged one stays linked."""
+    counts = run_ranks(_aggregated_chain, 2, str(tmp_path), options)
+    first, second = tmp_path / "1.zarr", tmp_path / "2.zarr"
+    assert sorted(new_files(second, first)) == sorted(
+        [f"model/{name}/c.0.0" for name in ("victim", "trained")]
+        + [f for f in file_identities(second) if os.path.basename(f) == "zarr.json"])
+    assert sum(c.linked_chunks for c in counts) == 1 and sum(c.written_chunks for c in counts) == 2
+    shutil.rmtree(first)
+    assert main(["verify", str(second)]) == 0
+    assert_state_equal(load_full(str(second), aggregated_state(2)), aggregated_state(2))
 
 
 # -- another file system -----------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ with every save (written): tests/support/faults.py's ``incremental_state``. Ever
   they all land on one side of the commit (saves vary several-fold in time), up to four more, earlier or later;
 * at a random step of each kind (a link, a chunk write, an array's zarr.json, before and after the root zarr.json
   and the commit's rename): the rank at that step kills every rank, itself last;
-* through ``CheckpointManager(incremental=True)``, at a link, then a new manager resumes and saves again.
+* through ``CheckpointManager(incremental=True)``, at a link, then a new manager resumes and saves again;
+* at a random step of each kind of a save whose sharded arrays are aggregated (``aggregate_below``): its frozen
+  blocks linked by their aggregators before any data travels, its changed ones gathered and written.
 
 Each rank logs the steps it has done (``StepLog``), so the trials show where the kills landed; the counts are
 printed (``pytest -s``).
@@ -27,8 +29,9 @@ from collections import Counter
 from typing import NamedTuple
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import MalformedMetadataError, NotACheckpointError
+from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrWriter
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.store_io.commit import STAGING_DIR
@@ -36,9 +39,13 @@ from dcp_zarr.store_io.root_document import read_manifest
 from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import (
+    INCREMENTAL_WRITER_OPTIONS,
+    StepLog,
     incremental_save_program,
     incremental_state,
+    logged_steps,
     managed_incremental_program,
+    sharded_incremental_state,
     step_phase,
 )
 from tests.support.states import load_full
@@ -63,13 +70,27 @@ STEP_KILLS = [
     ("commit", False, "complete"),
 ]
 TEMPLATE = incremental_state(0)
+# Every sharded array of the state aggregated: blocks of at most 16 inner chunks of 16 KiB, a few a rank to link.
+AGGREGATED_WRITER_OPTIONS = {**INCREMENTAL_WRITER_OPTIONS, "aggregate_below": 1 << 30}
+
+
+def aggregated_save_program(rank: int, world_size: int, report, target: str, earlier: str | None, seed: int,
+                            log_dir: str, kill: dict | None = None):
+    """``incremental_save_program`` with the sharded arrays aggregated."""
+    state = sharded_incremental_state(seed, world_size)
+    StepLog(log_dir, rank, world_size, target, kill)
+    report("saving", time.monotonic())
+    writer = ZarrWriter(target, incremental=True, incremental_from=earlier, **AGGREGATED_WRITER_OPTIONS)
+    dcp.save(state, storage_writer=writer)
+    return writer.reuse_counts, logged_steps(log_dir, rank)
 
 
 class Workspace:
-    """An earlier checkpoint (``save1.zarr``) that nothing may change, and the path the trials save into."""
+    """An earlier checkpoint (``save1.zarr``) that nothing may change, and the path the trials save into, saved by
+    ``program``."""
 
-    def __init__(self, zygote, root: str):
-        self.zygote, self.root = zygote, root
+    def __init__(self, zygote, root: str, program=incremental_save_program):
+        self.zygote, self.root, self.program = zygote, root, program
         self.earlier = os.path.join(root, "save1.zarr")
         self.target = os.path.join(root, "save2.zarr")
         self.launches = 0
@@ -80,7 +101,7 @@ class Workspace:
     def launch(self, target: str, earlier: str | None, seed: int, kill: dict | None = None):
         self.launches += 1
         log_dir = os.path.join(self.root, "logs", str(self.launches))
-        return self.zygote.launch(incremental_save_program, WORLD_SIZE, target, earlier, seed, log_dir, kill), log_dir
+        return self.zygote.launch(self.program, WORLD_SIZE, target, earlier, seed, log_dir, kill), log_dir
 
     def save(self, target: str, earlier: str | None, seed: int) -> list:
         """A save that must complete; each rank's ``(reuse_counts, steps)``."""
@@ -146,8 +167,8 @@ class CleanSave(NamedTuple):
     kinds: list[list[str]]  # each rank's steps, in order
 
 
-def _clean_save(ws: Workspace, seed: int) -> CleanSave:
-    """A save into the target that is not killed, measured."""
+def _clean_save(ws: Workspace, seed: int, least_linked: int = 50) -> CleanSave:
+    """A save into the target that is not killed, measured; each rank links more than ``least_linked`` chunks."""
     launch, _ = ws.launch(ws.target, ws.earlier, seed)
     assert launch.wait_reported("saving", 60, ranks=[0])
     started = launch.report(0, "saving")
@@ -155,7 +176,7 @@ def _clean_save(ws: Workspace, seed: int) -> CleanSave:
     span = time.monotonic() - started
     assert all(o[0] == "ok" for o in outcomes.values()), outcomes
     counts = [outcomes[r][1][0] for r in range(WORLD_SIZE)]
-    assert all(c.linked_chunks > 50 and c.written_chunks > 0 for c in counts), counts
+    assert all(c.linked_chunks > least_linked and c.written_chunks > 0 for c in counts), counts
     ws.linked = sum(c.linked_chunks for c in counts)
     _loads_as(ws.target, seed, "the clean incremental save")
     shutil.rmtree(ws.target)
@@ -208,10 +229,13 @@ def test_sigkill_of_every_rank_at_random_moments_of_an_incremental_save_leaves_t
     assert absent_at and complete_at, "the trials did not straddle the commit"
 
 
-def test_sigkill_of_every_rank_at_a_random_step_of_each_kind_leaves_the_earlier_intact_and_no_mix(zygote, tmp_path):
+@pytest.mark.parametrize("program", [incremental_save_program, aggregated_save_program],
+                         ids=["chunks", "aggregated"])
+def test_sigkill_of_every_rank_at_a_random_step_of_each_kind_leaves_the_earlier_intact_and_no_mix(
+        zygote, tmp_path, program):
     rng = random.Random(TRIAL_SEED + 1)
-    ws = Workspace(zygote, str(tmp_path))
-    steps = _clean_save(ws, 2).kinds
+    ws = Workspace(zygote, str(tmp_path), program)
+    steps = _clean_save(ws, 2, least_linked=50 if program is incremental_save_program else 2).kinds
     landed: dict[str, Counter] = {}
     started = time.monotonic()
     for trial, (kind, before, expected) in enumerate(STEP_KILLS):
@@ -226,7 +250,7 @@ def test_sigkill_of_every_rank_at_a_random_step_of_each_kind_leaves_the_earlier_
         landed.setdefault(f"{'before' if before else 'after'} {kind}", Counter())[outcome] += 1
         assert outcome == expected, f"{label}: {outcome}"
     assert_state_equal(load_full(ws.earlier, TEMPLATE), incremental_state(1))
-    print(f"\nincremental save, every rank killed at a step: {len(STEP_KILLS)} trials in "
+    print(f"\nincremental save ({program.__name__}), every rank killed at a step: {len(STEP_KILLS)} trials in "
           f"{time.monotonic() - started:.1f} s; target after the kill: "
           + "; ".join(f"{k}: {dict(c)}" for k, c in landed.items()))
 
