@@ -26,6 +26,7 @@ from dcp_zarr.version import __version__
 _LAZY = {
     "assert_step_present": "dcp_zarr.optim.checks",
     "CheckpointManager": "dcp_zarr.lifecycle.manager",
+    "SaveReport": "dcp_zarr.lifecycle.save_report",
     "ZarrLoadPlanner": "dcp_zarr.optim.load_planner",
     "ZarrSavePlanner": "dcp_zarr.planning.save_planner",
     "Checkpoint": "dcp_zarr.offline",
@@ -45,6 +46,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from dcp_zarr.format.compression import Compression
     from dcp_zarr.lifecycle.manager import CheckpointManager
+    from dcp_zarr.lifecycle.save_report import SaveReport
     from dcp_zarr.offline import Checkpoint, open_checkpoint
     from dcp_zarr.optim.checks import assert_step_present
     from dcp_zarr.optim.load_planner import ZarrLoadPlanner
@@ -78,6 +80,7 @@ def __dir__():
 # The errors users catch most; every error and warning is in dcp_zarr.errors (docs/api.md lists them).
 __all__ = [
     "CheckpointManager",
+    "SaveReport",
     "ZarrWriter",
     "Compression",
     "ZarrReader",

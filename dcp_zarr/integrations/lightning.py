@@ -25,6 +25,15 @@ full where there is none (the first save, or every earlier one deleted or replac
 ``ModelCheckpoint`` deletes (``save_top_k``) or a save replaces (``last.ckpt``) takes nothing from those that link its
 chunks.
 
+The Trainer's two strategies also take ``ModelCheckpoint``'s deletions off the training's thread, as
+``CheckpointManager`` does its retention's (lifecycle/background.py): Lightning removes a checkpoint it no longer keeps
+in ``remove_checkpoint``, on rank 0, right after a save, and a store of ~1,000 files took seconds. A checkpoint
+directory is renamed aside at once, into the staging directory beside it (its name is free at once, and no
+half-deleted store is ever found under it: ``dcp-zarr list`` shows what a crash left there and ``prune`` removes it),
+then removed on a thread of the strategy's own, one at a time, in order; ``teardown`` (the end of ``fit``) waits for
+them. A removal that failed is raised, naming it, by the next ``remove_checkpoint`` or by ``teardown``. A file (a
+full state dict) or a link (``save_last="link"``) is removed by Lightning's own code, at once.
+
 Written against lightning 2.6.6 (``WRITTEN_FOR``). Importing this module checks that each Lightning function on the
 way still looks the helpers up by those names, in the module where they are swapped, and that they take (state,
 path); if not, it raises ``FrameworkVersionError`` naming both versions. After every save and load, a checkpoint that
@@ -39,6 +48,7 @@ import inspect
 import os
 import shutil
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -63,12 +73,17 @@ from dcp_zarr.integrations.framework import (
     require_internals,
     signature_with_compression,
 )
+from dcp_zarr.lifecycle.background import BackgroundDeletions
+from dcp_zarr.lifecycle.listing import DELETING_MARK
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.root_storage import RootStorage
+from dcp_zarr.lifecycle.step_forms import parse_step
 from dcp_zarr.offline import is_dcp_directory
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
+from dcp_zarr.store_io.commit import STAGING_DIR, remove_staging_dir
 from dcp_zarr.writer import ZarrWriter
 
 __all__ = [
@@ -143,6 +158,10 @@ def _attribute(module: ModuleType, dotted: str) -> Any:
 
 def _missing_internals() -> Iterator[str]:
     yield from missing_attributes(_fabric_load, ["_METADATA_FILENAME"], _fabric_load.__name__)
+    for module, name in ((_trainer_model_parallel, "ModelParallelStrategy"), (_trainer_fsdp, "FSDPStrategy")):
+        # ModelCheckpoint's deletions go through remove_checkpoint, and teardown ends fit: both overridden below
+        yield from missing_attributes(getattr(module, name, None), ["remove_checkpoint", "teardown"],
+                                      f"{module.__name__}.{name}")
     for module, names in _HELPERS:
         yield from missing_attributes(module, names, module.__name__)
         for name in names:
@@ -356,6 +375,62 @@ def _loading(strategy: object, path: str | os.PathLike) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------------
+# ModelCheckpoint's deletions, in the background
+# --------------------------------------------------------------------------------------------------
+
+
+def _removed_in_the_background(strategy: _ZarrStrategy, filepath: str | os.PathLike) -> bool:
+    """Whether ``strategy`` took ``filepath``'s removal (module docstring): False where Lightning's own is to run (a
+    file, a link, a path that is not a directory here); True on the ranks but 0, which remove nothing."""
+    if not getattr(strategy, "is_global_zero", True):
+        return True
+    _raise_failed_removals(strategy)
+    path = os.path.abspath(os.fspath(filepath))
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    parent, name = os.path.split(path)
+    aside = os.path.join(parent, STAGING_DIR, f"{name}{DELETING_MARK}{uuid.uuid4().hex[:12]}")
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.rename(path, aside)
+    removals = strategy._zarr_removals.get(parent)
+    if removals is None:
+        removals = strategy._zarr_removals[parent] = BackgroundDeletions(
+            RootStorage(parent), lambda _, staged: _remove_set_aside(os.path.join(parent, staged)))
+    removals.submit(_removal_key(name, removals.pending()), os.path.relpath(aside, parent), lambda: None)
+    return True
+
+
+def _removal_key(name: str, pending: set[int]) -> int:
+    """What ``BackgroundDeletions`` knows a removal by, and names in its error: the step of a name Lightning gave
+    (``epoch=E-step=N.ckpt``), else (or if a removal of that step is pending) a negative number of its own."""
+    step = parse_step(name)
+    if step is not None and step not in pending:
+        return step
+    return min(pending | {0}) - 1
+
+
+def _remove_set_aside(aside: str) -> None:
+    shutil.rmtree(aside)
+    remove_staging_dir(aside)  # the staging directory too, once nothing else is in it
+
+
+def _raise_failed_removals(strategy: _ZarrStrategy) -> None:
+    for removals in strategy._zarr_removals.values():
+        removals.raise_failure()
+
+
+@contextmanager
+def _joining_removals(strategy: _ZarrStrategy) -> Iterator[None]:
+    """Around Lightning's ``teardown``: the removals waited for, then the first that failed raised."""
+    try:
+        yield
+    finally:
+        for removals in strategy._zarr_removals.values():
+            removals.close()
+    _raise_failed_removals(strategy)
+
+
+# --------------------------------------------------------------------------------------------------
 # The strategies
 # --------------------------------------------------------------------------------------------------
 
@@ -370,12 +445,14 @@ class _ZarrStrategy:
     _zarr_compression: Compression | None = None
     _zarr_incremental = False
     _zarr_saved: list[str]  # the real paths of the checkpoints it saved (at most _REMEMBERED), the newest last
+    _zarr_removals: dict[str, BackgroundDeletions]  # the Trainer's: ModelCheckpoint's, by directory
 
     def __init__(self, *args: Any, compression: str | bool | Compression | None = None, incremental: bool = False,
                  **kwargs: Any) -> None:
         self._zarr_compression = compression_choice(compression, type(self).__name__)
         self._zarr_incremental = incremental_choice(incremental, type(self).__name__)
         self._zarr_saved = []
+        self._zarr_removals = {}
         super().__init__(*args, **kwargs)
 
 
@@ -393,6 +470,17 @@ class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         with _loading(self, checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def remove_checkpoint(self, filepath: _PathLike) -> None:
+        """Lightning's, for a checkpoint ``ModelCheckpoint`` no longer keeps, but a store is removed in the background
+        (renamed aside at once); raises a removal before it that failed."""
+        if not _removed_in_the_background(self, filepath):
+            super().remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        """Lightning's, then waits for the removals in the background; raises the first that failed."""
+        with _joining_removals(self):
+            super().teardown()
 
 
 class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
@@ -413,6 +501,17 @@ class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         with _loading(self, checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def remove_checkpoint(self, filepath: _PathLike) -> None:
+        """Lightning's, for a checkpoint ``ModelCheckpoint`` no longer keeps, but a store is removed in the background
+        (renamed aside at once); raises a removal before it that failed."""
+        if not _removed_in_the_background(self, filepath):
+            super().remove_checkpoint(filepath)
+
+    def teardown(self) -> None:
+        """Lightning's, then waits for the removals in the background; raises the first that failed."""
+        with _joining_removals(self):
+            super().teardown()
 
 
 class ZarrFabricModelParallelStrategy(_ZarrStrategy, _FabricModelParallelStrategy):

@@ -62,17 +62,25 @@ class BackgroundDeletions:
             future.result()
 
     def raise_failure(self) -> None:
-        """Raise the first deletion that failed since the last call (the others are logged in its message)."""
+        """Raise the first deletion that failed since the last call (the others are named in its message)."""
+        error = self.take_failure()
+        if error is not None:
+            raise error
+
+    def take_failure(self) -> ZarrCheckpointError | None:
+        """The error ``raise_failure`` would raise now, or None; either way the failures so far are taken."""
         with self._lock:
             failures, self._failures = self._failures, []
         if not failures:
-            return
+            return None
         step, name, exc = failures[0]
         more = f" (and {len(failures) - 1} more: steps {', '.join(str(f[0]) for f in failures[1:])})" \
             if len(failures) > 1 else ""
-        raise ZarrCheckpointError(
+        error = ZarrCheckpointError(
             f"{self.root.url}: retention could not delete step {step} ({name}){more}: {type(exc).__name__}: {exc}; "
-            "the next manager on this root finishes an interrupted deletion") from exc
+            "the next manager on this root finishes an interrupted deletion")
+        error.__cause__ = exc
+        return error
 
     def close(self) -> None:
         """Wait for the deletions, then stop the thread."""

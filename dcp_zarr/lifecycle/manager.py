@@ -14,15 +14,20 @@ root's lease (lease.py), so it alone applies retention and removes what killed s
 
 Collective: in a process group every rank builds its manager, and calls ``save``, ``load``, ``wait`` and ``close``
 together, as with ``dcp.save``/``dcp.load``.
+
+What each complete save did (chunks written, linked and copied over every rank; how long ``save()`` held the caller)
+is rank 0's ``last_save`` (save_report.py), and one INFO line of this module's logger there.
 """
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
@@ -36,11 +41,36 @@ from dcp_zarr.lifecycle.listing import StepStore
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.retention import steps_to_delete
 from dcp_zarr.lifecycle.root import CheckpointRoot
+from dcp_zarr.lifecycle.save_report import ReportingWriter, SaveReport
 from dcp_zarr.lifecycle.step_forms import step_name
 from dcp_zarr.optim.load_planner import ZarrLoadPlanner
 from dcp_zarr.planning.save_planner import ZarrSavePlanner
 from dcp_zarr.reader import ZarrReader
 from dcp_zarr.writer import ZarrWriter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Save:
+    """A save whose report is to be made once it is complete (an async one: from ``save()`` until it is seen done)."""
+
+    step: int
+    writer: ReportingWriter
+    blocked_s: float
+    future: Future | None = None
+    reported: bool = False
+
+    def report(self, path: str, links: bool) -> SaveReport | None:
+        """Its report, logged, the first time it is asked for (the caller holds a lock), where its writer was handed
+        every rank's write results (rank 0); else None."""
+        stored = self.writer.stored_totals
+        if self.reported or stored is None:
+            return None
+        self.reported = True
+        report = SaveReport.of(self.step, path, stored, links, self.blocked_s)
+        logger.info("dcp_zarr: %s", report)
+        return report
 
 
 class CheckpointManager:
@@ -66,24 +96,15 @@ class CheckpointManager:
         self.keep_every = _positive_or_none("keep_every", keep_every)
         self.storage_options = storage_options
         self.reader_options = dict(reader_options or {})
-        self.writer_options = writer_options
-        if "path" in writer_options or "store" in writer_options:
-            raise TypeError("CheckpointManager: the manager chooses each step's path; do not pass path= or store=")
-        if "incremental_from" in writer_options:
-            raise TypeError("CheckpointManager: the manager chooses each save's incremental_from (the newest complete "
-                            "step); pass incremental=True instead")
-        if incremental not in (True, False):
-            raise TypeError(f"CheckpointManager: incremental={incremental!r}, expected True or False")
+        self.writer_options = _checked_writer_options(writer_options, incremental, storage_options)
         self.incremental = incremental
-        if incremental:
-            writer_options["incremental"] = True
-        ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
         self.root = CheckpointRoot(root, storage_options, writer_options.get("retry"))
         self._deletions = BackgroundDeletions(self.root, self.root.delete_step)  # retention's, off this thread
         self._distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if self._distributed else 0
         self._lock = threading.Lock()
-        self._pending: tuple[int, Future] | None = None  # (step, future) of the async save in flight
+        self._pending: _Save | None = None  # the async save in flight
+        self._last_save: SaveReport | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._in_use: set[int] = set()
         self._lease: Lease | None = None
@@ -119,21 +140,31 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------------------------------------
 
+    @property
+    def last_save(self) -> SaveReport | None:
+        """What the last complete save did (``SaveReport``), on rank 0, where DCP gathers every rank's write results
+        (None elsewhere): a synchronous save's once ``save()`` returns, an async one's once it completes, at the
+        latest when ``wait()``, the next ``save()`` or ``close()`` returns."""
+        return self._last_save
+
     def save(self, step: int, state_dict: dict, *, async_save: bool = False):
         """Save ``state_dict`` as ``step``. A save still in flight is waited for first (its error raised here), so
         at most one is ever running. With ``async_save`` this returns once the state is staged, with the Future of
         the rest (``dcp.async_save``'s thread executor, on a process group of its own); else None, once complete
-        and retention has run."""
+        and retention has run. What it did is ``last_save`` once complete, and logged."""
+        started = time.perf_counter()
         self._check_open()
         step = _checked_step(step, self.root.url)
         self._wait_for_save()
-        self._deletions.raise_failure()
+        # An earlier deletion's failure, on the rank that deletes: raised once this save is made, which every rank
+        # takes part in (raised before it, the other ranks would wait in its collectives until their timeout)
+        failed = self._deletions.take_failure()
         if self._lease is not None:
             self._lease.check()
             # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
             self.root.write_record("saving", step, {"step": step, "manager": self._lease.id, "time": time.time()})
-        writer = ZarrWriter(self.path(step), storage_options=self.storage_options, **self.writer_options,
-                            incremental_from=self._incremental_base(step))
+        writer = ReportingWriter(self.path(step), storage_options=self.storage_options, **self.writer_options,
+                                 incremental_from=self._incremental_base(step))
         try:
             if async_save:
                 group = self._group_for_async()
@@ -142,13 +173,21 @@ class CheckpointManager:
                                         planner=ZarrSavePlanner(process_group=group))
                 # a Future: DCP returns an AsyncSaveResponse only for a stager whose stage() returns a Future
                 assert isinstance(future, Future)
-                self._pending = (step, future)
+                pending = self._pending = _Save(step, writer, time.perf_counter() - started, future)
+                future.add_done_callback(lambda _: self._report(pending))  # at once, on DCP's thread, if committed
+                if failed is not None:
+                    raise failed
                 return future
             dcp.save(state_dict, storage_writer=writer, planner=ZarrSavePlanner())
-        except BaseException:
+        except BaseException as exc:
             self._after_failure()
+            if failed is not None:
+                exc.add_note(f"also: {failed}")
             raise
         self._after_save(step)
+        self._report(_Save(step, writer, time.perf_counter() - started))
+        if failed is not None:
+            raise failed
         return None
 
     def wait(self) -> None:
@@ -165,13 +204,14 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        step, future = pending
+        assert pending.future is not None  # an async save's
         try:
-            future.result()
+            pending.future.result()
         except BaseException:
             self._after_failure()
             raise
-        self._after_save(step)
+        self._report(pending)  # the Future's callback may not have run yet: wait() returns with it made
+        self._after_save(pending.step)
 
     # -- loading -------------------------------------------------------------------------------------------------------
 
@@ -182,10 +222,10 @@ class CheckpointManager:
         if step is not None:
             step = _checked_step(step, self.root.url)
         # Rank 0 looks, every rank loads what it found (a listing elsewhere could race with a save in flight).
-        step, name, missing = decided_by_rank0(lambda: self._find(step))
+        step, name, missing = decided_by_rank0(lambda: _found(self._step_stores(), step, self.root.url))
         if missing:
             raise StepNotFoundError(missing)
-        assert step is not None and name is not None  # found: _find gives both
+        assert step is not None and name is not None  # found: _found gives both
         with self._lock:
             self._in_use.add(step)
         try:
@@ -195,19 +235,6 @@ class CheckpointManager:
             with self._lock:
                 self._in_use.discard(step)
         return step
-
-    def _find(self, step: int | None) -> tuple[int | None, str | None, str | None]:
-        """(step, store name, None), or (None, None, why not) for ``step`` (None: the latest complete one)."""
-        stores = self._step_stores()
-        complete = {s.step: s.name for s in stores if s.complete}
-        if step is None:
-            if not complete:
-                return None, None, f"no complete checkpoint under {self.root.url} to load{_seen(stores)}"
-            step = max(complete)
-        if step not in complete:
-            return None, None, (f"{self.root.url} has no complete checkpoint of step {step}; complete steps: "
-                                f"{', '.join(map(str, sorted(complete))) or 'none'}{_seen(stores)}")
-        return step, complete[step], None
 
     # -- lifecycle -----------------------------------------------------------------------------------------------------
 
@@ -261,6 +288,11 @@ class CheckpointManager:
             self._async_group = group
         return self._async_group
 
+    def _report(self, save: _Save) -> None:
+        """``last_save`` and its log line for a complete ``save``, once, on rank 0 (``_Save.report``)."""
+        with self._lock:
+            self._last_save = save.report(self.path(save.step), self.root.directory is not None) or self._last_save
+
     def _after_save(self, step: int) -> None:
         if self._lease is None:
             return
@@ -285,6 +317,36 @@ class CheckpointManager:
         assert lease is not None  # only the manager holding the lease applies retention (_after_save)
         for step in doomed:
             self._deletions.submit(step, complete[step], lease.check)
+
+
+def _found(stores: list[StepStore], step: int | None, url: str) -> tuple[int | None, str | None, str | None]:
+    """(step, store name, None), or (None, None, why not) for ``step`` (None: the latest complete one) among
+    ``stores``, the step stores of the root at ``url``."""
+    complete = {s.step: s.name for s in stores if s.complete}
+    if step is None:
+        if not complete:
+            return None, None, f"no complete checkpoint under {url} to load{_seen(stores)}"
+        step = max(complete)
+    if step not in complete:
+        return None, None, (f"{url} has no complete checkpoint of step {step}; complete steps: "
+                            f"{', '.join(map(str, sorted(complete))) or 'none'}{_seen(stores)}")
+    return step, complete[step], None
+
+
+def _checked_writer_options(writer_options: dict, incremental, storage_options: dict | None) -> dict:
+    """The options each save's ``ZarrWriter`` is given; a wrong one is refused here, by name."""
+    if "path" in writer_options or "store" in writer_options:
+        raise TypeError("CheckpointManager: the manager chooses each step's path; do not pass path= or store=")
+    if "incremental_from" in writer_options:
+        raise TypeError("CheckpointManager: the manager chooses each save's incremental_from (the newest complete "
+                        "step); pass incremental=True instead")
+    if incremental not in (True, False):
+        raise TypeError(f"CheckpointManager: incremental={incremental!r}, expected True or False")
+    if incremental:
+        writer_options["incremental"] = True
+    ZarrWriter(os.devnull, storage_options=storage_options, **writer_options)  # a wrong option fails here, named
+    return writer_options
+
 
 def _positive_or_none(name: str, value):
     if value is None:

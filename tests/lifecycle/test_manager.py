@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -91,21 +92,37 @@ def test_retention_deletes_in_the_background_and_save_returns_before_it_is_done(
         assert saved_step(manager, 2) == 2
 
 
-def test_a_failed_background_deletion_is_raised_naming_the_step_at_the_next_save(tmp_path, monkeypatch):
+def _save_while_deletions_fail(rank, world_size, root):
     def failing_delete(self, step, name=None):
         raise PermissionError(f"cannot remove {name} (injected)")
 
-    monkeypatch.setattr(CheckpointRoot, "delete_step", failing_delete)
-    manager = CheckpointManager(tmp_path / "run", keep_last=1)
+    CheckpointRoot.delete_step = failing_delete  # this rank process's own class: gone with the process
+    manager = CheckpointManager(root, keep_last=1)
     manager.save(0, state(0))
-    manager.save(1, state(1))  # asks for step 0's deletion, which fails on the retention thread
+    manager.save(1, state(1))  # asks for step 0's deletion (rank 0 deletes), which fails on the retention thread
     manager._deletions.join()
-    with pytest.raises(ZarrCheckpointError, match=r"retention could not delete step 0 \(step-0+\.zarr\).*injected"):
-        manager.save(2, state(2))
-    monkeypatch.undo()
-    manager.close()  # the failure was raised once: close gives the lease back
-    with CheckpointManager(tmp_path / "run") as again:
-        assert again.steps() == [0, 1], "nothing was lost"
+    raised = None
+    try:
+        manager.save(2, state(2))  # every rank takes part: rank 0 raises only once the save is done
+    except ZarrCheckpointError as exc:
+        raised = str(exc)
+    try:
+        manager.close()  # save 2's deletions failed too
+    except ZarrCheckpointError as exc:
+        raised = f"{raised} | {exc}"
+    return raised
+
+
+@pytest.mark.distributed
+def test_a_failed_background_deletion_is_raised_naming_the_step_after_the_next_save(tmp_path):
+    root = str(tmp_path / "run")
+    raised = run_ranks(_save_while_deletions_fail, 2, root, timeout=90)
+    assert raised[1] is None, "only the rank that deletes raises"
+    assert re.search(r"retention could not delete step 0 \(step-0+\.zarr\).*injected", raised[0]), raised[0]
+    # save 2's retention asked again for step 0 (still there), then for step 1: both failed, raised by then or by close
+    assert re.search(r"\bsteps? 1\b", raised[0]), raised[0]
+    with CheckpointManager(root) as again:
+        assert again.steps() == [0, 1, 2], "nothing was lost, and the save that raised was made"
 
 
 def test_without_keep_last_every_checkpoint_stays_and_steps_sort_numerically(tmp_path):

@@ -24,7 +24,7 @@ SECTIONS = [
      ["staging_memory_held", "release_staging_memory", "set_staging_memory_limit"]),
     ("A training job's checkpoints",
      "[checkpoint manager](checkpoint-manager.md), [optimizer state](optimizer-state.md)",
-     ["CheckpointManager", "assert_step_present"]),
+     ["CheckpointManager", "SaveReport", "assert_step_present"]),
     ("Reading without a process group", "[offline and CLI](offline-and-cli.md)", ["open_checkpoint", "Checkpoint"]),
     ("Names that drift", "[names that drift](names-that-drift.md)",
      ["PrefixTolerantLoadPlanner", "WrapperPrefixLoadMixin", "strip_wrapper_prefixes"]),

@@ -1,0 +1,184 @@
+"""The frameworks' retention, as the adapters run it: a save never waits for the deletion of a checkpoint it made
+stale, and the adapter's teardown waits for that deletion. Lightning's ``ModelCheckpoint`` removes in the strategy's
+``remove_checkpoint``, on the training's thread: the adapter's Trainer strategies take it off that thread
+(dcp_zarr.integrations.lightning). torchtitan's ``keep_latest_k`` purge runs on a thread of torchtitan's own, which
+``close()`` joins: checked here as the adapter runs it.
+
+Each deletion is slowed down: it waits (at most 20 s) for the training to go on past the save that made it stale,
+or to end, then for 0.3 s more. Run on the training's thread, it would find neither (and say so); and a teardown that
+did not wait for it would return while the stale checkpoint is still there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcp_zarr.errors import ZarrCheckpointError
+from tests.support.ranks import run_ranks
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.distributed]
+
+WAIT_S = 20  # how long a slowed deletion waits for the training to go on before it says it did not
+AFTER_S = 0.3  # and then, before it deletes: a teardown that did not wait for it would return first
+
+
+def _wait_for(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- Lightning -------------------------------------------------------------------------------------------------------
+
+_progress = {"step": 0, "ended": False}  # the training's, in a rank process (a Callback keeps it)
+_removals: list[dict] = []  # what each slowed removal saw, in a rank process
+
+
+def _slowed(remove):
+    def slow_remove(aside: str) -> None:
+        asked_at = _progress["step"]
+        went_on = _wait_for(lambda: _progress["step"] > asked_at or _progress["ended"], WAIT_S)
+        time.sleep(AFTER_S)
+        remove(aside)
+        _removals.append({"name": Path(aside).name, "asked_at": asked_at, "training_went_on": went_on,
+                          "thread": threading.current_thread().name})
+
+    return slow_remove
+
+
+def _fit_with_slow_removals(rank: int, world_size: int, ckpt_dir: str) -> dict | None:
+    """Rank program: Lightning's Trainer with the adapter's FSDP2 strategy, a checkpoint every 2 of 6 steps,
+    ``ModelCheckpoint`` keeping the newest alone (it removes step 2's at step 4, step 4's at step 6); each removal
+    slowed (module docstring). Rank 0: what the removals saw, and the checkpoint directory as ``fit`` left it."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    import dcp_zarr.integrations.lightning as adapter
+    from tests.integrations.test_integration_lightning import TinyModule, dataset
+
+    adapter._remove_set_aside = _slowed(adapter._remove_set_aside)  # this rank process's module only
+
+    class Progress(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            _progress["step"] = trainer.global_step
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            _progress["ended"] = True
+
+    strategy = adapter.ZarrModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=6, default_root_dir=ckpt_dir,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=1, save_last=True), Progress()])
+    trainer.fit(TinyModule(), torch.utils.data.DataLoader(dataset(), batch_size=4))
+    if rank != 0:
+        return None
+    return {"removals": list(_removals), "left": sorted(os.listdir(ckpt_dir)),
+            "main_thread": threading.current_thread().name}
+
+
+@pytest.mark.slow
+def test_lightning_saves_do_not_wait_for_model_checkpoints_removals_and_fit_ends_once_they_are_done(tmp_path):
+    pytest.importorskip("lightning")
+    ckpt_dir = tmp_path / "checkpoints"
+    seen = run_ranks(_fit_with_slow_removals, 2, str(ckpt_dir), timeout=300)[0]
+    # fit returned after the last removal (asked for at step 6, done after the training ended), staging dir and all
+    assert seen["left"] == ["epoch=0-step=6.ckpt", "last.ckpt"], "fit returned before the removals were done"
+    removals = seen["removals"]
+    assert [r["name"].split(".deleting-")[0] for r in removals] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    for removal in removals:
+        assert removal["training_went_on"], f"the training waited for the removal of {removal['name']}"
+        assert removal["thread"] != seen["main_thread"]
+
+
+def test_a_lightning_removal_is_renamed_aside_at_once_and_a_failed_one_is_raised_by_the_next(tmp_path, monkeypatch):
+    pytest.importorskip("lightning")
+    import dcp_zarr.integrations.lightning as adapter
+
+    def failing_remove(aside: str) -> None:
+        raise PermissionError(f"cannot remove {aside} (injected)")
+
+    monkeypatch.setattr(adapter, "_remove_set_aside", failing_remove)
+    strategy = adapter.ZarrModelParallelStrategy()  # rank 0 of no process group, as Lightning sees it unlaunched
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.pt").write_bytes(b"lightning's")
+    (tmp_path / "full.ckpt").write_bytes(b"a torch.save file")
+
+    strategy.remove_checkpoint(tmp_path / "epoch=0-step=2.ckpt")
+    assert not (tmp_path / "epoch=0-step=2.ckpt").exists(), "its name is free at once: renamed aside"
+    for removals in strategy._zarr_removals.values():
+        removals.join()
+    with pytest.raises(ZarrCheckpointError, match=r"could not delete step 2 \(.dcp-zarr-staging/epoch=0-step=2\.ckpt"
+                                                  r"\.deleting-[0-9a-f]+\): PermissionError: .*injected"):
+        strategy.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
+    assert (tmp_path / "epoch=0-step=4.ckpt").is_dir(), "the failure is raised before the next removal starts"
+    strategy.remove_checkpoint(tmp_path / "full.ckpt")  # a file: Lightning's own removal, at once
+    assert not (tmp_path / "full.ckpt").exists()
+
+
+# -- torchtitan ------------------------------------------------------------------------------------------------------
+
+
+class _State:
+    """A Stateful in place of torchtitan's optimizers and schedulers: the purge is what is looked at here."""
+
+    def __init__(self):
+        self.value = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def _torchtitan_purges_in_the_background(rank: int, world_size: int, base: str) -> dict:
+    """Rank program: torchtitan's own manager, made by its own ``__init__`` (``keep_latest_k=2``, its least), saving
+    steps 1 to 3; the purge of step 1 slowed (module docstring), "the training going on" being ``save(3)`` having
+    returned."""
+    import torchtitan.tools.filesystem as titan_filesystem
+
+    from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
+
+    returned, purges = threading.Event(), []
+    rmtree = titan_filesystem.rmtree
+
+    def slow_rmtree(path: str) -> None:
+        went_on = returned.wait(WAIT_S)
+        time.sleep(AFTER_S)
+        rmtree(path)
+        purges.append({"name": os.path.basename(path), "training_went_on": went_on,
+                       "thread": threading.current_thread().name})
+
+    titan_filesystem.rmtree = slow_rmtree  # before the manager: its purge thread is handed the function as it starts
+    config = ZarrCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=2)
+    manager = ZarrCheckpointManager(config, dataloader=None, model_parts=[torch.nn.Linear(4, 3)],
+                                    optimizers=_State(), lr_schedulers=_State(), states={}, sd_adapter=None,
+                                    base_folder=base)
+    folder = os.path.join(base, "checkpoint")
+    for step in (1, 2, 3):
+        manager.save(step)  # at step 3, step 1 is stale: torchtitan's purge deletes it
+    left_when_saved = sorted(os.listdir(folder))
+    returned.set()
+    manager.close()
+    return {"purges": purges, "left_when_saved": left_when_saved, "left_when_closed": sorted(os.listdir(folder)),
+            "main_thread": threading.current_thread().name}
+
+
+def test_torchtitan_saves_do_not_wait_for_keep_latest_ks_purge_and_close_waits_for_it(tmp_path):
+    pytest.importorskip("torchtitan")
+    seen = run_ranks(_torchtitan_purges_in_the_background, 1, str(tmp_path), timeout=300)[0]
+    assert seen["left_when_saved"] == ["step-1", "step-2", "step-3"], "save(3) returned before step 1 was deleted"
+    [purge] = seen["purges"]
+    assert purge["name"] == "step-1" and purge["training_went_on"] and purge["thread"] != seen["main_thread"]
+    assert seen["left_when_closed"] == ["step-2", "step-3"], "close() returned once the purge was done"
