@@ -23,7 +23,8 @@ from tests.support.ranks import run_ranks
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
               pytest.mark.usefixtures("aws_environment")]
 
-WRITER_OPTIONS = {"inner_chunk_bytes": 64 << 10}  # rows of 256 float32: 64 rows a chunk
+# rows of 256 float32: 64 rows a chunk; never aggregated (on S3 the arrays' halves, under 4 MiB, would be a block each)
+WRITER_OPTIONS = {"inner_chunk_bytes": 64 << 10, "aggregate_below": 0}
 # The rows save 2 changes, per array (every other array is as save 1 left it).
 CHANGED_ROWS = {"model/layers.0.w": range(100, 110), "optim/exp_avg": [5, 300]}
 _SHARDED = ("embed.weight", "layers.0.w", "exp_avg")
