@@ -456,7 +456,22 @@ class _ZarrStrategy:
         super().__init__(*args, **kwargs)
 
 
-class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
+class _RemovedInTheBackground:
+    """The Trainer strategies' ``ModelCheckpoint`` removals, in the background (module docstring)."""
+
+    def remove_checkpoint(self, filepath: _PathLike) -> None:
+        """Lightning's, for a checkpoint ``ModelCheckpoint`` no longer keeps, but a store is removed in the background
+        (renamed aside at once); raises a removal before it that failed."""
+        if not _removed_in_the_background(self, filepath):  # type: ignore[arg-type]
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        """Lightning's, then waits for the removals in the background; raises the first that failed."""
+        with _joining_removals(self):  # type: ignore[arg-type]
+            super().teardown()  # type: ignore[misc]
+
+
+class ZarrModelParallelStrategy(_ZarrStrategy, _RemovedInTheBackground, _TrainerModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism applied in ``configure_model``) for the
     ``Trainer``, its distributed checkpoints saved as dcp_zarr stores. Lightning's arguments, ``compression``
     (``ZarrWriter``'s: None, ``"zstd"``, ``"lz4"``, ... or a ``dcp_zarr.Compression``) and ``incremental`` (True:
@@ -471,19 +486,8 @@ class ZarrModelParallelStrategy(_ZarrStrategy, _TrainerModelParallelStrategy):
         with _loading(self, checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
 
-    def remove_checkpoint(self, filepath: _PathLike) -> None:
-        """Lightning's, for a checkpoint ``ModelCheckpoint`` no longer keeps, but a store is removed in the background
-        (renamed aside at once); raises a removal before it that failed."""
-        if not _removed_in_the_background(self, filepath):
-            super().remove_checkpoint(filepath)
 
-    def teardown(self) -> None:
-        """Lightning's, then waits for the removals in the background; raises the first that failed."""
-        with _joining_removals(self):
-            super().teardown()
-
-
-class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
+class ZarrFSDPStrategy(_ZarrStrategy, _RemovedInTheBackground, _TrainerFSDPStrategy):
     """Lightning's (FSDP1) ``FSDPStrategy`` for the ``Trainer``, its ``state_dict_type="sharded"`` checkpoints (the
     default here) saved as dcp_zarr stores. Lightning's arguments, ``compression`` (``ZarrWriter``'s) and
     ``incremental``; ``"full"`` saves one ``torch.save`` file, as Lightning does."""
@@ -501,17 +505,6 @@ class ZarrFSDPStrategy(_ZarrStrategy, _TrainerFSDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         with _loading(self, checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only)
-
-    def remove_checkpoint(self, filepath: _PathLike) -> None:
-        """Lightning's, for a checkpoint ``ModelCheckpoint`` no longer keeps, but a store is removed in the background
-        (renamed aside at once); raises a removal before it that failed."""
-        if not _removed_in_the_background(self, filepath):
-            super().remove_checkpoint(filepath)
-
-    def teardown(self) -> None:
-        """Lightning's, then waits for the removals in the background; raises the first that failed."""
-        with _joining_removals(self):
-            super().teardown()
 
 
 class ZarrFabricModelParallelStrategy(_ZarrStrategy, _FabricModelParallelStrategy):
