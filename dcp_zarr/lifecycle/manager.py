@@ -107,6 +107,8 @@ class CheckpointManager:
         self._last_save: SaveReport | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._in_use: set[int] = set()
+        # Step stores this manager committed under its lease: listed as complete without reading them again
+        self._committed: set[str] = set()
         self._lease: Lease | None = None
         self._closed = False
         failure = None
@@ -159,6 +161,7 @@ class CheckpointManager:
         # An earlier deletion's failure, on the rank that deletes: raised once this save is made, which every rank
         # takes part in (raised before it, the other ranks would wait in its collectives until their timeout)
         failed = self._deletions.take_failure()
+        self._committed.discard(step_name(step))  # saved again: incomplete until this save commits
         if self._lease is not None:
             self._lease.check()
             # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
@@ -296,6 +299,7 @@ class CheckpointManager:
     def _after_save(self, step: int) -> None:
         if self._lease is None:
             return
+        self._committed.add(step_name(step))
         self.root.remove_record("saving", step)
         self._apply_retention()
 
@@ -307,7 +311,8 @@ class CheckpointManager:
     def _step_stores(self) -> list[StepStore]:
         """The root's step stores; folders of several (accelerate's checkpoint_N) are not a manager's to load."""
         deleting = self._deletions.pending()  # on their way out: never listed, loaded or reused
-        return [s for s in self.root.step_stores() if not s.folder and s.step not in deleting]
+        stores = self.root.step_stores(frozenset(self._committed))
+        return [s for s in stores if not s.folder and s.step not in deleting]
 
     def _apply_retention(self) -> None:
         complete = {s.step: s.name for s in self._step_stores() if s.complete}
@@ -316,6 +321,7 @@ class CheckpointManager:
         lease = self._lease
         assert lease is not None  # only the manager holding the lease applies retention (_after_save)
         for step in doomed:
+            self._committed.discard(complete[step])  # a deletion that fails partway leaves it incomplete
             self._deletions.submit(step, complete[step], lease.check)
 
 

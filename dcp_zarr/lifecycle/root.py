@@ -32,10 +32,11 @@ class CheckpointRoot(RootStorage):
 
     # -- what is there -------------------------------------------------------------------------------------------------
 
-    def step_stores(self) -> list[listing.StepStore]:
+    def step_stores(self, known_complete: frozenset[str] = frozenset()) -> list[listing.StepStore]:
         """Every step store under the root (``STEP_NAME_FORMS``), ascending by step, with whether it is a complete
-        checkpoint; of two names of one step, this package's ``step-N.zarr`` last."""
-        return listing.step_stores(self)
+        checkpoint; of two names of one step, this package's ``step-N.zarr`` last. ``known_complete``: names the
+        caller committed under the root's lease, not read again (listing.step_stores)."""
+        return listing.step_stores(self, known_complete)
 
     def leftovers(self) -> list[str]:
         """Staging and deleting directories of step stores that stopped saves and deletions left, relative to the

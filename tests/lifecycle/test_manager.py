@@ -22,7 +22,7 @@ from dcp_zarr import CheckpointManager, CheckpointRootBusyError, StepNotFoundErr
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.records import RECORDS
 from dcp_zarr.lifecycle.root import CheckpointRoot
-from dcp_zarr.lifecycle.step_forms import step_name
+from dcp_zarr.lifecycle.step_forms import StepForm, step_name
 from dcp_zarr.store_io.commit import STAGING_DIR, STAGING_MARK
 from tests.support.compare import assert_state_equal
 from tests.support.faults import crash_state, managed_save_program
@@ -65,6 +65,21 @@ def test_keep_last_and_keep_every_delete_only_what_they_no_longer_keep(tmp_path)
     expected = [RECORDS, "notes.txt", "other.zarr"] + [step_name(s) for s in (0, 4, 8, 9, 10)]
     assert sorted(os.listdir(root)) == sorted(expected)
     assert os.listdir(root / RECORDS) == [], "the lease is given back at close, and no record is left"
+
+
+def test_a_manager_reads_again_only_the_steps_it_did_not_commit(tmp_path, monkeypatch):
+    """Listing a step store reads its root zarr.json (some ms for a store of a few hundred arrays, a request on an
+    object store); a manager holding the root's lease takes the steps it committed as complete, read or not."""
+    with CheckpointManager(tmp_path, keep_last=2) as manager:
+        manager.save(0, state(0))
+    read, real_state = [], StepForm.state
+    monkeypatch.setattr(StepForm, "state", lambda form, root, name: read.append(name) or real_state(form, root, name))
+    with CheckpointManager(tmp_path, keep_last=3) as manager:
+        for step in range(1, 5):
+            manager.save(step, state(step))
+        assert manager.steps() == [2, 3, 4]
+        assert [saved_step(manager, s) for s in manager.steps()] == [2, 3, 4]
+    assert set(read) == {step_name(0)}, "step 0, another manager's, is read; this one's never"
 
 
 def test_retention_deletes_in_the_background_and_save_returns_before_it_is_done(tmp_path, monkeypatch):
