@@ -4,6 +4,7 @@ AdamW state (2.0 GB in fp32 by default; the kinds and commands: benchmarks/READM
 Each repeat (after ``--warmup`` untimed ones) saves the state dict with every kind, in rotating order, into a fresh
 directory, counts its files and loads it back into a zeroed state dict of the same sharding (checked equal); then
 ``dcp.async_save`` with one ZarrWriter keeping its staging buffers (``--no-staging-cache``: a new one each time).
+``--manager`` also times ``CheckpointManager(keep_last=2).save``, sync and async: the time it holds the caller.
 ``--reshard-from`` also loads a ``--save-only`` checkpoint of another world size, counting the bytes each rank read()
 (``rchar``: page-cache hits included, mmap-ed reads not) against the bytes it needs. Without torchrun: world size 1.
 """
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-only", metavar="DIR", help="save one checkpoint per kind under DIR, then exit")
     p.add_argument("--reshard-from", metavar="DIR", help="also time loads of a --save-only run's checkpoints")
     p.add_argument("--no-staging-cache", action="store_true", help="async: a new ZarrWriter for every repeat")
+    p.add_argument("--manager", action="store_true", help="also CheckpointManager saves, against bare ones")
     p.add_argument("--quick", action="store_true", help="a 16 MB model, 2 repeats")
     p.add_argument("--out", help="result JSON (default benchmarks/results/checkpoint_throughput.json)")
     args = p.parse_args(argv)
@@ -109,7 +111,7 @@ class Bench:
     def __init__(self, args, ranks: h.Ranks, root: str, state):
         self.args, self.ranks, self.root, self.state = args, ranks, root, state
         # name -> every repeat's per-rank seconds; check -> passed; save/kind -> its files, directories and bytes
-        self.times, self.checks, self.footprint = {}, {}, {}
+        self.times, self.checks, self.footprint, self.managers = {}, {}, {}, {}
 
     def check(self, name: str, passed: bool) -> None:
         self.checks[name] = self.checks.get(name, True) and all(h.gather(bool(passed)))
@@ -142,10 +144,14 @@ class Bench:
                     shutil.rmtree(path)
             if "zarr" in args.kinds:
                 writer = self.async_save(repeat, writer, target, timed)
+            if args.manager:
+                self.manager_saves(repeat, timed)
             if self.ranks.rank == 0:
                 print(f"repeat {repeat + 1}/{args.repeats} done" if timed else "warm-up done", flush=True)
         if writer is not None:
             writer.close()  # its staging copy of the state dict
+        for manager in self.managers.values():
+            manager.close()
         target = None  # freed before the resharded loads allocate theirs
         measurements = {name: entry(rank_bytes, runs) for name, runs in self.times.items()
                         if name != "async/zarr blocking"}
@@ -181,6 +187,32 @@ class Bench:
         if self.ranks.rank == 0:
             shutil.rmtree(path)
         return writer
+
+    def manager_saves(self, repeat: int, timed: bool) -> None:
+        """``CheckpointManager(keep_last=2)`` saves, sync and async, against bare ones of the state (``save/zarr``, and
+        ``dcp.async_save`` with a new ZarrWriter, as the manager makes one a step): the time each held the caller.
+        Retention's deletions, from the third step on, run in the background: waited for after each, untimed."""
+        from dcp_zarr import CheckpointManager, ZarrSavePlanner, ZarrWriter
+
+        self.managers = self.managers or {mode: CheckpointManager(os.path.join(self.root, f"manager-{mode}"),
+                                                                  keep_last=2, thread_count=self.args.threads)
+                                          for mode in ("sync", "async")}
+        step, bare = repeat + self.args.warmup, os.path.join(self.root, f"bare-{repeat}")
+        writer = ZarrWriter(bare, thread_count=self.args.threads)
+        blocked = {"manager/sync": h.timed(lambda: self.managers["sync"].save(step, self.state), self.ranks.device)[0]}
+        for name, save in {"manager/async blocking": lambda: self.managers["async"].save(step, self.state,
+                                                                                         async_save=True),
+                           "async/bare blocking": lambda: dcp.async_save(self.state, storage_writer=writer,
+                                                                         planner=ZarrSavePlanner())}.items():
+            self.managers["sync"].wait()
+            blocked[name] = h.timed_async(save, self.ranks.device)[0]
+            self.managers["async"].wait()
+        kept = list(range(max(0, step - 1), step + 1))
+        self.check("managers keep their last 2 steps", all(m.steps() == kept for m in self.managers.values()))
+        for name, seconds in blocked.items() if timed else ():
+            self.times.setdefault(name, []).append([seconds])
+        if self.ranks.rank == 0:
+            shutil.rmtree(bare)
 
     def reshard(self, source: str, cfg: h.ModelConfig) -> dict:
         """Loads of a --save-only checkpoint of any world size with each reader: time and bytes read per rank."""
@@ -230,6 +262,9 @@ def ratios(measurements: dict[str, dict]) -> dict[str, float]:
         for kind in ("zarr", "fs") if op != "reshard" else ():
             pairs[f"{name}_{kind}_fraction_of_raw"] = (f"{op}/raw", f"{op}/{kind}")
     found = {ratio: median[a] / median[b] for ratio, (a, b) in pairs.items() if a in median and b in median}
+    if {"manager/sync", "save/zarr"} <= set(median):
+        found["manager_sync_vs_bare_save"] = median["manager/sync"] / median["save/zarr"]
+        found["manager_async_vs_bare_blocking"] = median["manager/async blocking"] / median["async/bare blocking"]
     if "async/zarr" in measurements:
         found["async_blocking_fraction"] = measurements["async/zarr"]["median_blocking_s"] / median["async/zarr"]
     return found

@@ -28,9 +28,17 @@ WORKLOADS = {  # name: (count, shape)
     "small": (5000, (64,))}  # 64 floats each
 
 
-def transfer(op: str, kind: str, threads: int, state, path: str) -> None:
-    """``writers.save`` or ``writers.load`` (raw-io: writers.py's raw I/O; thread count 0: the writer's default)."""
-    getattr(writers, op)("raw" if kind == "raw-io" else kind, state, path, threads or None)
+def transfer(op: str, kind: str, threads: int, state, path: str, freeze: bool) -> None:
+    """``writers.save`` or ``writers.load`` (raw-io: writers.py's raw I/O; thread count 0: the writer's default);
+    ``freeze``: with ``gc.freeze()`` around it, so that the objects alive before it stay out of every collection it
+    triggers, as in a training loop that manages the collector itself (torchtitan turns it off)."""
+    if freeze:
+        gc.freeze()
+    try:
+        getattr(writers, op)("raw" if kind == "raw-io" else kind, state, path, threads or None)
+    finally:
+        if freeze:
+            gc.unfreeze()
 
 
 def build_state(count: int, shape: tuple[int, ...], mesh, owned: bool) -> dict[str, torch.Tensor]:
@@ -43,18 +51,6 @@ def build_state(count: int, shape: tuple[int, ...], mesh, owned: bool) -> dict[s
     # every rank makes the same tensors and cuts its own piece: no communication
     return {f"layers.{i}.weight": distribute_tensor(torch.rand(shape, generator=g), mesh, [Shard(0)],
                                                     src_data_rank=None) for i in range(count)}
-
-
-def frozen(operation, freeze: bool):
-    """``operation`` with ``gc.freeze()`` around it, when asked: the objects alive before it stay out of every
-    collection it triggers, as in a training loop that manages the collector itself (torchtitan turns it off)."""
-    def run_frozen():
-        gc.freeze()
-        try:
-            return operation()
-        finally:
-            gc.unfreeze()
-    return run_frozen if freeze else operation
 
 
 def run(args, ranks: h.Ranks) -> tuple[dict, str]:
@@ -73,9 +69,9 @@ def run(args, ranks: h.Ranks) -> tuple[dict, str]:
     for repeat in range(args.repeats + 1):  # round 0 warms up
         for kind, threads in h.rotated(peers, repeat):
             path = os.path.join(root, f"{peers.index((kind, threads))}-{repeat}")  # kinds hold ':' and '='
-            times = {"save": h.timed(frozen(lambda: transfer("save", kind, threads, state, path), args.gc_freeze))[0]}
+            times = {"save": h.timed(lambda: transfer("save", kind, threads, state, path, args.gc_freeze))[0]}
             target = {k: torch.zeros_like(v) for k, v in state.items()}
-            times["load"] = h.timed(frozen(lambda: transfer("load", kind, threads, target, path), args.gc_freeze))[0]
+            times["load"] = h.timed(lambda: transfer("load", kind, threads, target, path, args.gc_freeze))[0]
             if not all(h.gather(h.equal(target, state))):
                 raise SystemExit(f"{kind}: the loaded state dict differs from the saved one")
             for op, seconds in times.items() if repeat else ():

@@ -36,8 +36,6 @@ SCHEMA, MIB = "gpu_check/2", 1 << 20  # 2: async measures the plain line and its
 KINDS, LOADED = ("zarr", "zarr-plain", "fs", "raw"), ("zarr", "zarr-plain", "fs")
 # The targets of issue 26, reported as met or not; a run fails only on errors.
 SAVE_VS_FS, SAVE_VS_RAW, LOAD_VS_FS, ASYNC_VS_COPY = 1.5, 0.8, 1.5, 1.2
-# beside the plain line (a new ZarrWriter each save): one ZarrWriter for every save, FileSystemWriter new each save,
-# and one FileSystemWriter keeping its staging buffers
 ASYNC_PEERS = ("zarr-one-writer", "fs", "fs-cache")
 STARTED = time.perf_counter()
 
@@ -137,7 +135,7 @@ class GpuBench:
             (out / "gpu_check.json").write_text(json.dumps(self.result, indent=2) + "\n")
             (out / "gpu_check.md").write_text(to_markdown(self.result))
 
-    def timed(self, times: dict[str, list], key: str, fn) -> None:
+    def timed(self, times: dict[tuple[str, str], list], key: tuple[str, str], fn) -> None:
         with Peaks(self.ranks.device) as peaks:
             seconds = h.timed(fn, self.ranks.device)[0]
         times.setdefault(key, []).append((seconds, peaks))
@@ -155,7 +153,7 @@ class GpuBench:
         except OSError as exc:
             return {"directory": directory, "skipped": f"{directory} is not usable: {exc}"}
         evict, threads = name != "shm" and not self.args.no_evict, self.args.threads
-        times, equal, done = {}, True, 0  # times: "save/kind" -> (seconds, Peaks) of each repeat
+        times, equal, done = {}, True, 0  # times: (op, kind) -> (seconds, Peaks) of each repeat
         with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=directory) as work:
             for repeat in range(self.args.repeats):
                 if repeat and time.perf_counter() > self.deadline:
@@ -163,19 +161,18 @@ class GpuBench:
                     break
                 for kind in h.rotated(KINDS, repeat):
                     path = os.path.join(work, f"{kind}-{repeat}")
-                    self.timed(times, f"save/{kind}", lambda: writers.save(kind, state, path, threads))
+                    self.timed(times, ("save", kind), lambda: writers.save(kind, state, path, threads))
                     if kind in LOADED:
                         h.fill_zeros(target)
                         if evict:  # a disk load that hits the page cache measures memory, not the disk
                             h.evict_page_cache(path)
-                        self.timed(times, f"load/{kind}", lambda: writers.load(kind, target, path, threads))
+                        self.timed(times, ("load", kind), lambda: writers.load(kind, target, path, threads))
                         equal = equal and (repeat > 0 or h.equal(target, state))
                     shutil.rmtree(path)
                 done += 1
         entry: dict[str, Any] = {"directory": directory, "evicted_before_loads": evict, "repeats": done,
                                  "loads_equal": equal, "save": {}, "load": {}}
-        for key, runs in times.items():
-            op, kind = key.split("/")
+        for (op, kind), runs in times.items():
             entry[op][kind] = measurement(self.result["state"]["bytes"], [t for t, _ in runs], [p for _, p in runs])
         return entry
 
@@ -187,8 +184,7 @@ class GpuBench:
         between saves is read after the plain line's saves (``staging_memory_held``)."""
         from dcp_zarr import release_staging_memory, staging_memory_held
 
-        work = tempfile.mkdtemp(prefix="gpu-check-async-", dir=directory)
-        try:
+        with tempfile.TemporaryDirectory(prefix="gpu-check-async-", dir=directory, ignore_cleanup_errors=True) as work:
             release_staging_memory()
             plain, peaks, equal = self._async_saves("zarr-plain", work, state, target)
             held = staging_memory_held()
@@ -200,8 +196,6 @@ class GpuBench:
                 except Exception as exc:  # noqa: BLE001 - a peer that fails here is reported, not fatal
                     peers[kind] = {"failed": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                 release_staging_memory()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
         cuda = self.ranks.device.type == "cuda"  # a plain copy of every tensor into buffers allocated once
         sources = [h.local(t) for t in h.leaves(state)]
         buffers = [torch.empty(s.shape, dtype=s.dtype, pin_memory=cuda) for s in sources]
@@ -265,7 +259,7 @@ class GpuBench:
         target = self.step("allocate the load target", lambda: h.zeroed(state), catch=False)
         tensors, by_dtype = h.leaves(state), Counter[str]()
         for t in tensors:
-            by_dtype[str(t.dtype).removeprefix("torch.")] += h.local(t).numel() * t.element_size()
+            by_dtype[str(t.dtype).removeprefix("torch.")] += h.local_bytes(t)
         s = h.stamp()
         self.result.update(
             schema=SCHEMA, dry_run=self.args.dry_run, stamp=s, date=s["date"], torch=torch.__version__,
@@ -275,7 +269,7 @@ class GpuBench:
             python=s["python"], zarr=s["zarr"], backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
             threads=self.args.threads, repeats=self.args.repeats, state={
                 "bytes": sum(by_dtype.values()), "tensors": len(tensors), "bytes_by_dtype": dict(by_dtype),
-                "largest_bytes": max(h.local(t).numel() * t.element_size() for t in tensors)},
+                "largest_bytes": max(map(h.local_bytes, tensors))},
             # the GPU-memory target: what the IO threads may hold on the device at once, one inner chunk each
             gpu_bound_bytes=self.args.threads * INNER_CHUNK_TARGET_BYTES, targets={}, ratios={}, targets_met={},
             **{"async": None})

@@ -113,8 +113,6 @@ def init_ranks(backend: str = "gloo") -> Ranks:
                           MASTER_PORT=str(get_free_port()))
     device = CPU
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise SystemExit("--backend nccl needs CUDA, and torch.cuda.is_available() is False")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=TIMEOUT, device_id=device)
@@ -284,9 +282,6 @@ def evict_page_cache(path: str) -> None:
 
 # -- States: an FSDP2 transformer with AdamW state, and walks over state dicts ----------------------------------------
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     layers: int = 8
@@ -335,7 +330,7 @@ def _sharded(cfg: ModelConfig, mesh, device: torch.device, generator: torch.Gene
     from torch.distributed.fsdp import fully_shard
 
     with torch.device("meta"):
-        model = _TransformerLM(cfg, embed).to(DTYPES[cfg.dtype])
+        model = _TransformerLM(cfg, embed).to(getattr(torch, cfg.dtype))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -94,20 +94,19 @@ def _new(cls, **fields):
     return obj
 
 
-def rank_plan(tensors, layout: str, rank: int, world: int, data: dict | None = None) -> SavePlan:
-    items = []
-    for fqn, shape in tensors:
-        offsets, sizes = rank_box(layout, shape, rank, world)
-        items.append(_new(WriteItem, index=_new(MetadataIndex, fqn=fqn, offset=torch.Size(offsets), index=None),
-                          type=WriteItemType.SHARD, bytes_io_data=None, tensor_data=_new(
-                              TensorWriteData, chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
-                              properties=_PROPS, size=torch.Size(shape))))
-    return SavePlan(items, planner_data=data or {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors})
-
-
-def save_plans(tensors, layout: str, world: int) -> list[SavePlan]:
-    planner_data = {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors}
-    return [rank_plan(tensors, layout, rank, world, planner_data) for rank in range(world)]
+def save_plans(tensors, layout: str, world: int, ranks=None) -> list[SavePlan]:
+    """The SavePlan of each of ``ranks`` (default: every rank), as DefaultSavePlanner makes it."""
+    data, plans = {fqn: ("model", fqn.removeprefix("model.")) for fqn, _ in tensors}, []
+    for rank in range(world) if ranks is None else ranks:
+        items = []
+        for fqn, shape in tensors:
+            offsets, sizes = rank_box(layout, shape, rank, world)
+            items.append(_new(WriteItem, index=_new(MetadataIndex, fqn=fqn, offset=torch.Size(offsets), index=None),
+                              type=WriteItemType.SHARD, bytes_io_data=None, tensor_data=_new(
+                                  TensorWriteData, chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                  properties=_PROPS, size=torch.Size(shape))))
+        plans.append(SavePlan(items, planner_data=data))
+    return plans
 
 
 def timed(fn, repeats: int = 1):
@@ -259,7 +258,7 @@ def dcp_wire(plans: list[SavePlan], planning: dict, tensors, layout: str, world:
 def scaled_dcp_wire(exact: dict, tensors, layout: str, world: int) -> dict:
     """DCP's bytes at more tensors than a measured row: the row's, times the ratio of the sampled ranks' pickled
     local plans (exact, at both sizes). A caching planner's later plans and deltas do not grow."""
-    ratio = sum(pickled(rank_plan(tensors, layout, rank, world)) for rank in sampled(world, _SAMPLED_RANKS)) / exact[
+    ratio = sum(pickled(plan) for plan in save_plans(tensors, layout, world, sampled(world, _SAMPLED_RANKS))) / exact[
         "sampled_plan_bytes"]
     parts = ("plans_up", "plans_down", "results_up", "broadcast")
     save = {kind: _totals(world, {**{k: traffic[k] * (ratio if kind == "dcp_default" or k in parts[2:] else 1)
@@ -271,13 +270,12 @@ def scaled_dcp_wire(exact: dict, tensors, layout: str, world: int) -> dict:
 
 # -- dcp_zarr's ranks planned for real, on torch's fake process group --------------------------------------------------
 
-# Module-level caches of dcp_zarr's planning, beside its functools caches: emptied for a restarted process's first save
 _PLAN_CACHES = {"dcp_zarr.planning.recent_plans": "recent_plans", "dcp_zarr.placement.holdings": "_positions_made"}
 
 
 def clear_caches() -> None:
-    """Empty every cache of dcp_zarr's planning (functools caches and _PLAN_CACHES): a restarted process's first
-    save. Says so when a named cache is gone (the library changed: update _PLAN_CACHES)."""
+    """Empty every cache of dcp_zarr's planning (functools caches, and the module-level ones of _PLAN_CACHES): a
+    restarted process's first save. Says so when a named cache is gone (the library changed: update _PLAN_CACHES)."""
     modules = [module for name, module in list(sys.modules.items()) if name.partition(".")[0] == "dcp_zarr"]
     for value in [value for module in modules for value in vars(module).values()]:
         if callable(getattr(value, "cache_clear", None)):
@@ -432,8 +430,7 @@ def rank_planning(layout: str, worlds: list[int], entries: int, repeats: int) ->
             with FakeRank(tensors, layout, world, 0, work) as fake:
                 writer = fake.writer(f"w{world}-{round_}.zarr")
                 sent, found = fake.local_plan(writer)
-                plans = _all_summaries(layout, world, {r: sent.storage_data._replace(rank=r) for r in
-                                                       {_representative(layout, r) for r in range(world)}})
+                plans = _all_summaries(layout, world, defaultdict(lambda: sent.storage_data))  # each like rank 0's
                 ticket = fake.coordinator(f"c{world}-{round_}.zarr").prepare_global_plan(plans)[0].storage_data
                 found["rank_writes_s"], items = fake.rank_writes(writer, ticket)
                 found["total_s"], found["writes"] = sum(found.values()), len(items)
@@ -574,7 +571,7 @@ def planning_tables(planning: dict) -> str:
           f"{c['total_s']:.3f}"] for c in planning["coordinator_cpu"]])
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes: 8 and 64 ranks, 300 and 1,000 entries")
     p.add_argument("--repeats", type=int, default=3)
@@ -583,7 +580,6 @@ def main(argv=None) -> int:
     p.add_argument("--timing-only", action="store_true", help="only one rank's planning and the coordinator's CPU")
     p.add_argument("--rank-repeats", type=int, default=5, help="rounds of the per-rank planning timing")
     args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
     rows = []
     if not args.timing_only:  # --timing-only: no rows and no bytes, only one rank's planning and the coordinator's CPU
         points = [(layout, world, 100) for layout, worlds in (QUICK_WORLDS if args.quick else WORLDS).items()
@@ -600,8 +596,7 @@ def main(argv=None) -> int:
         h.write_result("scale", os.path.join(args.out, "scale.json"), {"rows": rows, "planning": planning},
                        table(rows) + "\n\nBytes per save (pickles of what DCP's collectives carry; ~: DCP scaled from "
                        "100 tensors):\n\n" + planning_tables(planning))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -329,7 +329,7 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.storage.base import Storage
 
     below = Storage.aggregate_below if collective else 0  # an object store's default
-    puts, put_bytes, saved = Counter(), Counter(), {}
+    puts, put_bytes = Counter(), Counter()
     started = time.perf_counter()
     for rank in _fake_ranks(world):
         planner = ZarrSavePlanner()
@@ -359,12 +359,11 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
             copies = {group: json_text(group_metadata()) for group in groups}
             copies.update((s.node, json_text(array_metadata(s.layout, s.data_type, s.itemsize, {"dcp_zarr": {
                 "fqn": fqn}}, node=s.node))) for fqn, s in specs.items())
-            saved = {"manifest": manifest, "layouts": specs,
-                     "root_bytes": len(encoded_root(group_metadata({"dcp_zarr": document}), document, copies))}
+            root_bytes = len(encoded_root(group_metadata({"dcp_zarr": document}), document, copies))
     save_s = time.perf_counter() - started
-    manifest, specs, metadata = saved["manifest"], saved["layouts"], dcp_metadata(saved["manifest"])
+    metadata = dcp_metadata(manifest)  # manifest, specs, root_bytes: rank 0's
     readers = [0] if collective else range(world)  # the coordinator reads the root and broadcasts it
-    gets, get_bytes = Counter({r: 1 for r in readers}), Counter({r: saved["root_bytes"] for r in readers})
+    gets, get_bytes = Counter({r: 1 for r in readers}), Counter({r: root_bytes for r in readers})
     shared = digest = None
     started = time.perf_counter()
     for rank in _fake_ranks(world):

@@ -49,37 +49,34 @@ def throttled(path: str, storage_options: dict | None, bytes_per_second: float |
     if zarr:
         register_throttled()
         return f"throttled://{path}", {**(storage_options or {}), "bytes_per_second": bytes_per_second}, None
-    bandwidth = link(bytes_per_second)
-    return path, storage_options, metered_file_system(lambda mode: bandwidth)
+    return path, storage_options, metered_file_system(link(bytes_per_second))
 
 
-def metered_file_system(meter_for: Callable[[str], Any]) -> Any:
-    """A DCP FileSystem whose streams' writes and reads each go through ``meter.timed(transfer, nbytes)`` (a throttled
-    link's, or a counter's), ``meter`` being ``meter_for(mode)`` of the stream, asked as it opens."""
+def metered_file_system(meter: Any) -> Any:
+    """A DCP FileSystem whose streams' writes and reads each go through ``meter.timed(transfer, nbytes)``."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class Stream:
-        def __init__(self, stream, meter):
-            self._stream, self._meter = stream, meter
+        def __init__(self, stream):
+            self._stream = stream
 
         def __getattr__(self, name: str):
             return getattr(self._stream, name)
 
         def write(self, data) -> int:
-            return self._meter.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None
-                                     else n)
+            return meter.timed(lambda: self._stream.write(data), lambda n: memoryview(data).nbytes if n is None else n)
 
         def read(self, size: int = -1) -> bytes:
-            return self._meter.timed(lambda: self._stream.read(size), len)
+            return meter.timed(lambda: self._stream.read(size), len)
 
         def readinto(self, buffer) -> int:
-            return self._meter.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
+            return meter.timed(lambda: self._stream.readinto(buffer), lambda n: n or 0)
 
     class MeteredFileSystem(FileSystem):
         @contextlib.contextmanager
         def create_stream(self, path, mode):
             with super().create_stream(path, mode) as stream:
-                yield Stream(stream, meter_for(mode))
+                yield Stream(stream)
 
     return MeteredFileSystem()
 

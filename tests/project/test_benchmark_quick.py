@@ -58,7 +58,7 @@ def assert_stamped(result: dict, out: Path) -> None:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("quick") / "r.json"
-    run_benchmark("checkpoint_throughput", "--quick", "--out", str(out))
+    run_benchmark("checkpoint_throughput", "--quick", "--manager", "--out", str(out))
     result = json.loads(out.read_text())
     assert_stamped(result, out)
     return result
@@ -67,9 +67,10 @@ def quick_run(tmp_path_factory) -> dict:
 def test_quick_run_measures_every_kind_and_ratio(quick_run):
     assert quick_run["config"]["kinds"] == ["zarr", "fs", "raw"] and quick_run["config"]["world_size"] == 2
     assert set(quick_run["measurements"]) == {f"{op}/{kind}" for op in ("save", "load") for kind in (
-        "zarr", "fs", "raw")} | {"async/zarr"}
+        "zarr", "fs", "raw")} | {"async/zarr", "manager/sync", "manager/async blocking", "async/bare blocking"}
     assert {"save_speedup_zarr_vs_fs", "save_zarr_fraction_of_raw", "load_speedup_zarr_vs_fs",
-            "load_zarr_fraction_of_raw", "async_blocking_fraction"} <= set(quick_run["ratios"])
+            "load_zarr_fraction_of_raw", "async_blocking_fraction", "manager_sync_vs_bare_save",
+            "manager_async_vs_bare_blocking"} <= set(quick_run["ratios"])
     assert quick_run["footprint"]["save/fs"]["files"] >= 1 and quick_run["footprint"]["save/zarr"]["files"] > 100
 
 
