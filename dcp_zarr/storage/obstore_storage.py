@@ -5,8 +5,7 @@ install it), fsspec's file systems (s3fs, gcsfs, adlfs) where it is not or where
 
 Why obstore (benchmarks/reports/object-stores.md, measured on radosgw): s3fs builds an aiobotocore session per file
 system and per thread's event loop, so a fresh process's first save of ~500 small tensors took 7.6 s against 2.6 s
-later, and later saves 1.8x what the server needs for that many objects; through obstore 2.6 s against 1.8 s (most
-of it imports) and 1.24-1.29x.
+later, and later saves 1.8x what the server needs for that many objects; through obstore 1.07-1.13x and 1.12-1.14x.
 
 One client per process for each bucket and option set (``_bucket_store``): every root opened in that bucket (each
 step of a manager, the earlier checkpoint of an incremental save, the lease) shares its connection pool, and a
