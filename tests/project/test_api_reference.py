@@ -18,6 +18,13 @@ def test_every_public_name_has_its_place_on_the_page():
     assert set(dcp_zarr.__all__) <= documented_names()
 
 
+def test_the_package_lists_its_names_in_the_pages_order():
+    """``__all__`` reads as the page does: its sections in order, then the errors, then ``__version__``."""
+    in_sections = [name for _, _, names in SECTIONS for name in names]
+    assert dcp_zarr.__all__[:len(in_sections)] == in_sections
+    assert dcp_zarr.__all__[-1] == "__version__"
+
+
 def test_every_error_lives_in_dcp_zarr_errors_and_is_found_from_the_package_too():
     defined = {name for name, value in vars(errors).items()
                if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == errors.__name__}
