@@ -1,5 +1,5 @@
 """``ZarrCheckpointManager`` (dcp_zarr.integrations.torchtitan) under torchtitan's own Trainer: its debug llama3,
-smaller, on CPU gloo ranks (the patches that needs: dcp_zarr/testing/torchtitan_cpu.py), trained through its own
+smaller, on CPU gloo ranks (the patches that needs: tests/support/torchtitan_cpu.py), trained through its own
 ``train()`` with the manager chosen by its config; then resumed at 1, 2 and 3 ranks.
 
 Saved at 2 ranks (``trained``, one launch), a checkpoint after every step, the last (step 4) saved synchronously
@@ -59,7 +59,7 @@ RESUMED_STEP = {"sync": STEPS, "async": 3, "pinned": 3}
 def _trainer(dump: str, steps: int = STEPS, **checkpoint):
     """torchtitan's Trainer over the tiny llama3, its checkpoint manager chosen by one config line."""
     from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
-    from dcp_zarr.testing.torchtitan_cpu import tiny_llama3_config
+    from tests.support.torchtitan_cpu import tiny_llama3_config
 
     config = tiny_llama3_config(dump, ZarrCheckpointManager.Config(enable=True, last_save_model_only=False,
                                                                    **checkpoint), steps=steps)
@@ -80,7 +80,7 @@ def _trainer(dump: str, steps: int = STEPS, **checkpoint):
 
 
 def _train_every_mode(rank: int, world_size: int, root: str) -> dict:
-    from dcp_zarr.testing.torchtitan_cpu import use_cpu
+    from tests.support.torchtitan_cpu import use_cpu
 
     use_cpu()
     from torch.distributed.checkpoint import _async_process_executor
@@ -127,7 +127,7 @@ def _full(value):
 
 
 def _resume(rank: int, world_size: int, root: str) -> dict:
-    from dcp_zarr.testing.torchtitan_cpu import use_cpu
+    from tests.support.torchtitan_cpu import use_cpu
 
     use_cpu()
     outcomes = {}
