@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
+from tests.support.random_placements import full_tensor, save_and_reload_sharded
 from tests.support.ranks import run_ranks, start_forkserver
-from tests.support.shardings import full_tensor, save_and_reload_sharded
 from tests.support.states import DTYPES, blank_like, random_bits
 
 pytestmark = [pytest.mark.slow]

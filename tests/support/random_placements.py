@@ -1,4 +1,4 @@
-"""Random shardings (tests/save_load/test_property_roundtrip.py): a rank program that saves DTensors placed one way and
+"""Random placements (tests/save_load/test_property_roundtrip.py): a rank program that saves DTensors placed one way and
 loads them placed another. Here, not in the test module, so that rank processes need not import hypothesis. (The FSDP,
 HSDP and DDP layouts of a state dict are dcp_zarr.testing.shardings'.)"""
 
