@@ -162,10 +162,7 @@ class CheckpointManager:
         # takes part in (raised before it, the other ranks would wait in its collectives until their timeout)
         failed = self._deletions.take_failure()
         self._committed.discard(step_name(step))  # saved again: incomplete until this save commits
-        if self._lease is not None:
-            self._lease.check()
-            # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
-            self.root.write_record("saving", step, {"step": step, "manager": self._lease.id, "time": time.time()})
+        _begin(self._lease, self.root, step, failed)
         writer = ReportingWriter(self.path(step), storage_options=self.storage_options, **self.writer_options,
                                  incremental_from=self._incremental_base(step))
         try:
@@ -323,6 +320,27 @@ class CheckpointManager:
         for step in doomed:
             self._committed.discard(complete[step])  # a deletion that fails partway leaves it incomplete
             self._deletions.submit(step, complete[step], lease.check)
+
+
+def _begin(lease: Lease | None, root: CheckpointRoot, step: int, failed: BaseException | None) -> None:
+    """Check the lease and record the save's start, on the rank that holds the lease (rank 0); every rank hears
+    whether that failed before any of them enters the save's collectives (a rank raising alone would leave the
+    others waiting in them until their timeout). One broadcast a save. ``failed``: an earlier deletion's failure."""
+    failure = None
+    if lease is not None:
+        try:
+            lease.check()
+            # Object stores are written in place: this record is what marks an incomplete step-N.zarr as ours.
+            root.write_record("saving", step, {"step": step, "manager": lease.id, "time": time.time()})
+        except Exception as exc:  # noqa: BLE001  (raised below, on every rank)
+            failure = exc
+    message = decided_by_rank0(lambda: None if failure is None else f"{type(failure).__name__}: {failure}")
+    if message is None:
+        return
+    exc = failure or CheckpointRootBusyError(f"rank 0's CheckpointManager could not begin step {step}: {message}")
+    if failed is not None:
+        exc.add_note(f"also: {failed}")
+    raise exc
 
 
 def _found(stores: list[StepStore], step: int | None, url: str) -> tuple[int | None, str | None, str | None]:

@@ -74,12 +74,12 @@ def test_a_manager_reads_again_only_the_steps_it_did_not_commit(tmp_path, monkey
         manager.save(0, state(0))
     read, real_state = [], StepForm.state
     monkeypatch.setattr(StepForm, "state", lambda form, root, name: read.append(name) or real_state(form, root, name))
-    with CheckpointManager(tmp_path, keep_last=3) as manager:
+    with CheckpointManager(tmp_path) as manager:  # no retention: a step handed to deletion may be read again
         for step in range(1, 5):
-            manager.save(step, state(step))
-        assert manager.steps() == [2, 3, 4]
-        assert [saved_step(manager, s) for s in manager.steps()] == [2, 3, 4]
-    assert set(read) == {step_name(0)}, "step 0, another manager's, is read; this one's never"
+            manager.save(step, state(step))  # each save lists the root for retention
+        assert manager.steps() == [0, 1, 2, 3, 4]
+        assert [saved_step(manager, s) for s in manager.steps()] == [0, 1, 2, 3, 4]
+    assert read and set(read) == {step_name(0)}, "step 0, another manager's, is read; this one's never"
 
 
 def test_retention_deletes_in_the_background_and_save_returns_before_it_is_done(tmp_path, monkeypatch):
@@ -138,6 +138,30 @@ def test_a_failed_background_deletion_is_raised_naming_the_step_after_the_next_s
     assert re.search(r"\bsteps? 1\b", raised[0]), raised[0]
     with CheckpointManager(root) as again:
         assert again.steps() == [0, 1, 2], "nothing was lost, and the save that raised was made"
+
+
+def _save_after_losing_the_lease(rank, world_size, root):
+    manager = CheckpointManager(root)
+    manager.save(0, state(0))
+    if rank == 0:  # what the lease's heartbeat finds when another manager took the root
+        manager._lease.lost = "manager other (host elsewhere) holds it now (injected)"
+    try:
+        manager.save(1, state(1))
+    except CheckpointRootBusyError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.distributed
+def test_a_lost_lease_stops_the_save_on_every_rank_before_its_collectives(tmp_path):
+    """Only rank 0 holds the lease; the other ranks hear that it was lost before the save's collectives, rather than
+    wait in them for a rank that will never come."""
+    root = str(tmp_path / "run")
+    raised = run_ranks(_save_after_losing_the_lease, 2, root, timeout=60)
+    assert raised[0] and "lost its lease" in raised[0] and "other" in raised[0], raised
+    assert raised[1] and "rank 0's CheckpointManager could not begin step 1" in raised[1], raised
+    assert "lost its lease" in raised[1], raised
+    assert not os.path.exists(os.path.join(root, step_name(1))), "nothing of step 1 was written"
 
 
 def test_without_keep_last_every_checkpoint_stays_and_steps_sort_numerically(tmp_path):
