@@ -337,7 +337,9 @@ def _begin(lease: Lease | None, root: CheckpointRoot, step: int, failed: BaseExc
     message = decided_by_rank0(lambda: None if failure is None else f"{type(failure).__name__}: {failure}")
     if message is None:
         return
-    exc = failure or CheckpointRootBusyError(f"rank 0's CheckpointManager could not begin step {step}: {message}")
+    # the other ranks know rank 0's error by its message: a lost lease keeps its type, anything else is named in it
+    kind = CheckpointRootBusyError if message.startswith(CheckpointRootBusyError.__name__) else ZarrCheckpointError
+    exc = failure or kind(f"rank 0's CheckpointManager could not begin step {step}: {message}")
     if failed is not None:
         exc.add_note(f"also: {failed}")
     raise exc
