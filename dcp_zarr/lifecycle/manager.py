@@ -339,10 +339,10 @@ def _begin(lease: Lease | None, root: CheckpointRoot, step: int, failed: BaseExc
         return
     # the other ranks know rank 0's error by its message: a lost lease keeps its type, anything else is named in it
     kind = CheckpointRootBusyError if message.startswith(CheckpointRootBusyError.__name__) else ZarrCheckpointError
-    exc = failure or kind(f"rank 0's CheckpointManager could not begin step {step}: {message}")
+    error = failure or kind(f"rank 0's CheckpointManager could not begin step {step}: {message}")
     if failed is not None:
-        exc.add_note(f"also: {failed}")
-    raise exc
+        error.add_note(f"also: {failed}")
+    raise error
 
 
 def _found(stores: list[StepStore], step: int | None, url: str) -> tuple[int | None, str | None, str | None]:
