@@ -29,9 +29,8 @@ from collections import Counter
 from typing import NamedTuple
 
 import pytest
-import torch.distributed.checkpoint as dcp
 
-from dcp_zarr import MalformedMetadataError, NotACheckpointError, ZarrWriter
+from dcp_zarr import MalformedMetadataError, NotACheckpointError
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.storage import LocalStorage
 from dcp_zarr.store_io.commit import STAGING_DIR
@@ -40,12 +39,9 @@ from dcp_zarr.tools.verify import verify_checkpoint
 from tests.support.compare import assert_state_equal
 from tests.support.faults import (
     INCREMENTAL_WRITER_OPTIONS,
-    StepLog,
     incremental_save_program,
     incremental_state,
-    logged_steps,
     managed_incremental_program,
-    sharded_incremental_state,
     step_phase,
 )
 from tests.support.states import load_full
@@ -77,12 +73,8 @@ AGGREGATED_WRITER_OPTIONS = {**INCREMENTAL_WRITER_OPTIONS, "aggregate_below": 1 
 def aggregated_save_program(rank: int, world_size: int, report, target: str, earlier: str | None, seed: int,
                             log_dir: str, kill: dict | None = None):
     """``incremental_save_program`` with the sharded arrays aggregated."""
-    state = sharded_incremental_state(seed, world_size)
-    StepLog(log_dir, rank, world_size, target, kill)
-    report("saving", time.monotonic())
-    writer = ZarrWriter(target, incremental=True, incremental_from=earlier, **AGGREGATED_WRITER_OPTIONS)
-    dcp.save(state, storage_writer=writer)
-    return writer.reuse_counts, logged_steps(log_dir, rank)
+    return incremental_save_program(rank, world_size, report, target, earlier, seed, log_dir, kill,
+                                    writer_options=AGGREGATED_WRITER_OPTIONS)
 
 
 class Workspace:

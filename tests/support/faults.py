@@ -324,16 +324,17 @@ def step_phase(log_dir: str, world_size: int) -> str:
 
 
 def incremental_save_program(rank: int, world_size: int, report, target: str, earlier: str | None, seed: int,
-                             log_dir: str, kill: dict | None = None):
+                             log_dir: str, kill: dict | None = None, writer_options: dict | None = None):
     """Rank program: save ``sharded_incremental_state(seed)`` to ``target`` incrementally from ``earlier`` (None: a
     save that only records its chunks, ``incremental=True``), logging its steps (``StepLog``); returns this rank's
-    ``reuse_counts`` and its steps (``logged_steps``)."""
+    ``reuse_counts`` and its steps (``logged_steps``). ``writer_options``: default INCREMENTAL_WRITER_OPTIONS."""
     from dcp_zarr import ZarrWriter
 
     state = sharded_incremental_state(seed, world_size)
     StepLog(log_dir, rank, world_size, target, kill)
     report("saving", time.monotonic())
-    writer = ZarrWriter(target, incremental=True, incremental_from=earlier, **INCREMENTAL_WRITER_OPTIONS)
+    options = INCREMENTAL_WRITER_OPTIONS if writer_options is None else writer_options
+    writer = ZarrWriter(target, incremental=True, incremental_from=earlier, **options)
     dcp.save(state, storage_writer=writer)
     return writer.reuse_counts, logged_steps(log_dir, rank)
 
