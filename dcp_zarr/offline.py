@@ -67,6 +67,8 @@ class Entry:
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...}
     # the codec of a compressed array's chunks, as its zarr.json names it ({"name": "blosc", ...}); None: as they are
     codec: dict | None = None
+    # a one-element tensor kept in its array's fill_value, with no chunk stored (format 7): the element; else None
+    fill: bool | int | float | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -97,7 +99,7 @@ class Entry:
             shape=stored.shape,
             chunk_shape=stored.chunk_shape or stored.shape, inner_chunk_rows=stored.inner_chunk_rows,
             saved_shards=stored.saved_shards, source=dict(stored.source),
-            codec=None if stored.codec is None else stored.codec.to_json(),
+            codec=None if stored.codec is None else stored.codec.to_json(), fill=stored.fill,
         )
 
 

@@ -57,7 +57,8 @@ class SharedReads:
         for dest in sorted(needs):
             need = needs[dest]
             entry = entries.get(need.array)
-            if world_size < 2 or not isinstance(entry, TensorEntry) or 0 in need.size:
+            # (an array kept in its fill_value is read by no request: each rank fills its own)
+            if world_size < 2 or not isinstance(entry, TensorEntry) or 0 in need.size or entry.fill is not None:
                 self.modes[dest] = DIRECT
                 continue
             itemsize = STORED_DTYPES[entry.dtype][0].itemsize

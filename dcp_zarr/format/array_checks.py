@@ -15,10 +15,11 @@ from dcp_zarr.format.encoding import array_metadata, layout_from_array_metadata
 
 
 def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...] | None,
-                   inner_rows: int, dtype: str, codec: Codec | None = None) -> ChunkLayout:
+                   inner_rows: int, dtype: str, codec: Codec | None = None, fill=None) -> ChunkLayout:
     """The layout of the array whose ``zarr.json`` is ``doc``, for the manifest entry ``fqn`` of global ``shape``,
-    grid ``chunk_shape`` (None: early format-1 entries, which leave it to the zarr.json), torch ``dtype`` name and
-    ``codec``; MalformedMetadataError naming ``where`` (the store and node) when they disagree."""
+    grid ``chunk_shape`` (None: early format-1 entries, which leave it to the zarr.json), torch ``dtype`` name,
+    ``codec`` and ``fill`` (the entry's value, kept in the fill_value: fill_values.py); MalformedMetadataError naming
+    ``where`` (the store and node) when they disagree."""
     layout = layout_from_array_metadata(doc, where)
     if layout.shape != shape:
         raise MalformedMetadataError(f"{where} has shape {list(layout.shape)} but the manifest says {list(shape)}")
@@ -36,6 +37,11 @@ def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chun
         said = "no compression" if codec is None else codec.description
         found = "no compression" if layout.codec is None else layout.codec.label
         raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has {found}, but the manifest says {said}")
+    stored_fill = doc.get("fill_value")
+    if fill is not None and (stored_fill != fill or isinstance(stored_fill, bool) != isinstance(fill, bool)):
+        # zarr tools read the fill_value, this library the manifest: they must agree
+        raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has fill_value {doc.get('fill_value')!r}, "
+                                     f"but the manifest says the array holds {fill!r}")
     return layout
 
 

@@ -191,8 +191,9 @@ def _bytes_codec(itemsize: int) -> dict:
 
 
 def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attributes: dict | None = None, *,
-                   node: str = "") -> dict:
-    """The zarr.json document of the array at ``node`` with this layout (zarr v3 core spec)."""
+                   node: str = "", fill_value=None) -> dict:
+    """The zarr.json document of the array at ``node`` with this layout (zarr v3 core spec); ``fill_value``: the
+    value of an array kept in it (fill_values.py), else the data type's zero."""
     compression = [layout.codec.to_json()] if layout.codec is not None else []
     plain_codecs = [_bytes_codec(itemsize), *compression, {"name": "crc32c"}]
     if layout.sharded:
@@ -214,7 +215,7 @@ def array_metadata(layout: ChunkLayout, data_type: str, itemsize: int, attribute
         "data_type": data_type,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": layout.separator}},
-        "fill_value": fill_value_json(data_type),
+        "fill_value": fill_value_json(data_type) if fill_value is None else fill_value,
         "codecs": codecs,
         "attributes": attributes or {},
         "dimension_names": dimension_names(node, len(layout.shape)),

@@ -39,6 +39,7 @@ from dcp_zarr.format.chunk_layout import (
 )
 from dcp_zarr.format.codecs import Codec, codec_from_json
 from dcp_zarr.format.dtype_table import STORED_DTYPES
+from dcp_zarr.format.fill_values import checked_fill
 from dcp_zarr.format.node_copies import MANIFEST_ATTRIBUTE, NodeDocuments, copies_of
 from dcp_zarr.format.optimizer_tables import OptimizerTable
 from dcp_zarr.format.values import decode_value
@@ -47,12 +48,14 @@ from dcp_zarr.json_documents import decode_json
 from dcp_zarr.version import __version__
 
 FORMAT_NAME = "dcp_zarr"
-# What every save writes (docs/format.md#format-versions). 6: the nodes' zarr.json copies in the manifest's "nodes"
+# What every save writes (docs/format.md#format-versions). 7: one-element tensors in their array's fill_value, with
+# no chunk (format/fill_values.py); 6: the nodes' zarr.json copies in the manifest's "nodes"
 # (format/node_copies.py), not in zarr's consolidated metadata; 5: compressed arrays (format/compression.py); 4:
 # BytesIO and numpy values as JSON (values.NEW_IN_FORMAT_4); 3: chunk keys with "." (c.0.1)
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 COMPRESSED_FORMAT_VERSION = 5  # the first format that may hold compressed arrays
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FILL_FORMAT_VERSION = 7  # the first format that may keep a tensor in its array's fill_value
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 ROOT_KEY = "zarr.json"
 # A root zarr.json larger than this is refused before it is parsed. A format-2 manifest takes ~400 bytes per entry
 # (20,000 entries: ~8 MB); format 1 grew with ranks x tensors (8,192 ranks x 6,000 entries: ~1.8 GB would be refused).
@@ -81,6 +84,8 @@ class TensorEntry:
     saved_shards: int = 1  # non-empty boxes the saving ranks held (what `inspect` reports)
     source: dict = field(default_factory=dict)  # {"type": "dtensor", "placements": [...], ...} (sources.py)
     codec: Codec | None = None  # its chunks' compression (format 5), or None: stored as they are
+    # its one element, held in its array's fill_value with no chunk stored (format 7: fill_values.py), or None
+    fill: bool | int | float | None = None
     kind: ClassVar[str] = TENSOR
 
     def to_json(self) -> dict:
@@ -90,6 +95,8 @@ class TensorEntry:
                     "saved_shards": self.saved_shards, "source": self.source}
         if self.codec is not None:
             document["codec"] = self.codec.to_json()
+        if self.fill is not None:
+            document["fill"] = self.fill
         return document
 
 
@@ -332,8 +339,13 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
             codec = codec_from_json(codec, "codec")
         except MalformedMetadataError as exc:
             raise ValueError(str(exc)) from None
+    fill = raw.get("fill")
+    if fill is not None:
+        if version < FILL_FORMAT_VERSION:
+            raise ValueError(f"fill {fill!r} in a format-{version} store, which keeps no tensor in a fill value")
+        fill = checked_fill(fill, STORED_DTYPES[raw["dtype"]][1], shape, "fill")
     return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,
-                       source, codec)
+                       source, codec, fill)
 
 
 def stored_numpy_dtype(name) -> np.dtype:
@@ -405,7 +417,7 @@ def _manifest_of_root(data: bytes, url: str) -> Manifest:
             try:
                 checked[entry.node] = checked_layout(copy, f"{url}: array {entry.node!r}", fqn, entry.shape,
                                                      entry.chunk_shape, entry.inner_chunk_rows, entry.dtype,
-                                                     entry.codec)
+                                                     entry.codec, entry.fill)
             except MalformedMetadataError as exc:
                 checked[entry.node] = str(exc)
     return dataclasses.replace(manifest, node_documents=NodeDocuments(tuple(copies), data, where),

@@ -89,6 +89,7 @@ class RankReport(NamedTuple):
     checksums: dict  # (fqn, offsets) -> crc32c, for replica groups that disagreed (or on an exchange)
     chunks: Any = None  # in a save that records its chunks: the rank's saving/incremental.ChunkReport
     stored: ReuseCounts | None = None  # the chunk objects the rank stored (linked, written) and their bytes
+    fills: dict | None = None  # fqn -> the one element of each array this rank kept in its fill_value (fill_values.py)
 
 
 def stored_totals(results: list[list]) -> ReuseCounts | None:

@@ -34,7 +34,7 @@ from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io import commit
 from dcp_zarr.store_io.scheduler import run_jobs
-from dcp_zarr.store_io.write_jobs import encoded_array_metadata, object_array_metadata
+from dcp_zarr.store_io.write_jobs import encoded_array_metadata, encoded_filled_array_metadata, object_array_metadata
 from dcp_zarr.version import versions
 
 
@@ -69,12 +69,13 @@ def refuse_differing_replicas(begun: Begun, checksums: list[dict], differing_gro
 
 
 def tensor_entry(spec: ArraySpec, path: tuple, shape: tuple, requires_grad: bool, saved_shards: int,
-                 source: dict | None) -> TensorEntry:
-    """The manifest entry of a tensor: its array's grid, not the saved boxes (every box is whole chunks of it)."""
+                 source: dict | None, fill=None) -> TensorEntry:
+    """The manifest entry of a tensor: its array's grid, not the saved boxes (every box is whole chunks of it);
+    ``fill``: its one element, kept in its array's fill_value by the rank that wrote it (format/fill_values.py)."""
     layout = spec.layout
     return TensorEntry(fqn=spec.fqn, path=path, node=spec.node, dtype=spec.dtype_name, shape=shape,
                        chunk_shape=layout.chunk_shape, inner_chunk_rows=layout.inner_rows, requires_grad=requires_grad,
-                       saved_shards=saved_shards, source=source or {"type": "unknown"}, codec=layout.codec)
+                       saved_shards=saved_shards, source=source or {"type": "unknown"}, codec=layout.codec, fill=fill)
 
 
 def stored_value_entry(fqn: str, path: tuple, node: str, values: dict, objects: dict) -> Entry:
@@ -110,7 +111,9 @@ def _array_copies(entries: dict[str, Entry], specs: dict[str, ArraySpec]) -> dic
     copies = {}
     for fqn, entry in entries.items():
         if isinstance(entry, TensorEntry):
-            copies[entry.node] = encoded_array_metadata(specs[fqn])  # an array's copy is its zarr.json
+            spec = specs[fqn]  # an array's copy is its zarr.json
+            copies[entry.node] = encoded_array_metadata(spec) if entry.fill is None else \
+                encoded_filled_array_metadata(spec, entry.fill)
         elif isinstance(entry, ObjectEntry):
             copies[entry.node] = json_text(object_array_metadata(fqn, entry.node, entry.nbytes))
     return copies

@@ -96,9 +96,12 @@ class DcpPlannedSave:
         values: dict[str, object] = {}
         objects: dict[str, int] = {}
         sources: dict[str, dict] = {}  # how each tensor was held, as the first rank to write part of it says
+        fills: dict[str, object] = {}  # the one element of each array kept in its fill_value (item_writes.py)
         for rank_results in results:
             for result in rank_results:
                 fqn, stored = result.index.fqn, result.storage_data
+                if "fill" in stored:
+                    fills[fqn] = stored["fill"]
                 if "source" in stored:
                     sources.setdefault(fqn, stored["source"])
                 elif "value" in stored:
@@ -112,7 +115,8 @@ class DcpPlannedSave:
             if isinstance(md, TensorStorageMetadata):
                 entries[fqn] = coordinator.tensor_entry(
                     self._specs[fqn], path, tuple(md.size), bool(md.properties.requires_grad),
-                    saved_shards=sum(1 for c in md.chunks if all(c.sizes)), source=sources.get(fqn))
+                    saved_shards=sum(1 for c in md.chunks if all(c.sizes)), source=sources.get(fqn),
+                    fill=fills.get(fqn))
             else:
                 entries[fqn] = coordinator.stored_value_entry(fqn, path, self._nodes[fqn], values, objects)
         record = incremental.chunk_record(self._specs, chunk_reports, self.earlier) if self.settings.incremental \

@@ -45,7 +45,7 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
         manifest = read_manifest(storage)
     except ZarrCheckpointError as exc:
         raise IncrementalBaseError(f"incremental_from={earlier!r} is not a complete checkpoint: {exc}") from None
-    if manifest.format_version != FORMAT_VERSION:
+    if manifest.format_version not in INCREMENTAL_BASE_VERSIONS:
         raise IncrementalBaseError(
             f"incremental_from={earlier!r} is of dcp_zarr format version {manifest.format_version}, this save writes "
             f"version {FORMAT_VERSION}: its chunks are not laid out as this save's; save in full (no "
@@ -61,6 +61,11 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
         except ValueError as exc:
             raise IncrementalBaseError(f"incremental_from={earlier!r}: {exc}") from None
     return EarlierCheckpoint(earlier, manifest.save_id, storage, record, record.changed_whole())
+
+
+# The formats whose chunks this save lays out alike: 7 only keeps one-element arrays in their fill_value, which a
+# save never reuses.
+INCREMENTAL_BASE_VERSIONS = (6, FORMAT_VERSION)
 
 
 def whole_arrays(earlier: EarlierCheckpoint | None) -> frozenset[str]:

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
 from dcp_zarr.errors import InvalidEntryError
+from dcp_zarr.format.array_spec import ArraySpec
+from dcp_zarr.format.fill_values import fill_of, may_hold_in_fill
 from dcp_zarr.format.sources import SourceDescriptions
 from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.assignments import RankAssignment
@@ -27,12 +29,12 @@ def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssign
                 thread_count: int, with_sources: bool = True, reuse: ChunkReuse | None = None
                 ) -> tuple[list[WriteResult], list[str], ReuseCounts]:
     """Write ``items`` and the zarr.json of the arrays this rank describes; (one WriteResult per item, the chunk
-    keys written, the chunks stored: ``WriteJobs.stored``). ``with_sources``: each tensor's result says how it was
-    held (a save DCP planned: its manifest is made from the results). ``reuse``: in a save that records its chunks,
-    every chunk goes through it."""
+    keys written, the chunks stored: ``WriteJobs.stored``). A one-element array this rank describes is kept in its
+    fill_value where it can be, with no chunk: its result's storage data says ``{"fill": value}``.
+    ``with_sources``: each tensor's result says how it was held (a save DCP planned: its manifest is made from the
+    results). ``reuse``: in a save that records its chunks, every chunk goes through it."""
     jobs = WriteJobs(storage, reuse)
-    for fqn in sorted(assignment.describes):
-        jobs.array_metadata(assignment.arrays[fqn])
+    fills: dict[str, bool | int | float] = {}
     describe_source = SourceDescriptions(sharded_tensor_type())
     resolve = _tensor_resolver(planner)
     lookup = getattr(planner, "lookup_object", None)
@@ -46,14 +48,29 @@ def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssign
             continue
         assert item.tensor_data is not None  # DCP sets it on every item that is not BYTE_IO
         tensor = checked_tensor(resolve(item), fqn)
-        jobs.tensor(assignment.arrays[fqn], tensor, item.tensor_data.chunk.offsets)
-        storage_data = {}
+        spec = assignment.arrays[fqn]
+        fill = held_in_fill(spec, tensor) if fqn in assignment.describes else None
+        storage_data: dict = {}
+        if fill is None:
+            jobs.tensor(spec, tensor, item.tensor_data.chunk.offsets)
+        else:
+            fills[fqn] = storage_data["fill"] = fill
         if with_sources:
             storage_data["source"] = describe_source(getattr(planner, "state_dict", {}).get(fqn))
         results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                    storage_data=storage_data))
+    for fqn in sorted(assignment.describes):
+        jobs.array_metadata(assignment.arrays[fqn], fills.get(fqn))
     jobs.run(thread_count)
     return results, jobs.chunk_keys, jobs.stored()
+
+
+def held_in_fill(spec: ArraySpec, tensor: torch.Tensor) -> bool | int | float | None:
+    """The fill_value that holds ``tensor``, the one element of an array this rank describes (format/fill_values.py),
+    or None: its chunk is written. Only the rank writing the array's zarr.json may keep its element there."""
+    if tensor.numel() != 1 or not may_hold_in_fill(spec.layout.shape, spec.data_type):
+        return None
+    return fill_of(tensor.reshape(()).item())
 
 
 def checked_tensor(value, fqn: str) -> torch.Tensor:

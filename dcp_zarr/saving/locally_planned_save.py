@@ -68,7 +68,7 @@ class LocallyPlannedSave:
         assert isinstance(ticket, Ticket), f"a save planned locally was sent {type(ticket).__name__}"
         local, settings = self.local, self.settings
         checksums = local.reported_checksums(ticket)
-        values, objects = {}, {}
+        values, objects, fills = {}, {}, {}
         nbytes = 0
         chunks = None
         stored = ReuseCounts(0, 0, 0, 0)
@@ -91,11 +91,13 @@ class LocallyPlannedSave:
                     values[result.index.fqn] = result.storage_data["value"]
                 elif "object_nbytes" in result.storage_data:
                     objects[result.index.fqn] = result.storage_data["object_nbytes"]
+                elif "fill" in result.storage_data:
+                    fills[result.index.fqn] = result.storage_data["fill"]
             self.written_keys = aggregated_keys + chunk_keys
         if self.is_coordinator:  # kept here for finish: DCP pads every rank's gathered results to the largest
-            self._own_report = RankReport(values, objects, {}, chunks, stored)
-            values, objects, chunks = {}, {}, None
-        report = RankReport(values, objects, checksums, chunks, stored)
+            self._own_report = RankReport(values, objects, {}, chunks, stored, fills)
+            values, objects, chunks, fills = {}, {}, None, {}
+        report = RankReport(values, objects, checksums, chunks, stored, fills or None)
         return [WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=nbytes, storage_data=report)]
 
     def _write_aggregated(self, storage: Storage, planner: SavePlanner, reuse: ChunkReuse | None
@@ -130,6 +132,7 @@ class LocallyPlannedSave:
         values.update((fqn, v) for report in reports for fqn, v in report.values.items())
         objects = dict(own.objects)
         objects.update((fqn, n) for report in reports for fqn, n in report.objects.items())
+        fills = {fqn: v for report in (own, *reports) for fqn, v in (report.fills or {}).items()}
         plan = local.plan
         assert plan is not None and plan.saved_specs is not None and plan.saved_shards is not None  # the coordinator's
         specs, saved_shards = plan.saved_specs, plan.saved_shards
@@ -137,7 +140,7 @@ class LocallyPlannedSave:
         for fqn, entry in local.save_entries().items():
             if fqn in specs:
                 entries[fqn] = coordinator.tensor_entry(specs[fqn], entry.path, entry.size, entry.requires_grad,
-                                                        saved_shards[fqn], entry.source)
+                                                        saved_shards[fqn], entry.source, fills.get(fqn))
             else:
                 entries[fqn] = coordinator.stored_value_entry(fqn, entry.path, plan.nodes[fqn], values, objects)
         record = None

@@ -25,6 +25,7 @@ from dcp_zarr.format.encoding import (
     shard_index_bytes,
     verify_plain,
 )
+from dcp_zarr.format.fill_values import filled
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.base import StoredValue
 
@@ -133,14 +134,16 @@ def _fills_target(piece: _Piece) -> bool:
 class RegionReader:
     """Reads regions of one stored array into numpy views, verifying every chunk it touches.
 
-    Shard indexes are cached, so reading many regions of one shard fetches its index once. Thread-safe.
+    Shard indexes are cached, so reading many regions of one shard fetches its index once. Thread-safe. ``fill``:
+    the array's one element, kept in its fill_value with no chunk (format/fill_values.py), which every read gives.
     """
 
-    def __init__(self, storage: Storage, node: str, layout: ChunkLayout, dtype: np.dtype):
+    def __init__(self, storage: Storage, node: str, layout: ChunkLayout, dtype: np.dtype, fill=None):
         self.storage = storage
         self.node = node
         self.layout = layout
         self.dtype = dtype
+        self.fill = None if fill is None else filled(fill, dtype)
         self._indexes: dict[tuple[int, ...], np.ndarray] = {}
         self._lock = threading.Lock()
         # A shard spanning the array (what this library writes) is the array's one chunk: regions inside it are
@@ -151,6 +154,9 @@ class RegionReader:
     def read_into(self, offsets: Sequence[int], out: np.ndarray) -> int:
         """Fill ``out`` with the region of the array starting at ``offsets``; returns the bytes fetched."""
         layout = self.layout
+        if self.fill is not None:
+            out[...] = self.fill
+            return 0
         if out.ndim == 0:
             return self._read_piece(f"{self.node}/c", 0, None, (), (), out, ())
         if out.size == 0:

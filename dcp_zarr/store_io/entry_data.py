@@ -44,8 +44,8 @@ def tensor_reader(storage: Storage, entry: Entry, fqn: str, array_doc: dict | No
         if array_doc is None:
             array_doc = array_document(storage, node, fqn)
         checked = checked_layout(array_doc, f"{storage.url}: array {node!r}", fqn, entry.shape, entry.chunk_shape,
-                                 entry.inner_chunk_rows, entry.dtype, entry.codec)
-    return RegionReader(storage, node, checked, STORED_DTYPES[entry.dtype][0])
+                                 entry.inner_chunk_rows, entry.dtype, entry.codec, entry.fill)
+    return RegionReader(storage, node, checked, STORED_DTYPES[entry.dtype][0], entry.fill)
 
 
 def array_document(storage: Storage, node: str, fqn: str) -> dict:

@@ -78,8 +78,9 @@ class WriteJobs:
         return reused._replace(written_chunks=reused.written_chunks + self._objects,
                                written_bytes=reused.written_bytes + self._stored_bytes)
 
-    def array_metadata(self, spec: ArraySpec) -> None:
-        self.jobs.append((0, partial(_write_array_metadata, self.storage, spec)))
+    def array_metadata(self, spec: ArraySpec, fill=None) -> None:
+        """The array's zarr.json; ``fill``: the value of an array kept in its fill_value, with no chunk."""
+        self.jobs.append((0, partial(_write_array_metadata, self.storage, spec, fill)))
 
     def value(self, fqn: str, node: str, value, saved_bytes: Callable[[], bytes]) -> tuple[dict, int]:
         """A non-tensor entry: its JSON document if plain JSON holds ``value`` exactly, else its ``torch.save``
@@ -194,14 +195,26 @@ def encoded_array_metadata(spec: ArraySpec) -> str:
     """The array's zarr.json, encoded, as written to its node and copied into the manifest's nodes: a
     function of the spec alone, made once a process for each array of a model saved again and again (the
     coordinator's ``finish``, which every rank's save waits for, copies every array's)."""
+    return _encoded(spec, None)
+
+
+def encoded_filled_array_metadata(spec: ArraySpec, fill) -> str:
+    """The zarr.json of an array kept in its fill_value, ``fill`` (format/fill_values.py); not cached: the value
+    changes from save to save, and 0.0, -0.0 and False would share one cache entry."""
+    return _encoded(spec, fill)
+
+
+def _encoded(spec: ArraySpec, fill) -> str:
     return json_text(array_metadata(spec.layout, spec.data_type, spec.itemsize,
-                                    {"dcp_zarr": {"fqn": spec.fqn, "dtype": spec.dtype_name}}, node=spec.node))
+                                    {"dcp_zarr": {"fqn": spec.fqn, "dtype": spec.dtype_name}}, node=spec.node,
+                                    fill_value=fill))
 
 
-def _write_array_metadata(storage: Storage, spec: ArraySpec) -> None:
+def _write_array_metadata(storage: Storage, spec: ArraySpec, fill) -> None:
     # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
     # once (twenty dicts and lists each) would set off the garbage collector's full collections (node_copies.py).
-    storage.write(f"{spec.node}/zarr.json", [encoded_array_metadata(spec).encode()])
+    text = encoded_array_metadata(spec) if fill is None else encoded_filled_array_metadata(spec, fill)
+    storage.write(f"{spec.node}/zarr.json", [text.encode()])
 
 
 def _on_host(tensor: torch.Tensor) -> bool:

@@ -49,8 +49,10 @@ def step_values(ckpt: Checkpoint) -> dict[str, float | int]:
 
 def chunk_count(entry: Entry) -> int:
     """Stored chunks (shards, for large arrays) of a tensor entry: every chunk of its grid, since the saved boxes
-    tile the tensor and each is whole chunks."""
+    tile the tensor and each is whole chunks; none for a tensor kept in its array's fill_value."""
     assert entry.shape is not None and entry.chunk_shape is not None  # recorded for every tensor entry
+    if entry.fill is not None:
+        return 0
     return ChunkLayout(entry.shape, entry.chunk_shape, entry.inner_chunk_rows).chunk_count
 
 

@@ -2,7 +2,8 @@
 for ``dcp-zarr inspect``.
 
 What is counted is the data of the entry's array: its chunk (or shard) objects. Its ``zarr.json`` and the root's
-manifest are not counted; a value held in the manifest (``kind == "value"``) stores no bytes of its own.
+manifest are not counted; a value held in the manifest (``kind == "value"``) stores no bytes of its own, nor does a
+tensor kept in its array's fill_value (``Entry.fill``: format/fill_values.py).
 
 * An array stored as it is: computed from its layout, nothing read. Every chunk holds its full chunk shape (edge
   chunks padded) and its crc32c; every shard holds its inner chunks, each at its full size with its crc32c, and its
@@ -63,7 +64,7 @@ def stored_sizes(ckpt: Checkpoint, entries: Iterable[Entry] | None = None) -> di
     for entry in chosen:
         if entry.kind == OBJECT:
             sizes[entry.fqn] = entry.nbytes + CHECKSUM_BYTES
-        elif entry.kind != TENSOR:
+        elif entry.kind != TENSOR or entry.fill is not None:  # a value, or a tensor kept in its fill_value
             sizes[entry.fqn] = 0
         elif entry.codec is not None:
             compressed.append(entry)

@@ -109,6 +109,8 @@ def _tensor_jobs(ckpt: Checkpoint, entry: Entry, report: VerifyReport) -> list[_
     if copy is not None and copy != own:
         report.problems.append(Problem(entry.fqn, entry.node, None, "zarr.json differs from its copy in the root "
                                        "zarr.json (which dcp_zarr reads)"))
+    if entry.fill is not None:  # kept in the zarr.json's fill_value, checked above: no chunk is stored
+        return []
     itemsize = _itemsize(entry)
     return [_ChunkJob(entry, layout, c, itemsize) for c in layout.all_chunks()]
 

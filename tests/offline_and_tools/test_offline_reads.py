@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -32,7 +33,8 @@ def sample_state() -> dict:
         "model": {
             "big": torch.randn(2600, 1024, generator=g),  # 10.2 MiB: 3 row pieces
             **{f"mid{i}": torch.randn(640, 1024, generator=g) for i in range(4)},  # 2.5 MiB each: 1 piece each
-            "scale": torch.tensor(0.25),
+            "scale": torch.tensor(0.25),  # kept in its array's fill_value: no chunk
+            "half_scale": torch.tensor(0.25, dtype=torch.bfloat16),  # a dtype that is not: one chunk
             "empty": torch.empty(0, 5),
             "bias": torch.randn(3, generator=g).to(torch.bfloat16),
         },
@@ -187,12 +189,16 @@ def test_a_region_across_pieces_and_inner_chunks_is_exact_and_fetches_each_inner
         assert len(storage.ranges) == len(set(storage.ranges)), storage.ranges
 
 
-def test_a_0d_tensor_is_one_read(saved):
+def test_a_0d_tensor_is_one_read_or_none_where_its_fill_value_holds_it(saved):
     ckpt, storage = counting_checkpoint(saved[0], requests=4)
 
-    assert ckpt.read_tensor("model.scale").item() == 0.25
-    assert ckpt.read_array("model.scale").shape == ()
+    assert ckpt.read_tensor("model.half_scale").item() == 0.25
+    assert ckpt.read_array("model.half_scale").shape == ()
     assert len(storage.ranges) == 2
+    storage.ranges.clear()
+    assert ckpt.entry("model.scale").fill == 0.25 and ckpt.entry("model.half_scale").fill is None
+    assert ckpt.read_tensor("model.scale").item() == 0.25 and ckpt.read_array("model.scale").shape == ()
+    assert storage.ranges == []
 
 
 def test_a_region_without_elements_reads_nothing(saved):
@@ -225,7 +231,7 @@ def test_read_jobs_fill_the_region_in_any_order_each_job_counting_its_rows(saved
 def test_read_jobs_of_a_0d_array_is_one_and_of_an_empty_region_none(saved):
     ckpt = open_checkpoint(saved[0])
 
-    scalar = np.empty((), dtype=np.float32)
-    jobs = ckpt.region_reader(ckpt.entry("model.scale")).read_jobs([], scalar)
-    assert [n for n, _ in jobs] == [4] and jobs[0][1]() > 0 and scalar.item() == 0.25
+    scalar = np.empty((), dtype=ml_dtypes.bfloat16)
+    jobs = ckpt.region_reader(ckpt.entry("model.half_scale")).read_jobs([], scalar)
+    assert [n for n, _ in jobs] == [2] and jobs[0][1]() > 0 and scalar.item() == 0.25
     assert ckpt.region_reader(ckpt.entry("model.big")).read_jobs([5, 0], np.empty((0, 1024), np.float32)) == []

@@ -58,7 +58,8 @@ def save(state, path, **writer_options) -> ZarrWriter:
 
 
 def tensor_nodes(path) -> set[str]:
-    return {e["node"] for e in root_manifest(path)["entries"].values() if e["kind"] == "tensor"}
+    """The arrays that store chunks: every tensor's but those kept in their fill_value (one-element tensors)."""
+    return {e["node"] for e in root_manifest(path)["entries"].values() if e["kind"] == "tensor" and "fill" not in e}
 
 
 def chunks_under(files, node: str) -> set[str]:
@@ -203,7 +204,7 @@ def test_a_full_fine_tune_s_later_saves_store_an_object_per_rank_s_box_and_load_
     paths = [str(tmp_path / f"{step}.zarr") for step in range(4)]
     boxes = {}  # node -> the objects a full save on object storage stores it in
     for entry in root_manifest(paths[3])["entries"].values():
-        if entry["kind"] == "tensor":
+        if entry["kind"] == "tensor" and "fill" not in entry:  # (AdamW's steps: in their fill_value, no chunk)
             with open(os.path.join(paths[3], entry["node"], "zarr.json")) as f:
                 shape = json.load(f)["shape"]
             piece_bytes = -(-shape[0] // 2) * math.prod(shape[1:]) * 4 if shape else 0
@@ -435,7 +436,8 @@ def test_embedding_rows_changed_cost_the_chunks_that_hold_them(tmp_path):
 def _fine_tune_state(seed: int) -> dict:
     return {"model": {"w": random_bits((300, 100), torch.float32, seed), "b": random_bits((100,), torch.float32, seed),
                       "e": random_bits((64, 32), torch.bfloat16, seed)},
-            "optim": {"step": torch.tensor(float(seed))}}
+            # bfloat16: a 0-d tensor stored as a chunk (a float32 one is kept in its array's fill_value, no chunk)
+            "optim": {"step": torch.tensor(float(seed), dtype=torch.bfloat16)}}
 
 
 def test_a_full_fine_tune_links_nothing_and_loads_exactly(tmp_path):
@@ -682,7 +684,8 @@ def test_an_array_whose_zarr_json_changed_is_written_whole_though_its_data_did_n
     writer = save(_changing_state(1), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr",
                   inner_chunk_bytes=16 << 10, compression=Compression("zstd", min_bytes=0, min_ratio=0))
 
-    assert writer.reuse_counts.linked_chunks == 1  # the 0-d step: integers, never compressed
+    # the arrays' zarr.json changed (compressed now), so nothing is linked; the 0-d step is kept in its fill_value
+    assert writer.reuse_counts.linked_chunks == 0 and "step/c" not in chunk_files(tmp_path / "2.zarr")
     shutil.rmtree(tmp_path / "1.zarr")
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), _changing_state(1)), _changing_state(1))
 
@@ -708,7 +711,8 @@ def test_bf16_0d_tensors_and_non_tensor_values_survive_a_chain(tmp_path):
     def state(step):
         return {"model": {"frozen": random_bits((64, 48), torch.bfloat16, 1),
                           "trained": random_bits((64, 48), torch.bfloat16, 1 + step),
-                          "scale": torch.tensor(0.5), "step": torch.tensor(step)},
+                          "scale": torch.tensor(0.5, dtype=torch.bfloat16), "step": torch.tensor(step),
+                          "lr": torch.tensor(1e-4 * step)},
                 "step": step, "config": {"lr": 1e-4 * step, "name": f"run-{step}", "layers": [1, step]},
                 "shape": torch.Size([step, 3])}
 
@@ -716,8 +720,11 @@ def test_bf16_0d_tensors_and_non_tensor_values_survive_a_chain(tmp_path):
     save(state(2), tmp_path / "2.zarr", incremental_from=tmp_path / "1.zarr")
 
     written = new_files(tmp_path / "2.zarr", tmp_path / "1.zarr")
-    assert chunks_under(written, "model/trained") and chunks_under(written, "model/step")
-    assert not chunks_under(written, "model/frozen") and not chunks_under(written, "model/scale")
+    assert chunks_under(written, "model/trained") and not chunks_under(written, "model/frozen")
+    assert not chunks_under(written, "model/scale"), "an unchanged bfloat16 0-d chunk is linked"
+    stored = file_identities(tmp_path / "2.zarr")  # int64 and float32 0-d tensors: in their fill_value, no chunk
+    assert not chunks_under(stored, "model/step") and not chunks_under(stored, "model/lr")
+    assert {"model/step/zarr.json", "model/lr/zarr.json"} <= written.keys()
     shutil.rmtree(tmp_path / "1.zarr")
     assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
 
@@ -754,10 +761,10 @@ def test_the_tools_treat_an_incremental_store_like_any_other(tmp_path, capsys):
 
     origin = root_manifest(second)["chunks"]["incremental_from"]
     assert origin["path"] == str(first) and origin["reused_chunks"] > 0
-    assert main(["inspect", str(first)]) == 0
-    assert "  incremental: 3 arrays recorded; the first of a chain: nothing reused\n" in capsys.readouterr().out
+    assert main(["inspect", str(first)]) == 0  # the two matrices: the step, kept in its fill_value, has no chunk
+    assert "  incremental: 2 arrays recorded; the first of a chain: nothing reused\n" in capsys.readouterr().out
     assert main(["inspect", str(second)]) == 0
-    assert (f"  incremental: 3 arrays recorded; {origin['reused_chunks']} chunks "
+    assert (f"  incremental: 2 arrays recorded; {origin['reused_chunks']} chunks "
             f"({human_bytes(origin['reused_bytes'])}) linked from {first}\n") in capsys.readouterr().out
     assert main(["diff", str(first), str(second), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)

@@ -107,11 +107,30 @@ def test_a_checkpoint_on_other_storage_is_refused(recorded, tmp_path):
     assert not (tmp_path / "2.zarr").exists()
 
 
+def _as_format(version: int):
+    """A manifest edit: the store said to be of format ``version``, which keeps no tensor in a fill_value."""
+    def edit(manifest: dict) -> None:
+        manifest.update(format_version=version)
+        for entry in manifest["entries"].values():
+            entry.pop("fill", None)
+    return edit
+
+
 def test_a_checkpoint_of_another_format_version_is_refused(recorded, store_copy, tmp_path):
     older = store_copy(recorded)
-    edit_root_manifest(older, lambda manifest: manifest.update(format_version=5))
+    edit_root_manifest(older, _as_format(5))
     _refused(tmp_path / "2.zarr", older, "format version 5")
     assert not (tmp_path / "2.zarr").exists()
+
+
+def test_a_format_6_checkpoint_is_a_base_its_chunks_laid_out_alike(recorded, store_copy, tmp_path):
+    """Format 7 only keeps one-element tensors in their fill_value (the step here), which a save never reuses."""
+    older = store_copy(recorded)
+    edit_root_manifest(older, _as_format(6))
+    writer = save(state(2), tmp_path / "2.zarr", incremental_from=older)
+    assert writer.reuse_counts.linked_chunks > 0
+    shutil.rmtree(older)
+    assert_state_equal(load_full(str(tmp_path / "2.zarr"), state(2)), state(2))
 
 
 def test_incremental_false_with_incremental_from_is_refused_at_the_writer(recorded, tmp_path):

@@ -103,8 +103,11 @@ def test_edge_case_tensors(tmp_path):
         assert same_bits(back[name], tensor.contiguous()), name
     group = zarr.open_group(path, mode="r")
     assert group["row_view"].shape == (10,), "a view stores only its own elements"
-    assert group["zero_step"][()] == 0.0
-    assert os.path.exists(os.path.join(path, "zero_step", "c")), "an all-zero chunk must be stored, not skipped"
+    assert group["zero_step"][()] == 0.0 and group["scalar"][()] == 3.5
+    # a one-element tensor is kept in its array's fill_value (format/fill_values.py), with no chunk; any other
+    # all-zero chunk is stored, not skipped as zarr-python skips a chunk equal to its fill_value
+    assert not any(os.path.exists(os.path.join(path, name, "c")) for name in ("zero_step", "scalar"))
+    assert group["scalar"].metadata.fill_value == 3.5
     assert os.path.exists(os.path.join(path, "zeros", "c.0.0"))
 
 
@@ -562,7 +565,8 @@ def test_device_tensors_copied_on_io_threads_give_the_same_store(tmp_path, monke
     import dcp_zarr.store_io.write_jobs as writer_module
 
     sd = {"big": torch.randn(4096, 300), "t": torch.randn(64, 48).t(), "bf16": torch.randn(37, 5).bfloat16(),
-          "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "obj": torch.Size([2])}
+          "scalar": torch.tensor(2.5, dtype=torch.bfloat16), "empty": torch.zeros(0, 3), "obj": torch.Size([2]),
+          "kept_in_fill": torch.tensor(2.5)}
     direct = ZarrWriter(tmp_path / "direct.zarr", inner_chunk_bytes=256 << 10)
     dcp.save(sd, planner=ZarrSavePlanner(), storage_writer=direct)
     monkeypatch.setattr(writer_module, "_on_host", lambda tensor: False)

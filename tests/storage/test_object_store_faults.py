@@ -90,7 +90,7 @@ def test_transient_faults_on_chunk_writes_are_retried_and_the_save_succeeds(prox
         # aiohttp retries a PUT on a dropped keep-alive connection once by itself, so 8 resets spread over the 32
         # requests in flight can all be absorbed there; 4 on one key outlast it and must reach dcp_zarr's retries.
         times = 4
-        rule = proxy.inject(action, path=r"/ckpt\.zarr/optim/step/c$", times=times, per_key=times)
+        rule = proxy.inject(action, path=r"/ckpt\.zarr/model/ids/c\.0$", times=times, per_key=times)
     else:
         rule = proxy.inject(action, times=times, per_key=2)
     url, opts = fresh_url(proxy), options(proxy)
@@ -107,7 +107,7 @@ def test_transient_faults_on_chunk_reads_are_retried_and_the_load_succeeds(proxy
     url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
     if action == "reset":  # as for writes: 4 resets on one key outlast aiohttp's own retry of a dropped connection
-        times, rule = 4, proxy.inject(action, methods=("GET",), path=r"/ckpt\.zarr/optim/step/c$", times=4, per_key=4)
+        times, rule = 4, proxy.inject(action, methods=("GET",), path=r"/ckpt\.zarr/model/ids/c\.0$", times=4, per_key=4)
     else:
         times, rule = 10, proxy.inject(action, methods=("GET",), times=10, per_key=3)
     assert_state_equal(load_full(url, STATE, storage_options=opts), STATE)
@@ -137,10 +137,10 @@ def test_with_the_clients_own_retries_on_too_the_save_succeeds(proxy, monkeypatc
 
 @pytest.mark.s3
 def test_backoff_grows_exponentially_and_is_capped(proxy, caplog):
-    proxy.inject("503", path=r"/ckpt\.zarr/optim/step/c$", times=5)
+    proxy.inject("503", path=r"/ckpt\.zarr/model/ids/c\.0$", times=5)
     url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    delays = [float(re.search(r"in ([0-9.]+) s", m).group(1)) for m in _retries_logged(caplog) if "optim/step/c" in m]
+    delays = [float(re.search(r"in ([0-9.]+) s", m).group(1)) for m in _retries_logged(caplog) if "model/ids/c.0" in m]
     assert len(delays) == 5
     for n, delay in enumerate(delays, 1):
         ceiling = min(FAST.max_delay, FAST.initial_delay * FAST.multiplier ** (n - 1))
@@ -169,7 +169,7 @@ def _attempts_on(proxy, key_pattern: str, method: str) -> int:
 
 @pytest.mark.s3
 def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
-    key = r"/ckpt\.zarr/optim/step/c$"
+    key = r"/ckpt\.zarr/model/ids/c\.0$"
     proxy.inject("503", path=key, times=float("inf"))
     url, opts = fresh_url(proxy), options(proxy)
     with pytest.raises(CheckpointException) as info:
@@ -184,14 +184,14 @@ def test_a_writers_retry_policy_is_used_for_its_calls(proxy):
 def test_a_readers_retry_policy_is_used_for_its_calls(proxy):
     url, opts = fresh_url(proxy), options(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
-    key = r"/ckpt\.zarr/optim/step/c$"
+    key = r"/ckpt\.zarr/model/ids/c\.0$"
     proxy.inject("503", methods=("GET",), path=key, times=float("inf"))
     with pytest.raises(CheckpointException, match="gave up after 2 attempts"):
         load_full(url, STATE, storage_options=opts, retry=TWO)
     assert _attempts_on(proxy, key, "GET") == 2
     proxy.fault_log.clear()
     with pytest.raises(ObjectStoreError, match="gave up after 3 attempts"):
-        open_checkpoint(url, opts, retry=RetryPolicy(attempts=3, initial_delay=0.01)).read("optim.step")
+        open_checkpoint(url, opts, retry=RetryPolicy(attempts=3, initial_delay=0.01)).read("model.ids")
     assert _attempts_on(proxy, key, "GET") == 3
     proxy.fault_log.clear()
     with pytest.raises(CheckpointException, match=f"gave up after {FAST.attempts} attempts"):

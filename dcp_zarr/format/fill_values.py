@@ -1,0 +1,59 @@
+"""One-element tensors kept in their array's ``fill_value``, with no chunk stored (format 7).
+
+An optimizer's ``step`` is one number per parameter: a 4- or 8-byte chunk each, which on an object store is a PUT to
+save and a GET to load, a quarter of the requests of a small model's AdamW state (benchmarks/reports/object-stores.md,
+"Where the time goes"). A Zarr array reads as its ``fill_value`` wherever a chunk is absent (zarr-python itself skips
+writing a chunk equal to its fill value), so an array of one element whose ``fill_value`` is that element needs no
+chunk: zarr-python, TensorStore and xarray read it as they read any array. The manifest's entry says so (``fill``),
+which is how this library's readers know that the chunk is absent on purpose, not lost.
+
+Only finite values of the plain numeric dtypes, which JSON holds exactly as the Zarr v3 spec writes them (a number,
+or true/false): a non-finite float or any other dtype is stored as a chunk, as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dcp_zarr.errors import MalformedMetadataError
+
+_INTEGER_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_FLOAT_TYPES = ("float16", "float32", "float64")
+FILL_DATA_TYPES = frozenset(("bool", *_INTEGER_TYPES, *_FLOAT_TYPES))  # zarr v3 data types
+
+
+def may_hold_in_fill(shape: tuple[int, ...], data_type: str) -> bool:
+    """Whether an array of this shape and zarr ``data_type`` is one element that its fill_value can hold."""
+    return math.prod(shape) == 1 and data_type in FILL_DATA_TYPES
+
+
+def fill_of(value) -> bool | int | float | None:
+    """The JSON fill_value holding ``value`` (a one-element tensor's ``item()``), or None where it is not finite."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def checked_fill(fill, data_type: str, shape: tuple[int, ...], where: str) -> bool | int | float:
+    """``fill`` as a manifest entry of ``data_type`` and ``shape`` may hold it; MalformedMetadataError naming
+    ``where`` otherwise."""
+    if not may_hold_in_fill(shape, data_type):
+        raise MalformedMetadataError(f"{where}: a fill value is stored only for one-element arrays of "
+                                     f"{', '.join(sorted(FILL_DATA_TYPES))}, not shape {list(shape)} {data_type}")
+    if data_type == "bool":
+        fits = type(fill) is bool
+    elif data_type in _INTEGER_TYPES:
+        info = np.iinfo(data_type)
+        fits = type(fill) is int and info.min <= fill <= info.max
+    else:
+        fits = type(fill) in (int, float) and math.isfinite(fill)
+    if not fits:
+        raise MalformedMetadataError(f"{where}: fill value {fill!r} is not a {data_type} value")
+    return fill
+
+
+def filled(fill, dtype: np.dtype) -> np.ndarray:
+    """A 0-d array of ``dtype`` holding ``fill``."""
+    return np.asarray(fill, dtype=dtype)
