@@ -17,8 +17,6 @@ import math
 
 import numpy as np
 
-from dcp_zarr.errors import MalformedMetadataError
-
 _INTEGER_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 _FLOAT_TYPES = ("float16", "float32", "float64")
 FILL_DATA_TYPES = frozenset(("bool", *_INTEGER_TYPES, *_FLOAT_TYPES))  # zarr v3 data types
@@ -36,12 +34,12 @@ def fill_of(value) -> bool | int | float | None:
     return value
 
 
-def checked_fill(fill, data_type: str, shape: tuple[int, ...], where: str) -> bool | int | float:
-    """``fill`` as a manifest entry of ``data_type`` and ``shape`` may hold it; MalformedMetadataError naming
-    ``where`` otherwise."""
+def checked_fill(fill, data_type: str, shape: tuple[int, ...]) -> bool | int | float:
+    """``fill``, as a manifest entry of zarr ``data_type`` and ``shape`` may hold it; ValueError saying why not
+    (the manifest names the entry)."""
     if not may_hold_in_fill(shape, data_type):
-        raise MalformedMetadataError(f"{where}: a fill value is stored only for one-element arrays of "
-                                     f"{', '.join(sorted(FILL_DATA_TYPES))}, not shape {list(shape)} {data_type}")
+        raise ValueError(f"fill {fill!r}: a fill is stored only for one-element arrays of "
+                         f"{', '.join(sorted(FILL_DATA_TYPES))}, not shape {list(shape)} {data_type}")
     if data_type == "bool":
         fits = type(fill) is bool
     elif data_type in _INTEGER_TYPES:
@@ -50,7 +48,7 @@ def checked_fill(fill, data_type: str, shape: tuple[int, ...], where: str) -> bo
     else:
         fits = type(fill) in (int, float) and math.isfinite(fill)
     if not fits:
-        raise MalformedMetadataError(f"{where}: fill value {fill!r} is not a {data_type} value")
+        raise ValueError(f"fill {fill!r} is not a {'finite ' if data_type in _FLOAT_TYPES else ''}{data_type} value")
     return fill
 
 

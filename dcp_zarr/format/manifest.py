@@ -343,7 +343,7 @@ def _tensor_from_json(fqn: str, path: tuple, node: str, raw: dict, version: int)
     if fill is not None:
         if version < FILL_FORMAT_VERSION:
             raise ValueError(f"fill {fill!r} in a format-{version} store, which keeps no tensor in a fill value")
-        fill = checked_fill(fill, STORED_DTYPES[raw["dtype"]][1], shape, "fill")
+        fill = checked_fill(fill, STORED_DTYPES[raw["dtype"]][1], shape)
     return TensorEntry(fqn, path, node, raw["dtype"], shape, chunk_shape, inner_rows, requires_grad, saved_shards,
                        source, codec, fill)
 
