@@ -289,7 +289,7 @@ def test_an_overwrite_killed_while_deleting_the_old_checkpoint_never_leaves_one_
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("after", [0, 4, 9])  # of the 10 chunk writes
+@pytest.mark.parametrize("after", [0, 4, 8])  # of the 9 chunk writes (the step: in its fill_value)
 def test_an_overwrite_that_fails_while_writing_commits_nothing(proxy, after):
     opts, url = options(proxy), fresh_url(proxy)
     save_plain(STATE, url, storage_options=opts, **WRITER)
