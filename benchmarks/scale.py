@@ -421,7 +421,7 @@ def check_representatives(layout: str, world: int, entries: int) -> int:
 
 
 def rank_planning(layout: str, worlds: list[int], entries: int, repeats: int) -> dict:
-    """Rank 0's planning (ZarrSavePlanner.create_local_plan, ZarrWriter.prepare_local_plan, LocalSave.rank_writes),
+    """Rank 0's planning (ZarrSavePlanner.create_local_plan, ZarrWriter.prepare_local_plan, RankPlanning.rank_writes),
     cold caches, at each world size, interleaved over ``repeats`` rounds; medians."""
     tensors = model_tensors(entries)
     times: dict[int, dict[str, list[float]]] = {w: defaultdict(list) for w in worlds}

@@ -16,7 +16,7 @@ load's requests, bytes and server CPU. The floor: the objects ``zarr`` stored (t
 a tight obstore loop, 32 in flight per rank: what any writer of that many objects pays on this server.
 
 The simulation plans every rank of a job in turn, on torch's fake process group with meta tensors, by the functions
-a real save and load call (ZarrSavePlanner, ``LocalSave.rank_writes`` and its aggregation, then DCP's load planner,
+a real save and load call (ZarrSavePlanner, ``RankPlanning.rank_writes`` and its aggregation, then DCP's load planner,
 ``rank_needs``, ``SharedReads``), and counts a PUT per stored chunk of each box a rank writes, per block it
 aggregates and per ``zarr.json`` it describes (the coordinator each group's and the root's); a GET per plain chunk,
 two per shard (index, inner chunks); the coordinator the root. No bytes move.
@@ -324,8 +324,8 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     from dcp_zarr.json_documents import json_text
     from dcp_zarr.loading.metadata import dcp_metadata
     from dcp_zarr.placement.holdings import group_rank_of
-    from dcp_zarr.planning.local_save import LocalSave
-    from dcp_zarr.planning.protocol import SaveOptions, Ticket
+    from dcp_zarr.planning.protocol import PlanOptions, Ticket
+    from dcp_zarr.planning.rank_planning import RankPlanning
     from dcp_zarr.storage.base import Storage
 
     below = Storage.aggregate_below if collective else 0  # an object store's default
@@ -334,8 +334,8 @@ def simulate(layout: str, world: int, arrays: int, shape: tuple[int, ...], colle
     for rank in _fake_ranks(world):
         planner = ZarrSavePlanner()
         planner.set_up_planner(rank_state(layout, world, arrays, shape), None, rank == 0)
-        local = LocalSave(planner.create_local_plan().planner_data, rank, rank == 0, "none", 0,
-                          SaveOptions(INNER, below, DEFAULT_EXCHANGE_BYTES, None))
+        local = RankPlanning(planner.create_local_plan().planner_data, rank, rank == 0, "none", 0,
+                          PlanOptions(INNER, below, DEFAULT_EXCHANGE_BYTES, None))
         items, assignment = local.rank_writes(Ticket("sim", "s3://sim/x", False, frozenset()), False)
         plan = local.plan
         for item in items:

@@ -83,7 +83,7 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
     (planning/compression_sample.py serves saves planned locally), and a codec stores data that does not compress
     within its overhead (format/codecs.py). With ``records_chunks`` (an incremental save), ``ChunkLayout.recorded``:
     one object per chunk, or a full save's shards of at most 16 inner chunks for the ``whole_arrays`` (nodes:
-    ``SaveOptions.whole_arrays``), and no shard spanning an array (the chunk path records each object its rank
+    ``PlanOptions.whole_arrays``), and no shard spanning an array (the chunk path records each object its rank
     wrote)."""
     boxes: dict[str, list] = defaultdict(list)  # fqn -> [ChunkStorageMetadata]: (offsets, sizes) read in place
     tensor_data = {}

@@ -35,7 +35,7 @@ class Summary(NamedTuple):
     world_size: int
     digest: str  # entries.structure_digest
     replica_digests: tuple[tuple[str, str], ...]  # (replica group, digest of its keys' checksums)
-    # ZarrWriter's options that decide who writes what (SAVE_OPTIONS, in order). A default may differ between ranks
+    # ZarrWriter's options that decide who writes what (PLAN_OPTIONS, in order). A default may differ between ranks
     # (aggregate_below follows the mount type each rank sees): ranks that disagree would write different layouts.
     options: tuple[int | str | None, ...] = ()
     # With compression, the floating-point arrays whose sample of this rank's part did not compress enough
@@ -43,7 +43,7 @@ class Summary(NamedTuple):
     poorly_compressed: frozenset[str] = frozenset()
 
 
-class SaveOptions(NamedTuple):
+class PlanOptions(NamedTuple):
     """ZarrWriter's options that decide who writes what and how it is laid out: the inputs of a save's plan besides
     its entries and world (write_plan.py), which every rank's ``Summary`` carries so that ranks that differ are
     refused. An option added here is in the plan's cache key and in the check alike."""
@@ -72,7 +72,7 @@ def _names_digest(names: frozenset[str]) -> str | None:
     return f"{len(names)} array{'' if len(names) == 1 else 's'} ({digest})"
 
 
-SAVE_OPTIONS = SaveOptions._fields
+PLAN_OPTIONS = PlanOptions._fields
 
 
 class Ticket(NamedTuple):
@@ -159,7 +159,7 @@ def _check_options(summaries: list[Summary]) -> None:
     if len(ranks_of) < 2:
         return
     found, names = [], set()
-    for i, name in enumerate(SAVE_OPTIONS):
+    for i, name in enumerate(PLAN_OPTIONS):
         values: dict[int | str | None, list[int]] = defaultdict(list)
         for options, ranks in ranks_of.items():
             values[options[i] if i < len(options) else None] += ranks

@@ -25,7 +25,7 @@ from dcp_zarr.placement.box_writers import Decisions, exchange_decisions, rank_d
 from dcp_zarr.placement.chunk_grids import entry_layout
 from dcp_zarr.placement.holdings import TENSOR, Holding, Merged
 from dcp_zarr.planning.assignments import array_spec, checked_node_paths
-from dcp_zarr.planning.protocol import SaveOptions
+from dcp_zarr.planning.protocol import PlanOptions
 from dcp_zarr.planning.rank_part import RankPart
 from dcp_zarr.planning.recent_plans import recent_plans
 
@@ -38,7 +38,7 @@ class PlanKey:
     rank: int
     world_size: int
     coordinator: bool  # writes every value, and makes the manifest's specs
-    options: SaveOptions
+    options: PlanOptions
     array_shards: bool  # the storage writes at offsets: ranks' row blocks of an array fill one shard file
     stored_plain: frozenset[str]  # arrays some rank's compression sample refused (the Ticket's)
 
@@ -47,7 +47,7 @@ class PlanKey:
 class WritePlan:
     """What the save's structure and options decide. Not the entries themselves: the key stands for their structure,
     not for what each save reads of them anew (the state dict's key order, each tensor's source), which the save
-    takes from its own part (``LocalSave.save_entries``, ``save_key_order``)."""
+    takes from its own part (``RankPlanning.save_entries``, ``save_key_order``)."""
 
     nodes: dict[str, str]  # fqn -> zarr node of every entry of the save
     merged: Merged | None  # the exchange's plan, when the ranks differed
@@ -65,7 +65,7 @@ class WritePlan:
                 if fqn in writes or item.index in writes]
 
 
-def plan_for(part: RankPart, options: SaveOptions, array_shards: bool, stored_plain: frozenset[str],
+def plan_for(part: RankPart, options: PlanOptions, array_shards: bool, stored_plain: frozenset[str],
              merged: Merged | None = None) -> WritePlan:
     """The save's plan on this rank: reused while its key is the same (never after an exchange)."""
     key = PlanKey(part.digest, part.rank, part.world_size, part.coordinator, options, array_shards, stored_plain)
@@ -121,7 +121,7 @@ class _Layouts:
 
     def layout(self, entry: Holding, node: str) -> tuple[ChunkLayout, int]:
         """(the array's layout, its count of non-empty boxes saved). In a save that records its chunks, one object
-        per chunk, but for the arrays that changed whole in the earlier one (``SaveOptions.whole_arrays``)."""
+        per chunk, but for the arrays that changed whole in the earlier one (``PlanOptions.whole_arrays``)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
         codec = self.codec(entry)

@@ -1,7 +1,7 @@
 """A save planned on every rank (DCP's own planner taken over, or ``ZarrSavePlanner``): DCP carries the writer's
 messages (planning/protocol.py) in place of plans and write results.
 
-``local_plan``: the rank's part (planning/local_save.py) and its ``Summary``. ``global_plans`` (the coordinator):
+``local_plan``: the rank's part (planning/rank_planning.py) and its ``Summary``. ``global_plans`` (the coordinator):
 the summaries checked, the save begun, a ``Ticket`` for every rank. ``write``: the rank's chunks, its aggregated
 blocks (collective/), one ``RankReport``. ``finish`` (the coordinator): the manifest from its own plan and the
 reports, then the commit.
@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_zarr.collective.aggregated_writes import write_aggregated
 from dcp_zarr.collective.transfer import Group
 from dcp_zarr.format.manifest import Entry
-from dcp_zarr.planning.local_save import LocalSave
-from dcp_zarr.planning.protocol import REPORT_FQN, RankReport, SaveOptions, Ticket, check_summaries
+from dcp_zarr.planning.protocol import REPORT_FQN, PlanOptions, RankReport, Ticket, check_summaries
+from dcp_zarr.planning.rank_planning import RankPlanning
 from dcp_zarr.planning.save_planner import RankState
 from dcp_zarr.saving import coordinator, incremental
 from dcp_zarr.saving.item_writes import checked_tensor, write_items
@@ -36,9 +36,9 @@ class LocallyPlannedSave:
         self.is_coordinator = is_coordinator
         # This rank's part: it holds the planner, and so the state dict, so the save is dropped with it.
         self.earlier = incremental.open_earlier(settings)  # before anything is written
-        options = SaveOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.block_bytes(),
+        options = PlanOptions(settings.inner_chunk_bytes, settings.aggregate_below_bytes(), settings.block_bytes(),
                               settings.compression, settings.incremental, incremental.whole_arrays(self.earlier))
-        self.local = LocalSave(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
+        self.local = RankPlanning(state, rank, is_coordinator, settings.check_replicas, settings.replica_check_bytes,
                                options)
         self.written_keys: list[str] = []
         self._begun: coordinator.Begun | None = None  # the coordinator's, from global_plans

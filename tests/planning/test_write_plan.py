@@ -11,18 +11,18 @@ import torch
 from dcp_zarr import ZarrSavePlanner
 from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.compression import Compression
-from dcp_zarr.planning.local_save import LocalSave
-from dcp_zarr.planning.protocol import SAVE_OPTIONS, SaveOptions, Summary, Ticket, check_summaries
+from dcp_zarr.planning.protocol import PLAN_OPTIONS, PlanOptions, Summary, Ticket, check_summaries
+from dcp_zarr.planning.rank_planning import RankPlanning
 from dcp_zarr.planning.write_plan import PlanKey
 
-_OPTIONS = SaveOptions(1 << 20, 0, 1 << 20, None)
+_OPTIONS = PlanOptions(1 << 20, 0, 1 << 20, None)
 
 
-def _plan(options: SaveOptions, array_shards: bool = True, stored_plain: frozenset[str] = frozenset()):
+def _plan(options: PlanOptions, array_shards: bool = True, stored_plain: frozenset[str] = frozenset()):
     state = {"w": torch.arange(4096.0).reshape(64, 64), "b": torch.zeros(64), "step": 3}
     planner = ZarrSavePlanner()
     planner.set_up_planner(state, None, True)
-    local = LocalSave(planner.create_local_plan().planner_data, 0, True, "small", 1 << 20, options)
+    local = RankPlanning(planner.create_local_plan().planner_data, 0, True, "small", 1 << 20, options)
     local.rank_writes(Ticket("id", "somewhere", False, frozenset(), stored_plain), array_shards)
     return local.plan
 
@@ -54,7 +54,7 @@ def test_a_plan_is_made_anew_when_any_option_or_input_differs():
 
 def test_the_plan_key_names_every_option_the_ranks_must_agree_on():
     key_fields = {f.name for f in dataclasses.fields(PlanKey)}
-    assert "options" in key_fields and set(SAVE_OPTIONS) == set(SaveOptions._fields)
+    assert "options" in key_fields and set(PLAN_OPTIONS) == set(PlanOptions._fields)
     assert _OPTIONS.summarized()[:5] == (1 << 20, 0, 1 << 20, None, False)
     # the whole arrays travel as their count and a digest, which tells any two sets apart
     whole = [_OPTIONS._replace(whole_arrays=frozenset(names)).summarized()[5]

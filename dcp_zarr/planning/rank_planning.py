@@ -20,18 +20,18 @@ from dcp_zarr.planning import replicas
 from dcp_zarr.planning.assignments import RankAssignment
 from dcp_zarr.planning.compression_sample import poorly_compressed
 from dcp_zarr.planning.exchange import exchange_entries, merge
-from dcp_zarr.planning.protocol import SaveOptions, Summary, Ticket
+from dcp_zarr.planning.protocol import PlanOptions, Summary, Ticket
 from dcp_zarr.planning.rank_part import alone, gather_part
 from dcp_zarr.planning.replica_sums import group_digests, replica_checksums, reported_checksums
 from dcp_zarr.planning.save_planner import RankState
 from dcp_zarr.planning.write_plan import WritePlan, plan_for
 
 
-class LocalSave:
+class RankPlanning:
     """One rank's locally planned save (the module's docstring says when each part runs)."""
 
     def __init__(self, state: RankState, rank: int | None, coordinator: bool, check_replicas: str,
-                 replica_check_bytes: int, options: SaveOptions):
+                 replica_check_bytes: int, options: PlanOptions):
         self.part = part = gather_part(state, rank, coordinator)
         self.check_replicas = check_replicas
         self.options = options
