@@ -160,7 +160,8 @@ class Storage(abc.ABC):
         return StoredValue(self, key)
 
     @abc.abstractmethod
-    def exists(self, key: str) -> bool: ...
+    def exists(self, key: str) -> bool:
+        """Whether a value is stored at ``key``."""
 
     @abc.abstractmethod
     def remove(self, key: str) -> None:
@@ -184,6 +185,7 @@ class Storage(abc.ABC):
         return decode_json(data)
 
     def write_json(self, key: str, document) -> None:
+        """Store ``document`` at ``key`` as JSON (UTF-8, compact, as every zarr.json here)."""
         self.write(key, [json_text(document).encode()])
 
     def flush(self) -> None:  # noqa: B027  (not abstract: object stores have no durability step)

@@ -8,6 +8,7 @@ be read, and tested, knowing only the layers below it.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,6 +34,11 @@ LAYERS = [
     ["__init__", "__main__"],  # the public face, the command's entry
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+# The modules whose names are public (docs/api.md documents each): the face, the errors, the extension points and the
+# framework adapters. Every other module is implementation.
+PUBLIC_MODULES = {"dcp_zarr", "dcp_zarr.errors", "dcp_zarr.storage", "dcp_zarr.testing.storage_contract",
+                  "dcp_zarr.format.codecs", "dcp_zarr.integrations.torchtitan", "dcp_zarr.integrations.lightning",
+                  "dcp_zarr.integrations.accelerate", "dcp_zarr.tools.convert"}
 
 
 def _module_name(path: Path) -> str:
@@ -280,3 +286,11 @@ def test_torch_private_names_are_imported_in_dcp_internals_alone():
                     if any(p.startswith("_") for p in parts) or alias.name.startswith("_"):
                         private.append(f"{module}: from {node.module} import {alias.name}")
     assert private == [], "\n".join(private)
+
+
+def test_the_api_reference_documents_the_public_modules_and_no_other():
+    page = (PACKAGE.parent / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^(?:class|function) in `([\w.]+)`$", page, flags=re.M)) | {"dcp_zarr.errors"}
+    assert documented == PUBLIC_MODULES
+    assert "in `dcp_zarr.errors`" in page
+    assert PUBLIC_MODULES <= set(_modules())

@@ -37,6 +37,13 @@ INTEGRATIONS = [
                                          "ZarrFabricModelParallelStrategy", "ZarrFabricFSDPStrategy"]),
     ("dcp_zarr.integrations.accelerate", ["ZarrAccelerator"]),
 ]
+# Where dcp_zarr is extended rather than used: public modules with names of their own, each documented here. A planner
+# is extended by subclassing ZarrSavePlanner or ZarrLoadPlanner (above).
+EXTENSIONS = [
+    ("dcp_zarr.storage", ["Storage", "register_storage", "unregister_storage"]),
+    ("dcp_zarr.testing.storage_contract", ["StorageContract"]),
+    ("dcp_zarr.format.codecs", ["Codec", "CodecEntry"]),
+]
 # DCP calls these classes' methods (their protocol, documented by torch); users construct them and pass them in.
 DCP_PROTOCOL = {"ZarrWriter", "ZarrReader", "ZarrSavePlanner", "ZarrLoadPlanner", "PrefixTolerantLoadPlanner",
                 "WrapperPrefixLoadMixin"}
@@ -115,15 +122,33 @@ def render() -> str:
     lines = ["# API reference", "",
              "<!-- Made by `python -m tests.support.api_reference` from the signatures and docstrings; "
              "tests/project/test_api_reference.py fails when it is out of date. -->", "",
-             "The public face of dcp-zarr: what `from dcp_zarr import ...` offers (`dcp_zarr.__all__`), and the "
-             "adapters of `dcp_zarr.integrations`. Everything else is implementation ([design](design.md)).", ""]
+             "The public face of dcp-zarr: what `from dcp_zarr import ...` offers (`dcp_zarr.__all__`), the "
+             "errors, the [extension points](#extension-points) and the adapters of `dcp_zarr.integrations`. "
+             "Everything else is implementation ([design](design.md)); tests/project/test_layers.py lists the public "
+             "modules and holds this page to them.", ""]
     for title, about, names in SECTIONS:
         lines += [f"## {title}", "", about, ""]
         for name in names:
             lines += _entry(name, getattr(dcp_zarr, name))
     lines += _errors()
     lines += [f"`dcp_zarr.__version__`: the package's version ({dcp_zarr.__version__!r} here).", "",
-              "## Training frameworks", "",
+              "## Extension points", "",
+              "Public modules for what extends dcp_zarr: a storage backend (its base class, the registry of URL "
+              "schemes, and the contract suite its tests subclass: "
+              "[where a change goes](design.md#where-a-change-goes)), a codec (a row of "
+              "`dcp_zarr.format.codecs.CODECS`: [adding a codec](format.md#adding-a-codec)), a "
+              "planner (a subclass of `ZarrSavePlanner` or `ZarrLoadPlanner`). Their names stay importable where "
+              "they are; any other module is implementation, free to change.", ""]
+    for module, names in EXTENSIONS:
+        imported = importlib.import_module(module)
+        for name in names:
+            lines += _entry(name, getattr(imported, name), module)
+    lines += ["## Conversions", "",
+              "[conversions](offline-and-cli.md#conversions); `dcp-zarr convert` on the command line. (One more module "
+              "is imported by name, for what importing it does: `import dcp_zarr.format.zarr_dtypes` gives zarr 3.1 "
+              "to 3.3 the `bfloat16` and `float8_*` data types outside a group's opening.)", ""]
+    lines += _entry("convert", importlib.import_module("dcp_zarr.tools.convert").convert, "dcp_zarr.tools.convert")
+    lines += ["## Training frameworks", "",
               "One module each; importing one imports its framework ([frameworks](frameworks.md)).", ""]
     for module, names in INTEGRATIONS:
         imported = importlib.import_module(module)
