@@ -7,8 +7,9 @@ writing a chunk equal to its fill value), so an array of one element whose ``fil
 chunk: zarr-python, TensorStore and xarray read it as they read any array. The manifest's entry says so (``fill``),
 which is how this library's readers know that the chunk is absent on purpose, not lost.
 
-Only finite values of the plain numeric dtypes, which JSON holds exactly as the Zarr v3 spec writes them (a number,
-or true/false): a non-finite float or any other dtype is stored as a chunk, as before.
+Only values of the plain numeric dtypes that every JSON reader parses exactly as the Zarr v3 spec writes them (a
+number, or true/false): a non-finite float, an integer beyond +-2**53 or any other dtype is stored as a chunk, as
+before.
 """
 
 from __future__ import annotations
@@ -27,9 +28,18 @@ def may_hold_in_fill(shape: tuple[int, ...], data_type: str) -> bool:
     return math.prod(shape) == 1 and data_type in FILL_DATA_TYPES
 
 
+# The largest integer every JSON reader parses exactly: JavaScript's JSON.parse (zarrita.js) reads numbers as
+# doubles, so an int64 fill_value beyond 2**53 would read as another integer there (zarr-python and TensorStore
+# read it exactly).
+MAX_EXACT_INTEGER = 1 << 53
+
+
 def fill_of(value) -> bool | int | float | None:
-    """The JSON fill_value holding ``value`` (a one-element tensor's ``item()``), or None where it is not finite."""
+    """The JSON fill_value holding ``value`` (a one-element tensor's ``item()``), or None where JSON readers could
+    misread it: a float that is not finite, an integer beyond +-2**53."""
     if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if type(value) is int and abs(value) > MAX_EXACT_INTEGER:
         return None
     return value
 

@@ -5,7 +5,9 @@ A save planned locally: every rank makes these choices alone, from entries every
 without a message (``rank_decisions``):
 
 * an ``EVERY_RANK`` tensor goes to one rank of the world, the largest first, each to the rank with the fewest bytes
-  so far (ties: the lowest rank), as DCP's deduplication balances them; every value goes to DCP's coordinator;
+  so far (ties: the lowest rank), as DCP's deduplication balances them; every value goes to DCP's coordinator, and
+  so does every ``EVERY_RANK`` tensor of one element that its array's fill_value can hold (format/fill_values.py:
+  the coordinator puts it in the manifest, which a value sent to it would grow every rank's report with);
 * a replicated DTensor box (``Replicate`` placements, HSDP's replica groups) goes to one rank of the ranks holding
   it, balanced the same way over the arrays of one mesh and placement pattern: each rank of such a group sees the
   same arrays with boxes of the same sizes;
@@ -33,6 +35,8 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dcp_zarr.format.fill_values import may_hold_in_fill
+from dcp_zarr.format.torch_arrays import zarr_dtype_name
 from dcp_zarr.placement.chunk_grids import shards_along
 from dcp_zarr.placement.holdings import DTENSOR, EVERY_RANK, TENSOR, VALUE, Holding, Merged, MeshSlice
 
@@ -105,14 +109,16 @@ def rank_decisions(entries: dict[str, Holding], rank: int, world_size: int, box_
     which are padded to the largest)."""
     writes: set[str | MetadataIndex] = set()
     describes: set[str] = set()
-    every = [(fqn, entry.nbytes) for fqn, entry in entries.items()
-             if entry.holding == EVERY_RANK and entry.kind == TENSOR]
-    for fqn, writer in balanced(every, world_size).items():
+    every = [fqn for fqn, entry in entries.items() if entry.holding == EVERY_RANK and entry.kind == TENSOR]
+    in_fill = {fqn for fqn in every if _fill_may_hold(entries[fqn])}
+    for fqn, writer in balanced([(f, entries[f].nbytes) for f in every if f not in in_fill], world_size).items():
         if writer == rank:
             writes.add(fqn)
             describes.add(fqn)
     if coordinator:
         writes.update(fqn for fqn, entry in entries.items() if entry.kind == VALUE)
+        writes.update(in_fill)
+        describes.update(in_fill)
     # by (mesh, placements) first: an HSDP box's holders are 1,024 ranks, a tuple too long to hash once per entry
     holdings: dict[tuple[MeshSlice, tuple], list[str]] = {}
     on_mesh: dict[MeshSlice, list[str]] = {}
@@ -142,6 +148,11 @@ def rank_decisions(entries: dict[str, Holding], rank: int, world_size: int, box_
             if ranks[k % len(ranks)] == rank:
                 describes.add(fqn)
     return Decisions(frozenset(writes), frozenset(describes))
+
+
+def _fill_may_hold(entry: Holding) -> bool:
+    """Whether ``entry`` is one element of a dtype its array's fill_value can hold (format/fill_values.py)."""
+    return entry.dtype is not None and may_hold_in_fill(entry.size, zarr_dtype_name(entry.dtype))
 
 
 def exchange_writers(holders: Mapping[MetadataIndex, list[int]], sizes: Mapping[MetadataIndex, int],

@@ -26,7 +26,7 @@ from tests.support.stores import drop_root_copies, edit_json, edit_root_manifest
 KEPT = {  # name -> the value its fill_value holds
     "step": (torch.tensor(7.0), 7.0),
     "neg_zero": (torch.tensor(-0.0), -0.0),
-    "count": (torch.tensor(2**62 + 1), 2**62 + 1),  # beyond a float64's exact integers: JSON holds it exactly
+    "count": (torch.tensor(-(2**53)), -(2**53)),  # the largest magnitude a JSON reader in JavaScript parses exactly
     "flag": (torch.tensor([False]), False),  # (a load's blank bool tensor is all True)
     "half": (torch.tensor([[0.1]], dtype=torch.float16), float(torch.tensor(0.1, dtype=torch.float16))),
     "byte": (torch.tensor(255, dtype=torch.uint8), 255),
@@ -38,6 +38,7 @@ CHUNKED = {  # one element, but stored as a chunk
     "bf16": torch.tensor(1.5, dtype=torch.bfloat16),
     "complex": torch.tensor(1 + 2j, dtype=torch.complex64),
     "two": torch.tensor([1.0, 2.0]),
+    "big": torch.tensor(2**53 + 1),  # JavaScript's JSON.parse would read 2**53
 }
 
 
@@ -70,7 +71,7 @@ def test_kept_tensors_have_no_chunk_and_read_back_exactly_everywhere(tmp_path, p
     assert_state_equal(back, state())
     assert torch.signbit(back["kept"]["neg_zero"]), "the sign of -0.0 survives"
     ckpt = open_checkpoint(path)
-    assert ckpt.entry("kept.count").fill == 2**62 + 1 and ckpt.read_tensor("kept.count").item() == 2**62 + 1
+    assert ckpt.entry("kept.count").fill == -(2**53) and ckpt.read_tensor("chunked.big").item() == 2**53 + 1
 
 
 def test_verify_and_inspect_count_no_chunk_for_a_kept_tensor(tmp_path, capsys):

@@ -60,7 +60,7 @@ def test_manifest_records_grids_not_boxes_and_does_not_grow_with_the_saving_worl
     sizes = {ws: len(json.dumps({k: v for k, v in manifest.items() if k != "nodes"}))
              for ws, manifest in manifests.items()}
     for manifest in manifests.values():
-        assert manifest["format_version"] == FORMAT_VERSION == 6
+        assert manifest["format_version"] == FORMAT_VERSION == 7
         assert not any("saved_chunks" in entry for entry in manifest["entries"].values())
     assert manifests[4]["entries"]["model.embed.weight"]["saved_shards"] == 4
     assert sizes[4] <= 1.01 * sizes[1], sizes

@@ -12,6 +12,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter
 from tests.support.compare import assert_state_equal
 from tests.support.models import load_fresh, make_model, shard, train_and_save
 from tests.support.ranks import run_ranks
+from tests.support.stores import root_manifest
 
 pytestmark = [pytest.mark.distributed]
 
@@ -119,18 +120,23 @@ def test_fsdp2_loads_at_every_world_size(fsdp2_checkpoints, load_ws):
 
 
 @pytest.mark.slow
-def test_step_is_one_array_with_one_chunk_per_parameter(fsdp2_checkpoints):
+def test_step_is_one_array_per_parameter_kept_in_its_fill_value(fsdp2_checkpoints):
+    """FSDP2's step, a plain tensor on every rank, is one 0-d array per parameter whose fill_value holds it (format 7:
+    no chunk), written by the coordinator, which puts it in the manifest; zarr-python reads it."""
     for ws, (path, full, _, _) in fsdp2_checkpoints.items():
         group = zarr.open_group(path, mode="r")
         state = group["optim/state"]
         params = sorted(state.group_keys())
         assert params == sorted(full["optim"]["state"]), f"world size {ws}"
+        entries = root_manifest(path)["entries"]
         for name in params:
             step = state[name]["step"]
             assert step.shape == ()
             files = [f for f in chunk_files(path) if f.startswith(f"optim/state/{name}/step/")]
-            assert files == [f"optim/state/{name}/step/c"], f"world size {ws}: {files}"
-            assert torch.equal(torch.tensor(step[()]), full["optim"]["state"][name]["step"])
+            assert files == [], f"world size {ws}: {files}"
+            expected = full["optim"]["state"][name]["step"]
+            assert torch.equal(torch.tensor(step[()]), expected)
+            assert entries[f"optim.state.{name}.step"]["fill"] == expected.item()
 
 
 @pytest.mark.slow
