@@ -40,7 +40,7 @@ def checked_layout(doc: dict, where: str, fqn: str, shape: tuple[int, ...], chun
     stored_fill = doc.get("fill_value")
     if fill is not None and (stored_fill != fill or isinstance(stored_fill, bool) != isinstance(fill, bool)):
         # zarr tools read the fill_value, this library the manifest: they must agree
-        raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has fill_value {doc.get('fill_value')!r}, "
+        raise MalformedMetadataError(f"{where} of entry {fqn!r}: zarr.json has fill_value {stored_fill!r}, "
                                      f"but the manifest says the array holds {fill!r}")
     return layout
 

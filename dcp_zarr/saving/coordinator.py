@@ -34,7 +34,7 @@ from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io import commit
 from dcp_zarr.store_io.scheduler import run_jobs
-from dcp_zarr.store_io.write_jobs import encoded_array_metadata, encoded_filled_array_metadata, object_array_metadata
+from dcp_zarr.store_io.write_jobs import array_metadata_text, object_array_metadata
 from dcp_zarr.version import versions
 
 
@@ -111,9 +111,7 @@ def _array_copies(entries: dict[str, Entry], specs: dict[str, ArraySpec]) -> dic
     copies = {}
     for fqn, entry in entries.items():
         if isinstance(entry, TensorEntry):
-            spec = specs[fqn]  # an array's copy is its zarr.json
-            copies[entry.node] = encoded_array_metadata(spec) if entry.fill is None else \
-                encoded_filled_array_metadata(spec, entry.fill)
+            copies[entry.node] = array_metadata_text(specs[fqn], entry.fill)  # an array's copy is its zarr.json
         elif isinstance(entry, ObjectEntry):
             copies[entry.node] = json_text(object_array_metadata(fqn, entry.node, entry.nbytes))
     return copies

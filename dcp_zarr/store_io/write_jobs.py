@@ -198,10 +198,11 @@ def encoded_array_metadata(spec: ArraySpec) -> str:
     return _encoded(spec, None)
 
 
-def encoded_filled_array_metadata(spec: ArraySpec, fill) -> str:
-    """The zarr.json of an array kept in its fill_value, ``fill`` (format/fill_values.py); not cached: the value
-    changes from save to save, and 0.0, -0.0 and False would share one cache entry."""
-    return _encoded(spec, fill)
+def array_metadata_text(spec: ArraySpec, fill=None) -> str:
+    """The array's zarr.json, encoded; ``fill``: the value of an array kept in its fill_value (format/fill_values.py),
+    whose document is not cached: the value changes from save to save, and 0.0, -0.0 and False would share one cache
+    entry."""
+    return encoded_array_metadata(spec) if fill is None else _encoded(spec, fill)
 
 
 def _encoded(spec: ArraySpec, fill) -> str:
@@ -213,8 +214,7 @@ def _encoded(spec: ArraySpec, fill) -> str:
 def _write_array_metadata(storage: Storage, spec: ArraySpec, fill) -> None:
     # The document is made on the IO thread, just before it is written, not with the job: hundreds of them alive at
     # once (twenty dicts and lists each) would set off the garbage collector's full collections (node_copies.py).
-    text = encoded_array_metadata(spec) if fill is None else encoded_filled_array_metadata(spec, fill)
-    storage.write(f"{spec.node}/zarr.json", [text.encode()])
+    storage.write(f"{spec.node}/zarr.json", [array_metadata_text(spec, fill).encode()])
 
 
 def _on_host(tensor: torch.Tensor) -> bool:
