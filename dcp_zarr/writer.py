@@ -94,9 +94,9 @@ class ZarrWriter(StorageWriter, WriterStaging):
             ``dcp_zarr.Compression`` sets the level, the smallest array compressed and the ratio a sample must reach
             (docs/compression.md).
         incremental: lay the checkpoint out for incremental saves (one object per chunk of about
-            ``inner_chunk_bytes``, each chunk's digest recorded in the manifest; an array that changed whole in the
-            earlier checkpoint, a full save's shards of up to 16 chunks), so that a later save can reuse its
-            chunks. Implied by ``incremental_from``. Default: a full save, laid out as before.
+            ``inner_chunk_bytes``, each chunk's digest recorded in the manifest; an array that changed whole, or not
+            at all, in the earlier checkpoint, a full save's shards of up to 16 chunks), so that a later save can
+            reuse its chunks. Implied by ``incremental_from``. Default: a full save, laid out as before.
         incremental_from: the path of an earlier checkpoint on the same storage: this save stores only the chunks
             whose bytes differ from it; the others are hard links to its files (local file systems) or server-side
             copies (object stores), so the new checkpoint is complete on its own, and deleting the earlier one never

@@ -32,10 +32,11 @@ CHUNK_KEY_SEPARATORS = (CHUNK_KEY_SEPARATOR, LEGACY_CHUNK_KEY_SEPARATOR)
 # than it needs, large enough that per-chunk overhead (one checksum, one index entry, one read) stays negligible.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
 
-# An incremental save stores an array that changed whole as a full save does, but in shards of at most this many inner
-# chunks (``ChunkLayout.shards_of_at_most``): a save confirms that such an array stopped changing by reading its
-# shards back (store_io/chunk_reuse.py), and that read stays about 16 MiB a shard, whatever a rank's box holds. Four
-# MiB chunks already wrote as fast as a full save's shards (benchmarks/reports/incremental.md).
+# An incremental save stores an array that changed whole, or not at all, as a full save does, but in shards of at most
+# this many inner chunks (``ChunkLayout.shards_of_at_most``): a save confirms that an array that changed whole stopped
+# changing by reading its shards back (store_io/chunk_reuse.py), and that read stays about 16 MiB a shard, whatever a
+# rank's box holds; a link to a shard is checked by one small read per inner chunk, at most 17 a shard. Four MiB chunks
+# already wrote as fast as a full save's shards (benchmarks/reports/incremental.md).
 WHOLE_ARRAY_SHARD_INNER_CHUNKS = 16
 
 _FORBIDDEN_CHARACTERS = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -143,10 +144,11 @@ class ChunkLayout(NamedTuple):
             return self.one_object_per_chunk()
         return self._replace(chunk_shape=(self.inner_rows * per_shard, *self.chunk_shape[1:]))
 
-    def recorded(self, changed_whole: bool) -> ChunkLayout:
-        """This layout in a save that records its chunks (incremental): an object per chunk, or, for an array that
-        changed whole in the earlier checkpoint, shards of at most ``WHOLE_ARRAY_SHARD_INNER_CHUNKS``."""
-        if changed_whole:
+    def recorded(self, whole: bool) -> ChunkLayout:
+        """This layout in a save that records its chunks (incremental): an object per chunk, or, for an array laid out
+        whole (it changed whole, or not at all, in the earlier checkpoint: ``PlanOptions.whole_arrays``), shards of at
+        most ``WHOLE_ARRAY_SHARD_INNER_CHUNKS``."""
+        if whole:
             return self.shards_of_at_most(WHOLE_ARRAY_SHARD_INNER_CHUNKS)
         return self.one_object_per_chunk()
 

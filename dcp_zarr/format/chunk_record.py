@@ -25,6 +25,12 @@ lays it out as a full save does, a shard per rank's box (of at most 16 inner chu
 rather than an object per chunk (planning/write_plan.py), since an object per ~1 MiB chunk costs a full fine-tune's
 saves their file count and only an unchanged chunk repays it.
 
+An array none of whose chunks changed (``ArrayRecord.unchanged``: every chunk compared with the earlier checkpoint's
+and found the same; LoRA's frozen weights) is laid out the same way by the next save, its shards hashed, and from then
+on each shard is linked whole: one object (one server-side copy) where an object per chunk takes one for each ~1 MiB.
+A chunk hashed with nothing to compare it with (a chain's first save, an array new to the save or laid out anew) says
+nothing of whether it changed, so its array is not marked, but for an array laid out anew because it was unchanged.
+
 The record is information for the next save only: nothing reads it to load a checkpoint.
 """
 
@@ -72,10 +78,12 @@ def metadata_digest(encoded_zarr_json: str) -> str:
 class ArrayRecord(NamedTuple):
     metadata: str  # metadata_digest of the array's zarr.json
     chunks: tuple[StoredChunk, ...]  # in the grid's C order
+    unchanged: bool = False  # every chunk found the same as the earlier checkpoint's (``ChunkRecord.unchanged_whole``)
 
     def to_json(self) -> dict:
         packed = b"".join(_ENTRY.pack(c.digest, c.size, c.crc) for c in self.chunks)
-        return {"metadata": self.metadata, "chunks": base64.b64encode(packed).decode()}
+        document = {"metadata": self.metadata, "chunks": base64.b64encode(packed).decode()}
+        return {**document, "unchanged": True} if self.unchanged else document
 
     @classmethod
     def from_json(cls, document) -> ArrayRecord:
@@ -85,7 +93,11 @@ class ArrayRecord(NamedTuple):
         packed = base64.b64decode(document["chunks"], validate=True)
         if len(packed) % _ENTRY.size:
             raise ValueError(f"an array's chunks are {len(packed)} bytes, not a multiple of {_ENTRY.size}")
-        return cls(document["metadata"], tuple(StoredChunk(*fields) for fields in _ENTRY.iter_unpack(packed)))
+        unchanged = document.get("unchanged", False)
+        if not isinstance(unchanged, bool):
+            raise ValueError(f"an array's 'unchanged' is {unchanged!r}, not true or false")
+        return cls(document["metadata"], tuple(StoredChunk(*fields) for fields in _ENTRY.iter_unpack(packed)),
+                   unchanged)
 
 
 class ChunkRecord(NamedTuple):
@@ -120,6 +132,12 @@ class ChunkRecord(NamedTuple):
         likely to change whole again, so the next save does not split them into an object per chunk."""
         return frozenset(node for node, array in self.arrays.items()
                          if array.chunks and all(chunk.digest == UNHASHED for chunk in array.chunks))
+
+    def unchanged_whole(self) -> frozenset[str]:
+        """The nodes of the arrays none of whose chunks had changed in the save that recorded them
+        (``ArrayRecord.unchanged``): likely to stay unchanged, so the next save stores them as a full save does and
+        links each shard whole rather than an object per chunk."""
+        return frozenset(node for node, array in self.arrays.items() if array.unchanged)
 
 
 def array_record(metadata: str, chunk_count: int, chunks: Iterable[tuple[int, StoredChunk]]) -> ArrayRecord | None:

@@ -110,7 +110,7 @@ def array_specs_for_plans(plans: list[SavePlan], nodes: dict[str, str], inner_ch
         codec = (compression.codec(np_dtype.itemsize)
                  if compression is not None and compression.compresses(str(data.properties.dtype), nbytes) else None)
         if records_chunks:
-            layout = layout.recorded(changed_whole=nodes[fqn] in whole_arrays)
+            layout = layout.recorded(whole=nodes[fqn] in whole_arrays)
         elif array_shards and codec is None:
             layout = array_shard_layout(layout, saved) or layout
         layout = layout.compressed(codec)

@@ -53,8 +53,9 @@ class PlanOptions(NamedTuple):
     exchange_bytes: int
     compression: Compression | None
     records_chunks: bool = False  # incremental: one object per chunk, each recorded (format/chunk_record.py)
-    # incremental: the nodes of the arrays that changed whole in the earlier checkpoint, laid out as a full save lays
-    # them out instead (format/chunk_record.py, ChunkRecord.changed_whole); every rank reads them from that record
+    # incremental: the nodes of the arrays that changed whole, or not at all, in the earlier checkpoint, laid out as a
+    # full save lays them out instead (format/chunk_record.py, ChunkRecord.changed_whole and unchanged_whole); every
+    # rank reads them from that record
     whole_arrays: frozenset[str] = frozenset()
 
     def summarized(self) -> tuple[int | str | bool | None, ...]:
@@ -167,8 +168,9 @@ def _check_options(summaries: list[Summary]) -> None:
             names.add(name)
             found.append(f"{name}: " + "; ".join(f"{value} on {_ranks_text(sorted(ranks))}"
                                                   for value, ranks in sorted(values.items(), key=lambda kv: kv[1])))
-    earlier = ("; whole_arrays are the arrays that changed whole in the incremental_from checkpoint, which each rank "
-               "read: pass every rank the same incremental_from, and replace nothing there while a save reads it"
+    earlier = ("; whole_arrays are the arrays that changed whole or not at all in the incremental_from checkpoint, "
+               "which each rank read: pass every rank the same incremental_from, and replace nothing there while a "
+               "save reads it"
                if "whole_arrays" in names else "")
     raise PlanMismatchError(
         "ZarrWriter's options differ across the ranks of this save, which would then write different layouts: "

@@ -121,7 +121,8 @@ class _Layouts:
 
     def layout(self, entry: Holding, node: str) -> tuple[ChunkLayout, int]:
         """(the array's layout, its count of non-empty boxes saved). In a save that records its chunks, one object
-        per chunk, but for the arrays that changed whole in the earlier one (``PlanOptions.whole_arrays``)."""
+        per chunk, but for the arrays that changed whole or not at all in the earlier one
+        (``PlanOptions.whole_arrays``)."""
         boxes = self.merged.boxes.get(entry.fqn) if self.merged is not None else None
         assert entry.dtype is not None  # a tensor entry
         codec = self.codec(entry)
@@ -130,7 +131,7 @@ class _Layouts:
         layout, count = entry_layout(entry, entry.dtype.itemsize, self.key.options.inner_chunk_bytes,
                                      self.key.array_shards and codec is None and not records, boxes)
         if records:
-            layout = layout.recorded(changed_whole=node in self.key.options.whole_arrays)
+            layout = layout.recorded(whole=node in self.key.options.whole_arrays)
         aggregated = self.aggregation.arrays.get(entry.fqn)
         return (layout if aggregated is None else aggregated.layout).compressed(codec), count
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning, ZarrCheckpointError
 from dcp_zarr.format.array_spec import ArraySpec
-from dcp_zarr.format.chunk_record import ChunkRecord, StoredChunk, array_record, metadata_digest
+from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, array_record, metadata_digest
 from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.saving.settings import SaveSettings
 from dcp_zarr.store_io.chunk_reuse import ChunkReuse, EarlierCheckpoint, ReuseCounts, check_earlier_location
@@ -60,7 +60,8 @@ def open_earlier(settings: SaveSettings) -> EarlierCheckpoint | None:
             record = ChunkRecord.from_json(manifest.chunk_record, earlier)
         except ValueError as exc:
             raise IncrementalBaseError(f"incremental_from={earlier!r}: {exc}") from None
-    return EarlierCheckpoint(earlier, manifest.save_id, storage, record, record.changed_whole())
+    return EarlierCheckpoint(earlier, manifest.save_id, storage, record, record.changed_whole(),
+                             record.unchanged_whole())
 
 
 # The formats whose chunks this save lays out alike: 7 only keeps one-element arrays in their fill_value, which a
@@ -70,8 +71,8 @@ INCREMENTAL_BASE_VERSIONS = (6, FORMAT_VERSION)
 
 def whole_arrays(earlier: EarlierCheckpoint | None) -> frozenset[str]:
     """The arrays this save lays out as a full save does (not an object per chunk): those that changed whole in the
-    earlier checkpoint (``ChunkRecord.changed_whole``)."""
-    return frozenset() if earlier is None else earlier.changed_whole
+    earlier checkpoint, and those that did not change at all (``ChunkRecord.changed_whole``, ``unchanged_whole``)."""
+    return frozenset() if earlier is None else earlier.changed_whole | earlier.unchanged_whole
 
 
 def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], earlier: EarlierCheckpoint | None
@@ -90,7 +91,17 @@ def chunk_record(specs: dict[str, ArraySpec], reports: Iterable[ChunkReport], ea
         record = array_record(metadata_digest(encoded_array_metadata(spec)), spec.layout.chunk_count,
                               chunks.get(spec.node, ()))
         if record is not None:
-            arrays[spec.node] = record
+            arrays[spec.node] = record._replace(unchanged=_unchanged(spec.node, record, earlier))
     origin = None if earlier is None else {"path": earlier.location, "save_id": earlier.save_id,
                                            "reused_chunks": linked_chunks, "reused_bytes": linked_bytes}
     return ChunkRecord(arrays, origin).to_json()
+
+
+def _unchanged(node: str, record: ArrayRecord, earlier: EarlierCheckpoint | None) -> bool:
+    """Whether every chunk of the array at ``node`` was found the same as the earlier checkpoint's: each compared with
+    it (the earlier record has the array, laid out alike, or the array was laid out anew because it was unchanged
+    there) and none recorded ``UNHASHED``, as a changed one is."""
+    if earlier is None or any(chunk.digest == UNHASHED for chunk in record.chunks):
+        return False
+    before = earlier.record.arrays.get(node)
+    return node in earlier.unchanged_whole or (before is not None and before.metadata == record.metadata)

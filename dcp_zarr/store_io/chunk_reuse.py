@@ -23,13 +23,15 @@ every linked chunk, which is what linking saves.
 That crc32c ends a plain chunk; a compressed chunk is a shard of one inner chunk, whose crc32c comes just before the
 shard's index: the index's own crc32c, which ends the object, covers only offsets and sizes, the same in any two
 shards whose data compressed to as many bytes. A shard of several inner chunks (an array that changed whole) is
-recorded by the crc32c of its inner chunks' crc32c's, and a link to one is checked by reading it whole: such a shard
-is linked only when its array has stopped changing, once, after which the array is split again.
+recorded by the crc32c of its inner chunks' crc32c's, and a link to one is checked by reading its index (one ranged
+read, one byte past the recorded end) and then the crc32c that ends each inner chunk (one small ranged read each),
+never the shard's data. Such shards hold an array that changed whole in the earlier checkpoint, or one that did not
+change at all (``ChunkRecord.unchanged_whole``), hashed when it is laid out so and linked whole from then on.
 
 An aggregated block (collective/aggregated_writes.py) is a chunk like any other here, but its digest is its parts'
 (``parts_digest``, passed as ``digest_of``), and an unchanged one is linked before its data reaches its aggregator
-(``link_unchanged``): checked against the record alone, a block of several inner chunks by the crc32c's read from it
-(at most 16 inner chunks: saving/settings.py's ``block_bytes``).
+(``link_unchanged``): checked against the record alone, a block of several inner chunks as any such shard is (at
+most 16 inner chunks: saving/settings.py's ``block_bytes``).
 """
 
 from __future__ import annotations
@@ -57,13 +59,15 @@ from dcp_zarr.storage.registry import scheme_of
 
 class EarlierCheckpoint(NamedTuple):
     """The checkpoint an incremental save reuses: its storage, the record of its chunks, and the arrays that changed
-    whole in it (``ChunkRecord.changed_whole``, found once: a pass over every chunk's entry)."""
+    whole in it and that did not change at all (``ChunkRecord.changed_whole``, ``unchanged_whole``, found once: a
+    pass over every chunk's entry)."""
 
     location: str
     save_id: str | None
     storage: Storage
     record: ChunkRecord
     changed_whole: frozenset[str] = frozenset()
+    unchanged_whole: frozenset[str] = frozenset()
 
 
 def check_earlier_location(earlier: str, path: str, store) -> None:
@@ -137,8 +141,7 @@ class ChunkReuse:
             self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED)
             return
         digest = digest_of()
-        if previous is not None and previous.digest == digest \
-                and self._linked(storage, key, previous, layout, lambda: encode_chunk(data, layout)):
+        if previous is not None and previous.digest == digest and self._linked(storage, key, previous, layout):
             self._note(node, index, previous, linked=True)
             return
         changed = previous is not None and previous.digest != digest
@@ -156,7 +159,7 @@ class ChunkReuse:
         did. The linked object is checked against the record, as ``store`` checks it: its size and crc32c."""
         previous = self.previous(earlier, index)
         if previous is None or previous.digest == UNHASHED or previous.digest != digest \
-                or not self._linked(storage, key, previous, layout, None):
+                or not self._linked(storage, key, previous, layout):
             return False
         self._note(node, index, previous, linked=True)
         return True
@@ -167,7 +170,7 @@ class ChunkReuse:
         buffers = encode_chunk(data, layout)
         stored = _stored(UNHASHED, buffers, layout)
         if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers) \
-                and self._linked(storage, key, previous, layout, lambda: buffers):
+                and self._linked(storage, key, previous, layout):
             self._note(node, index, stored._replace(digest=digest_of()), linked=True)
             return
         self._write(storage, node, index, key, buffers, layout, UNHASHED)
@@ -190,18 +193,14 @@ class ChunkReuse:
             return False
         return held == b"".join(buffers)
 
-    def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout,
-                encoded: Callable[[], list] | None) -> bool:
-        """Link the earlier object at ``key`` into ``storage``; whether it then holds what ``previous`` records (for a
-        shard of several inner chunks: the ``encoded`` buffers, byte for byte; without them, the recorded size and
-        crc32c of its inner chunks' crc32c's)."""
+    def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout) -> bool:
+        """Link the earlier object at ``key`` into ``storage``; whether it then holds what ``previous`` records: its
+        size and crc32c (for a shard of several inner chunks, the crc32c of its inner chunks' crc32c's)."""
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
-            if layout.inner_chunks_per_chunk > 1 and encoded is not None:
-                same = storage.read(key) == b"".join(encoded())
-            elif layout.inner_chunks_per_chunk > 1:
-                same = _shard_as_recorded(storage.read(key), previous, layout)
+            if layout.inner_chunks_per_chunk > 1:
+                same = _shard_as_recorded(storage, key, previous, layout)
             else:
                 same = _ends_as_recorded(storage, key, previous, _crc_before_end(layout) + CHECKSUM_BYTES)
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
@@ -235,18 +234,25 @@ def _data_digest(data: np.ndarray) -> bytes:
     return data_digest(as_bytes(data))
 
 
-def _shard_as_recorded(held: bytes, recorded: StoredChunk, layout: ChunkLayout) -> bool:
-    """Whether ``held``, a shard of several inner chunks, has the recorded size and crc32c of its inner chunks'
-    crc32c's (``_stored``)."""
-    index = shard_index_bytes(layout)
-    if len(held) != recorded.size or len(held) < index:
+def _shard_as_recorded(storage: Storage, key: str, recorded: StoredChunk, layout: ChunkLayout) -> bool:
+    """Whether the object at ``key``, a shard of several inner chunks, has the recorded size and crc32c of its inner
+    chunks' crc32c's (``_stored``), read without its data: its index (with one byte past the recorded end, as
+    ``_ends_as_recorded`` reads), then the crc32c that ends each inner chunk the index lists."""
+    index_bytes = shard_index_bytes(layout)
+    if recorded.size < index_bytes:
         return False
-    index_end = len(held) - CHECKSUM_BYTES
-    buffers = [held[: len(held) - index], held[len(held) - index: index_end], held[index_end:]]
-    try:
-        return checksum(b"".join(_inner_crcs(buffers))) == recorded.crc
-    except (ValueError, IndexError):  # an index that points outside the object: not the recorded shard
+    tail = storage.read_range(key, recorded.size - index_bytes, index_bytes + 1)
+    if len(tail) != index_bytes or checksum(tail[:-CHECKSUM_BYTES]) != tail[-CHECKSUM_BYTES:]:
         return False
+    crcs = []
+    for offset, size in np.frombuffer(tail[:-CHECKSUM_BYTES], dtype="<u8").reshape(-1, 2).tolist():
+        if offset == MISSING:
+            continue
+        end = offset + size
+        if size < CHECKSUM_BYTES or end > recorded.size - index_bytes:  # not a shard of ours: not the recorded one
+            return False
+        crcs.append(storage.read_range(key, end - CHECKSUM_BYTES, CHECKSUM_BYTES))
+    return checksum(b"".join(crcs)) == recorded.crc
 
 
 def _crc_before_end(layout: ChunkLayout) -> int:

@@ -22,9 +22,12 @@ def _chunk(seed: int) -> StoredChunk:
 
 
 def test_a_record_round_trips_through_json():
-    record = ChunkRecord({"model/w": ArrayRecord("ab" * 16, (_chunk(1), _chunk(2))), "model/b": ArrayRecord("cd", ())},
+    record = ChunkRecord({"model/w": ArrayRecord("ab" * 16, (_chunk(1), _chunk(2))), "model/b": ArrayRecord("cd", ()),
+                          "model/f": ArrayRecord("ef", (_chunk(3),), unchanged=True)},
                          {"path": "/ckpt/step-1", "save_id": "x", "reused_chunks": 1, "reused_bytes": 9})
     assert ChunkRecord.from_json(record.to_json(), "here") == record
+    assert record.unchanged_whole() == {"model/f"}
+    assert "unchanged" not in record.to_json()["arrays"]["model/w"], "written only where true: records stay as small"
 
 
 def test_each_chunk_costs_28_bytes_before_base64():
@@ -39,6 +42,8 @@ def test_each_chunk_costs_28_bytes_before_base64():
     ({"hash": "xxh3_128", "arrays": {"w": {"metadata": "m", "chunks": base64.b64encode(b"x" * 27).decode()}}},
      "not a multiple of 28"),
     ({"hash": "xxh3_128", "arrays": {"w": {"chunks": ""}}}, "needs 'metadata' and 'chunks'"),
+    ({"hash": "xxh3_128", "arrays": {"w": {"metadata": "m", "chunks": "", "unchanged": "yes"}}},
+     "'unchanged' is 'yes', not true or false"),
 ])
 def test_a_malformed_record_is_refused_naming_the_store(document, said):
     with pytest.raises(ValueError, match=said) as raised:

@@ -559,18 +559,19 @@ def _chunk_shape(path, node: str) -> list[int]:
 
 
 @pytest.mark.parametrize("planning", ["local", "dcp"])
-def test_an_array_that_changed_whole_is_saved_as_a_full_save_lays_it_out_until_it_stops_changing(
+def test_arrays_that_changed_whole_or_not_at_all_are_saved_as_a_full_save_lays_them_out(
         tmp_path, monkeypatch, planning):
     """An array whose every chunk changed goes on in a full save's layout (one object per rank's box, not one per
     chunk: what a fully changing array's saves would pay in files), unhashed while it keeps changing; once unchanged
-    it is linked whole, and then split again so that a few changed chunks cost a few chunks. Arrays that changed in
-    part keep their chunks. Every store loads alone, and zarr-python reads it."""
+    it is linked whole, and stays so. A frozen array is an object per chunk while the chain learns that it does not
+    change (its first two saves), then is laid out whole (written and hashed once) and linked whole from then on. An
+    array that changed in part keeps its chunks. Every store loads alone, and zarr-python reads it."""
     options = {"inner_chunk_bytes": 16 << 10}
     hashed = _counting_hashes(monkeypatch)
-    whole_bytes = 192 * 64 * 4
+    w_bytes, f_bytes = 192 * 64 * 4, 256 * 64 * 4
     w_from = [0, 1, 2, 3, 3, 3, 3]  # w changes in saves 1 to 3, and not after
     paths = [tmp_path / f"{step}.zarr" for step in range(len(w_from))]
-    files_of_w, records = [], []
+    files, records = [], []
     for step, path in enumerate(paths):
         hashed.clear()
         state = _whole_chain_state(step, w_from[step])
@@ -578,15 +579,18 @@ def test_an_array_that_changed_whole_is_saved_as_a_full_save_lays_it_out_until_i
         writer = ZarrWriter(path, **options, **more)
         dcp.save(state, storage_writer=writer, no_dist=True,
                  **({"planner": DCPsPlanning()} if planning == "dcp" else {}))
-        files_of_w.append(chunks_under(file_identities(path), "w"))
+        files.append(file_identities(path))
         records.append(_recorded_digests(path))
         if step:
-            assert chunks_under(new_files(path, paths[step - 1]), "f") == set(), f"save {step}: f is linked"
-            assert len(chunks_under(new_files(path, paths[step - 1]), "e")) == 1, f"save {step}: e's one chunk"
-            assert _chunk_shape(path, "e") == [64, 64] and _chunk_shape(path, "f") == [64, 64]
-        whole = step in (2, 3, 4)
-        assert _chunk_shape(path, "w") == ([192, 64] if whole else [64, 64]), step
-        assert (whole_bytes in hashed) == (step == 4), f"save {step}: w hashed whole only where it was linked whole"
+            new = new_files(path, paths[step - 1])
+            assert len(chunks_under(new, "e")) == 1, f"save {step}: e's one chunk"
+            assert (chunks_under(new, "f") == set()) == (step != 2), f"save {step}: f written only as laid out anew"
+            assert (chunks_under(new, "w") == set()) == (step >= 4), f"save {step}: w linked once unchanged"
+        assert _chunk_shape(path, "e") == [64, 64]
+        assert _chunk_shape(path, "w") == ([192, 64] if step >= 2 else [64, 64]), step
+        assert _chunk_shape(path, "f") == ([256, 64] if step >= 2 else [64, 64]), step
+        assert (w_bytes in hashed) == (step >= 4), f"save {step}: w hashed whole only where it may be linked whole"
+        assert (f_bytes in hashed) == (step >= 2), f"save {step}: f hashed whole once laid out whole"
         if step >= 2:
             shutil.rmtree(paths[step - 2])
         assert_state_equal(load_full(str(path), state), state)
@@ -596,10 +600,38 @@ def test_an_array_that_changed_whole_is_saved_as_a_full_save_lays_it_out_until_i
 
     assert records[1]["w"] == [UNHASHED] * 3, "every chunk changed: recorded unhashed"
     assert records[2]["w"] == records[3]["w"] == [UNHASHED], "laid out whole, and kept so while it changes"
-    assert files_of_w[2] == files_of_w[3] == files_of_w[4] == {"w/c.0.0"}
-    assert records[4]["w"] != [UNHASHED] and len(records[5]["w"]) == 3 and UNHASHED not in records[5]["w"]
-    assert writer.reuse_counts.written_chunks == 1, "the last save: w's three chunks linked, e's one written"
+    assert records[4]["w"] == records[5]["w"] == records[6]["w"] != [UNHASHED], "unchanged: hashed, and kept whole"
+    assert chunks_under(files[2], "w") == chunks_under(files[6], "w") == {"w/c.0.0"}
+    assert chunks_under(files[2], "f") == chunks_under(files[6], "f") == {"f/c.0.0"}
+    assert records[1]["f"] == records[0]["f"] and len(records[1]["f"]) == 4 and UNHASHED not in records[1]["f"]
+    assert records[2]["f"] == records[6]["f"] and len(records[6]["f"]) == 1 and UNHASHED not in records[6]["f"]
+    assert writer.reuse_counts.written_chunks == 1, "the last save: w's and f's shards linked, e's one chunk written"
+    assert writer.reuse_counts.linked_chunks == 1 + 1 + 3, "w's shard, f's shard, e's three unchanged chunks"
     assert [records[step]["e"].count(UNHASHED) for step in range(7)] == [0] + [1] * 6, "e: its one changed chunk"
+
+
+def test_a_frozen_array_s_shard_replaced_since_it_was_recorded_is_written_anew(tmp_path):
+    """A shard linked whole is checked by its index and its inner chunks' crc32c's, read without its data: a shard of
+    another frozen array (the same size and index, other bytes) put in its place is written anew, not linked."""
+    options = {"inner_chunk_bytes": 16 << 10}
+    frozen = {"a": random_bits((256, 64), torch.float32, 1), "b": random_bits((256, 64), torch.float32, 2)}
+    paths = [tmp_path / f"{step}.zarr" for step in range(4)]
+    for step, path in enumerate(paths[:3]):
+        more = {"incremental": True} if step == 0 else {"incremental_from": paths[step - 1]}
+        save(frozen, path, **options, **more)
+    assert _chunk_shape(paths[2], "a") == [256, 64]  # laid out whole, hashed
+    victim = paths[2] / "a" / "c.0.0"
+    assert victim.stat().st_size == (paths[2] / "b" / "c.0.0").stat().st_size
+    shutil.copyfile(paths[2] / "b" / "c.0.0", tmp_path / "replacement")
+    os.replace(tmp_path / "replacement", victim)
+
+    writer = save(frozen, paths[3], incremental_from=paths[2], **options)
+
+    assert chunks_under(new_files(paths[3], paths[2]), "a") == {"a/c.0.0"}
+    assert chunks_under(new_files(paths[3], paths[2]), "b") == set()
+    assert writer.reuse_counts.linked_chunks == 1 and writer.reuse_counts.written_chunks == 1
+    shutil.rmtree(paths[2])
+    assert_state_equal(load_full(str(paths[3]), frozen), frozen)
 
 
 @pytest.mark.parametrize("planning", ["local", "dcp"])

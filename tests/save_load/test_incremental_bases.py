@@ -269,7 +269,7 @@ def _aggregated_chain(rank, world_size, root, options):
 ], ids=["chunk", "shard", "compressed-shard"])
 def test_an_aggregated_block_replaced_since_it_was_recorded_is_written_anew(tmp_path, options):
     """An aggregated block is linked when its holders' parts make the recorded digest, then checked against the
-    record (a plain chunk's last bytes; a shard of several inner chunks read whole, for their crc32c's): the replaced
+    record (a plain chunk's last bytes; a shard of several inner chunks by its index and their crc32c's): the replaced
     one is gathered and written from the state, the unchanged one stays linked."""
     counts = run_ranks(_aggregated_chain, 2, str(tmp_path), options)
     first, second = tmp_path / "1.zarr", tmp_path / "2.zarr"
