@@ -9,7 +9,8 @@ nn.Linear(256, 256)) and ``large`` (12 nn.Linear(2048, 2048)), FSDP2 with AdamW 
 of ``--shape`` (240 of 96 x 40: pieces of about 4 KB a rank at 4 ranks, as an 8B model's are at 1,024) in the
 ``fsdp``, ``hsdp`` and ``ddp`` layouts. Kinds: ``zarr`` (an ``s3://`` URL: obstore), ``zarr-s3fs`` (the same with
 ``client="fsspec"``), ``zarr-off`` (dcp_zarr without collective I/O), ``incremental`` (``zarr``, each later save
-``incremental_from`` the round before's, the first ``incremental=True``) and DCP's ``fsspec``; ZarrSavePlanner plans
+``incremental_from`` the round before's, the first ``incremental=True``; its later saves are counted from the third,
+``CHAIN_LEARNS``) and DCP's ``fsspec``; ZarrSavePlanner plans
 dcp_zarr's saves. The server is reached directly, or, with ``--latency-ms``, through its proxy, which sleeps that
 long before each request (concurrent sleeps overlap: a distant server, not a slow one) and counts each save's and
 load's requests, bytes and server CPU. The floor: the objects ``zarr`` stored (their count and sizes) PUT again by
@@ -54,6 +55,9 @@ FLOOR_IN_FLIGHT = 32
 # floor at most; load speed against FsspecReader's at least (small, large); an incremental save's time over a full
 # one's (lora) at most
 FIRST_VS_LATER, SAVE_VS_FLOOR, LOAD_VS_PEER, INCREMENTAL_VS_FULL = 1.3, 1.2, {"small": 1.0, "large": 2.0}, 1.0
+# A chain's later saves that learn which arrays are frozen (an object per chunk linked, then those laid out whole and
+# written: docs/design.md, "Arrays unchanged whole"): not in an incremental kind's later saves (in ``each_run_s``)
+CHAIN_LEARNS = 2
 
 
 def build_state(name: str, args, ranks: h.Ranks):
@@ -160,12 +164,14 @@ def summary(runs: dict[tuple, list[dict]]) -> list[dict]:
     rows = []
     for (world, name, storage, kind), found in runs.items():
         first = {op: [r["times_s"][op][0] for r in found if r["times_s"][op]] for op in ("save", "load", "floor")}
-        later = {op: [t for r in found for t in r["times_s"][op][1:]] for op in first}
+        later = {op: [t for r in found for t in r["times_s"][op][1 + CHAIN_LEARNS * (kind == "incremental"):]]
+                 for op in first}
         cpu = {op: [c[op]["server_cpu_s"] for r in found for c in r["counts"][1:] if c[op].get("server_cpu_s")]
                for op in ("save", "load")}
         rows.append({"world_size": world, "state": name, "storage": storage, "kind": kind, **{
             k: found[0][k] for k in ("objects", "tensors", "bytes")}, "counts": found[0]["counts"][0],
             "server_cpu_s": {op: statistics.median(c) if c else None for op, c in cpu.items()}, "first_s": first,
+            "each_run_s": [r["times_s"] for r in found],
             "later_s": later, "median_s": {f"{when}_{op}": statistics.median(t) for when, times in (
                 ("first", first), ("later", later)) for op, t in times.items() if t}})
     by = {(r["world_size"], r["state"], r["storage"], r["kind"]): r["median_s"] for r in rows}
@@ -430,6 +436,8 @@ def main(argv=None) -> None:
         p.error("--states or --kinds names an unknown one")
     if args.quick:
         args.fresh, args.repeats = 1, 1
+    if "incremental" in args.kinds.split(",") and args.repeats <= CHAIN_LEARNS:
+        p.error(f"the incremental kind needs --repeats above {CHAIN_LEARNS}: its first {CHAIN_LEARNS} are not timed")
     if args.simulate:
         shape = tuple(int(n) for n in args.shape.split("x"))
         result, text = simulate_report([int(w) for w in args.simulate.split(",")], args.arrays, shape)
