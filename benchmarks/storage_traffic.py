@@ -427,8 +427,7 @@ def main(argv=None) -> None:
     p.add_argument("--latency-ms", default="", help="through the proxy, counted, at each of these added latencies "
                    "(comma-separated) instead of at the server itself")
     h.add_options(p, fresh=3, repeats=4, arrays=240, shape="96x40", zarr_threads=4, fsspec_threads=4)
-    p.add_argument("--quick", action="store_true", help="small and large states of a few layers, 1 fresh set, "
-                   "1 later round")
+    p.add_argument("--quick", action="store_true", help="states of a few layers, 1 fresh set, 1 later round")
     p.add_argument("--simulate", help="world sizes to simulate instead, as 8,64,256,1024")
     p.add_argument("--out", help="result JSON (default benchmarks/results/storage_traffic.json)")
     args = p.parse_args(argv)
