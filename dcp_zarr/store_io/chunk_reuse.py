@@ -141,9 +141,11 @@ class ChunkReuse:
             self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED)
             return
         digest = digest_of()
-        if previous is not None and previous.digest == digest and self._linked(storage, key, previous, layout):
-            self._note(node, index, previous, linked=True)
-            return
+        if previous is not None and previous.digest == digest:
+            linked = self._linked(storage, key, previous, layout)
+            if linked is not None:
+                self._note(node, index, previous, linked)
+                return
         changed = previous is not None and previous.digest != digest
         self._write(storage, node, index, key, encode_chunk(data, layout), layout, UNHASHED if changed else digest)
 
@@ -158,10 +160,12 @@ class ChunkReuse:
         ``digest`` (an aggregated block that its holders found unchanged by the digests of their parts); whether it
         did. The linked object is checked against the record, as ``store`` checks it: its size and crc32c."""
         previous = self.previous(earlier, index)
-        if previous is None or previous.digest == UNHASHED or previous.digest != digest \
-                or not self._linked(storage, key, previous, layout):
+        if previous is None or previous.digest == UNHASHED or previous.digest != digest:
             return False
-        self._note(node, index, previous, linked=True)
+        linked = self._linked(storage, key, previous, layout)
+        if linked is None:
+            return False
+        self._note(node, index, previous, linked)
         return True
 
     def _store_by_bytes(self, storage: Storage, node: str, index: int, key: str, data: np.ndarray,
@@ -169,10 +173,11 @@ class ChunkReuse:
         """Store a chunk whose earlier one is recorded ``UNHASHED``: by its encoded size and crc32c, then its bytes."""
         buffers = encode_chunk(data, layout)
         stored = _stored(UNHASHED, buffers, layout)
-        if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers) \
-                and self._linked(storage, key, previous, layout):
-            self._note(node, index, stored._replace(digest=digest_of()), linked=True)
-            return
+        if (stored.size, stored.crc) == (previous.size, previous.crc) and self._earlier_holds(key, buffers):
+            linked = self._linked(storage, key, previous, layout)
+            if linked is not None:
+                self._note(node, index, stored._replace(digest=digest_of()), linked)
+                return
         self._write(storage, node, index, key, buffers, layout, UNHASHED)
 
     def _write(self, storage: Storage, node: str, index: int, key: str, buffers: list, layout: ChunkLayout,
@@ -193,9 +198,11 @@ class ChunkReuse:
             return False
         return held == b"".join(buffers)
 
-    def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout) -> bool:
-        """Link the earlier object at ``key`` into ``storage``; whether it then holds what ``previous`` records: its
-        size and crc32c (for a shard of several inner chunks, the crc32c of its inner chunks' crc32c's)."""
+    def _linked(self, storage: Storage, key: str, previous: StoredChunk, layout: ChunkLayout) -> bool | None:
+        """Link the earlier object at ``key`` into ``storage``: None unless it then holds what ``previous`` records
+        (its size and crc32c; for a shard of several inner chunks, the crc32c of its inner chunks' crc32c's), else
+        True where the storage linked or copied it on its side, False where its bytes passed through this process
+        (counted as written, as they were)."""
         assert self.earlier is not None  # a previous chunk comes from it
         try:
             moved_nothing = storage.link_from(self.earlier.storage, key)
@@ -204,12 +211,12 @@ class ChunkReuse:
             else:
                 same = _ends_as_recorded(storage, key, previous, _crc_before_end(layout) + CHECKSUM_BYTES)
         except OSError:  # the earlier checkpoint lost it (deleted since), or cannot give it: the chunk is written
-            return False
+            return None
         if not same:  # changed since it was recorded: the write that follows replaces the link
-            return False
+            return None
         if not moved_nothing:
             self._warn_once(storage)
-        return True
+        return moved_nothing
 
     def _note(self, node: str, index: int, chunk: StoredChunk, linked: bool) -> None:
         with self._lock:
