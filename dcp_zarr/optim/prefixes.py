@@ -34,7 +34,7 @@ from dcp_zarr.optim.wrapper_names import (  # noqa: F401
     wrapper_renames,
     wrappers_in,
 )
-from dcp_zarr.planning.dcp_internals import flatten_state_dict, set_element
+from dcp_zarr.torch_private import flatten_state_dict, set_element
 
 if TYPE_CHECKING:  # what the mixin is mixed into, so mypy checks its super() calls; at run time a plain mixin
     _PlannerBase = DefaultLoadPlanner

@@ -208,7 +208,7 @@ def rank_entries(items: Sequence[WriteItem], state_dict: dict, mappings: dict, r
                  group_rank: Callable[[int], int], sharded_tensor_type: Any
                  ) -> tuple[dict[str, Holding], dict[str, list[WriteItem]]]:
     """This rank's entries, and its items by key. ``group_rank`` maps a global rank (a mesh's) to DCP's group;
-    ``sharded_tensor_type``: torch's ShardedTensor, passed in by planning (dcp_internals.sharded_tensor_type)."""
+    ``sharded_tensor_type``: torch's ShardedTensor, passed in by planning (torch_private.sharded_tensor_type)."""
     items_by_fqn: dict[str, list[WriteItem]] = {}
     for item in items:
         items_by_fqn.setdefault(item.index.fqn, []).append(item)

@@ -1,10 +1,8 @@
-"""Everything dcp_zarr reads or sets inside ``torch.distributed.checkpoint`` (DCP), in one place: the frames of a
-``dcp.save`` or ``dcp.load`` under way, the planner methods taken over for one call and given back, and torch's private
-names (DCP's, ShardedTensor's, the functional collectives'): no other module of dcp_zarr imports one
-(``tests/project/test_layers.py``). The layers below planning that meet such a name have it passed in
-(``sharded_tensor_type``). Verified on the torch releases of ``VERIFIED_TORCH``;
-``tests/planning/test_dcp_internals.py`` and ``tests/planning/test_plain_save.py`` fail, saying which, the day torch
-keeps them elsewhere.
+"""Everything dcp_zarr reads or sets inside a ``torch.distributed.checkpoint`` (DCP) call under way, in one place: the
+frames of a ``dcp.save`` or ``dcp.load``, the planner methods taken over for one call and given back, and DCP's plan
+cache. torch's private names themselves are imported by ``dcp_zarr/torch_private.py`` alone. Verified on the torch
+releases of ``torch_private.VERIFIED_TORCH``; ``tests/planning/test_dcp_internals.py`` and
+``tests/planning/test_plain_save.py`` fail, saying which, the day torch keeps them elsewhere.
 
 DCP tells a storage writer or reader nothing of the call it serves, nor hands it the planner before the plans are
 gathered. Both are in the call: ``local_step`` of ``_save_state_dict`` holds DCP's ``planner``, its ``_DistWrapper``
@@ -38,38 +36,20 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 from dcp_zarr.torch_floor import release
 
 import torch
-from torch.distributed.checkpoint import _nested_dict, _version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import (
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    _EmptyStateDictLoadPlanner,
-)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner
-from torch.distributed.checkpoint.planner_helpers import _create_read_items, _create_write_items
 
 from dcp_zarr.errors import SharedPlannerError, UnverifiedTorchWarning
 from dcp_zarr.planning.protocol import Summary, Ticket
+from dcp_zarr.torch_private import VERIFIED_TORCH, torch_2_3_keys
 
 __all__ = [
-    "VERIFIED_TORCH", "SAVE_PLANNER_STATE", "SaveCall", "create_read_items", "create_write_items", "flatten_state_dict",
-    "set_element", "check_save_planner_unshared", "dcp_save_call", "take_over_save", "give_back_save",
-    "dcp_load_wrapper", "dcp_load_planner", "take_over_load", "give_back_load", "is_dcps_save_planner",
-    "is_dcps_load_planner", "save_lookup_is_dcps", "load_lookup_is_dcps", "keeps_dcps", "uses_plan_cache",
-    "cached_local_plan", "cached_plans", "state_dict_stager", "staged_bytes", "reported_by_dcp_load",
-    "sharded_tensor_type", "whole_state_dict_planner", "functional_collectives",
+    "SAVE_PLANNER_STATE", "SaveCall", "check_save_planner_unshared", "dcp_save_call", "take_over_save",
+    "give_back_save", "dcp_load_wrapper", "dcp_load_planner", "take_over_load", "give_back_load",
+    "is_dcps_save_planner", "is_dcps_load_planner", "save_lookup_is_dcps", "load_lookup_is_dcps", "keeps_dcps",
+    "uses_plan_cache", "cached_local_plan", "cached_plans", "reported_by_dcp_load",
 ]
-
-# The torch releases on which DCP was seen to keep its calls' state where this module looks.
-VERIFIED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
-
-# DCP's private functions, under the names dcp_zarr calls them by: a WriteItem's and a ReadItem's making, a state
-# dict's flattening and an element's setting as DCP does them.
-create_write_items = _create_write_items
-create_read_items = _create_read_items
 
 # What a DefaultSavePlanner keeps of one save (a caching planner's pending plan included): not options.
 SAVE_PLANNER_STATE = ("state_dict", "plan", "metadata", "global_plan", "_pending_local_plan")
@@ -441,70 +421,6 @@ def give_back_load(planner) -> None:
 def _may_be_of_torch_2_3(original_state_dict: dict, unasked: set[str]) -> bool:
     """DCP's check before it plans a load that leaves saved keys out (a model alone from a training checkpoint):
     whether some of them are keys of the state dict flattened as torch 2.3 did, and so the checkpoint is of that
-    form. True also where DCP's own planning must decide (``_torch_2_3_keys``)."""
-    keys = _torch_2_3_keys(original_state_dict)
+    form. True also where DCP's own planning must decide (``torch_private.torch_2_3_keys``)."""
+    keys = torch_2_3_keys(original_state_dict)
     return keys is None or not keys.isdisjoint(unasked)
-
-
-def _torch_2_3_keys(state_dict: dict) -> set[str] | None:
-    """The keys of DCP's ``flatten_state_dict(state_dict)`` with its version switch on ("2_3"), made by the traversal
-    that switch selects, called directly: no module global of torch changes, so no other thread's flattening sees
-    the switch. None where DCP's own planning must decide: torch no longer has the switch or that traversal, another
-    call has the switch on right now, or two keys collide (DCP's error)."""
-    traverse = getattr(_nested_dict, "traverse_state_dict_v_2_3", None)
-    if traverse is None or getattr(_version, "_derived_version", "gone") is not None:
-        return None
-    keys: set[str] = set()
-    collided = False
-
-    def visit(path, value) -> None:
-        nonlocal collided
-        key = ".".join(map(str, path))
-        collided = collided or key in keys
-        keys.add(key)
-
-    traverse(state_dict, visit)
-    return None if collided else keys
-
-
-# -- staging for async saves ---------------------------------------------------------------------------------------
-# DCP's StateDictStager copies a state dict into host memory, keeping a buffer per source storage (a weak key) and
-# copying into it again on the next stage. dcp_zarr uses it directly, not through DefaultStager: torch 2.11's and
-# 2.12's DefaultStager closes its StateDictStager after every stage (emptying its buffers and its copy dispatch, so
-# a second stage fails), where 2.13 keeps it; the StateDictStager itself is the same in 2.11 to 2.15.
-
-
-def state_dict_stager(pinned: bool) -> StateDictStager:
-    """A stager into pinned shared memory (for CUDA tensors: the GPU fills it by DMA, and a process-based executor
-    maps it as it is), or into ordinary memory."""
-    return StateDictStager(pin_memory=pinned, share_memory=pinned)
-
-
-def staged_bytes(stager: StateDictStager) -> int:
-    """Bytes of host memory the stager keeps for its next stage."""
-    return sum(storage.nbytes() for storage in list(stager._cached_storage_mapping.values()))
-
-
-def sharded_tensor_type() -> type | None:
-    """torch's ``ShardedTensor`` (deprecated in favour of DTensor), or None where a torch no longer has it. Passed
-    to the layers below (``placement.holdings.rank_entries``, ``format.sources.SourceDescriptions``), which name no
-    private module."""
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover - ShardedTensor is deprecated and may go away
-        return None
-    return ShardedTensor
-
-
-def whole_state_dict_planner():
-    """A load planner that loads everything a DCP checkpoint holds into an empty state dict (``dcp.load({}, ...)``),
-    as torch's own ``dcp_to_torch_save`` does; the state dict is then the planner's ``original_state_dict``."""
-    return _EmptyStateDictLoadPlanner()
-
-
-def functional_collectives():
-    """torch's functional collectives module (``torch.distributed._functional_collectives``), which the wire
-    counter of ``dcp_zarr.testing`` counts beside the c10d ones."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol

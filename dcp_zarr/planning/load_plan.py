@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from dcp_zarr.gc_pause import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, says_its_own_boxes
-from dcp_zarr.planning.dcp_internals import create_read_items, load_lookup_is_dcps
+from dcp_zarr.planning.dcp_internals import load_lookup_is_dcps
+from dcp_zarr.torch_private import create_read_items
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NOT_HERE = object()  # a DTensor on a mesh this rank is not in: DCP's rule, nothing to read

@@ -19,9 +19,9 @@ from dcp_zarr.errors import PlanMismatchError
 from dcp_zarr.format.torch_arrays import numpy_dtype
 from dcp_zarr.placement.holdings import DTENSOR, Holding, group_rank_of, rank_entries, structure_digest
 from dcp_zarr.planning.assignments import checked_node_paths
-from dcp_zarr.planning.dcp_internals import sharded_tensor_type
 from dcp_zarr.planning.recent_plans import recent_plans
 from dcp_zarr.planning.save_planner import RankState
+from dcp_zarr.torch_private import sharded_tensor_type
 
 
 @dataclasses.dataclass(frozen=True)

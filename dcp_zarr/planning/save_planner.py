@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from dcp_zarr.errors import InvalidEntryError
 from dcp_zarr.gc_pause import step_with_collector_paused
 from dcp_zarr.placement.boxes import dtensor_local_box, mesh_place, own_boxes_refused, says_its_own_boxes
-from dcp_zarr.planning.dcp_internals import SAVE_PLANNER_STATE, create_write_items
+from dcp_zarr.planning.dcp_internals import SAVE_PLANNER_STATE
 from dcp_zarr.planning.protocol import Ticket
+from dcp_zarr.torch_private import create_write_items
 
 
 class RankState(NamedTuple):
@@ -103,7 +104,7 @@ def local_write_items(state_dict: dict) -> list[WriteItem]:
     """The items of DCP's ``create_default_local_save_plan``, each DTensor's box computed in arithmetic (boxes.py)
     instead of by torch's index tensors; anything else (ShardedTensors, plain tensors, values, tensor subclasses
     with their own ``__create_write_items__``, Partial placements) through DCP's own function
-    (``dcp_internals.create_write_items``)."""
+    (``torch_private.create_write_items``)."""
     items: list[WriteItem] = []
     meshes: dict[int, tuple] = {}  # boxes.mesh_place's
     for fqn, value in state_dict.items():

@@ -19,10 +19,11 @@ from dcp_zarr.format.fill_values import fill_of, may_hold_in_fill
 from dcp_zarr.format.sources import SourceDescriptions
 from dcp_zarr.placement.boxes import own_boxes_refused, says_its_own_boxes
 from dcp_zarr.planning.assignments import RankAssignment
-from dcp_zarr.planning.dcp_internals import save_lookup_is_dcps, sharded_tensor_type
+from dcp_zarr.planning.dcp_internals import save_lookup_is_dcps
 from dcp_zarr.storage import Storage
 from dcp_zarr.store_io.chunk_reuse import ChunkReuse, ReuseCounts
 from dcp_zarr.store_io.write_jobs import NOT_LOOKED_UP, WriteJobs
+from dcp_zarr.torch_private import sharded_tensor_type
 
 
 def write_items(storage: Storage, items: list[WriteItem], assignment: RankAssignment, planner: SavePlanner,

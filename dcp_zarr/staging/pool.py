@@ -33,7 +33,7 @@ import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is o
 
 import torch
 
-from dcp_zarr.planning.dcp_internals import staged_bytes, state_dict_stager
+from dcp_zarr.torch_private import staged_bytes, state_dict_stager
 
 # DCP's thread-based executor ends its thread right after the save's future resolves; a stage asked for in that
 # moment waits this long for the thread to go before calling the save still running.

@@ -124,6 +124,10 @@ class FaultRule:
 
 
 class _QuietServer(ThreadingHTTPServer):
+    # socketserver's default backlog is 5: 8 ranks with 32 requests in flight each (the floor) overflowed it, and the
+    # kernel reset the connections it had no room for ("error sending request")
+    request_queue_size = 1024
+
     def handle_error(self, request, client_address) -> None:
         """A client that drops its connection (a killed rank, a reset fault) is no error of the proxy's."""
         import sys

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dcp_zarr.planning.dcp_internals import functional_collectives
+from dcp_zarr.torch_private import functional_collectives
 
 __all__ = ["WireCounter", "self_check", "what_grows"]
 

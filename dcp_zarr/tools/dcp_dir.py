@@ -32,9 +32,9 @@ from dcp_zarr.offline import (
     region_box,
     set_by_path,
 )
-from dcp_zarr.planning.dcp_internals import whole_state_dict_planner
 from dcp_zarr.storage import directory_of
 from dcp_zarr.store_io.root_document import DCP_METADATA_FILE as METADATA_FILE
+from dcp_zarr.torch_private import whole_state_dict_planner
 
 
 class DcpCheckpoint:

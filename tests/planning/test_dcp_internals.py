@@ -22,6 +22,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.errors import SharedPlannerError, UnverifiedTorchWarning
 from dcp_zarr.planning import dcp_internals
 from dcp_zarr.testing.planners import DCPsPlanning
+from dcp_zarr.torch_private import torch_2_3_keys
 from tests.support.compare import assert_state_equal
 from tests.support.faults import causes
 
@@ -37,10 +38,12 @@ def not_warned_yet(monkeypatch):
     monkeypatch.setattr(dcp_internals, "_warned", set())
 
 
-def test_one_module_reaches_into_dcps_frames_and_version_switch():
-    found = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-                   if "_getframe" in path.read_text() or "_derived_version" in path.read_text())
-    assert found == ["planning/dcp_internals.py"]
+def test_one_module_reaches_into_dcps_frames_and_one_reads_its_version_switch():
+    def reading(name: str) -> list[str]:
+        return sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if name in path.read_text())
+
+    assert reading("_getframe") == ["planning/dcp_internals.py"]
+    assert reading("_derived_version") == ["torch_private.py"]
 
 
 # -- torch 2.3's key form, asked without touching torch's switch ----------------------------------------------------
@@ -56,7 +59,7 @@ STATE_DICTS = [
 
 @pytest.mark.parametrize("state_dict", STATE_DICTS, ids=["values", "optimizer", "lists"])
 def test_torch_2_3_keys_are_dcps_flattening_with_its_switch_on(state_dict, monkeypatch):
-    ours = dcp_internals._torch_2_3_keys(state_dict)
+    ours = torch_2_3_keys(state_dict)
     monkeypatch.setattr(_version, "_derived_version", "2_3")  # the test asks DCP the old way, for comparison
     dcps, _ = _nested_dict.flatten_state_dict(state_dict)
     assert ours == set(dcps)
@@ -76,7 +79,7 @@ def test_torch_2_3_keys_are_asked_without_writing_torchs_switch(monkeypatch):
 
 def test_where_torch_cannot_say_torch_2_3_keys_dcp_decides(monkeypatch):
     collide = {"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)}
-    assert dcp_internals._torch_2_3_keys(collide) is None, "keys that collide: DCP's error"
+    assert torch_2_3_keys(collide) is None, "keys that collide: DCP's error"
     monkeypatch.delattr(_nested_dict, "traverse_state_dict_v_2_3")
     assert dcp_internals._may_be_of_torch_2_3(STATE_DICTS[0], {"optim.state.w.step"})
     monkeypatch.undo()

@@ -22,6 +22,7 @@ from dcp_zarr import ZarrReader, ZarrSavePlanner, ZarrWriter, open_checkpoint
 from dcp_zarr.planning import dcp_internals
 from dcp_zarr.planning.save_planner import rank_plan
 from dcp_zarr.testing.planners import DCPsPlanning
+from dcp_zarr.torch_private import VERIFIED_TORCH
 from tests.support.compare import assert_state_equal
 from tests.support.models import build, full_state, load_fresh, save_checkpoint, train_steps
 from tests.support.ranks import run_ranks
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # The torch releases on which DCP was seen to keep ``planner``, ``distW`` and ``storage_writer`` in
 # ``_save_state_dict``'s ``local_step``, where dcp_internals.py looks: the plain line's fast path is expected there.
-FAST_PATH_VERIFIED = dcp_internals.VERIFIED_TORCH
+FAST_PATH_VERIFIED = VERIFIED_TORCH
 TAKEN_OVER = {"create_local_plan", "create_global_plan", "finish_plan"}
 TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 

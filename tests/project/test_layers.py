@@ -20,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dcp_zarr"
 LAYERS = [
     ["errors", "gc_pause"],  # every error class | the garbage collector paused for a step
     ["version", "json_documents", "progress", "torch_floor"],  # helpers with no knowledge of checkpoints
+    ["torch_private"],  # torch's private names, checked for the floor first
     ["format", "storage"],  # pure: bytes and documents in, typed values out | bytes to and from a backend
     ["store_io"],  # a checkpoint store's bytes through storage: chunks, entries, the root document, the commit
     ["placement"],  # which rank holds which box
@@ -269,12 +270,13 @@ def test_the_lifecycle_asks_storage_what_it_can_do_never_which_backend_it_is():
     assert found == []
 
 
-def test_torch_private_names_are_imported_in_dcp_internals_alone():
+def test_torch_private_names_are_imported_in_torch_private_alone():
     """torch's private modules and names (a component or a name starting with ``_``) are imported by
-    planning/dcp_internals.py alone: the day a torch release moves one, one module changes (docs/compatibility.md)."""
+    dcp_zarr/torch_private.py alone, in a layer below every unit that needs one: the day a torch release moves one,
+    one module changes (docs/compatibility.md), and no layer imports planning/ to reach torch."""
     private = []
     for module, path in _modules().items():
-        if module == "dcp_zarr.planning.dcp_internals":
+        if module == "dcp_zarr.torch_private":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):

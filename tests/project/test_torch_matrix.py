@@ -1,5 +1,6 @@
 """The torch releases between CI's two (the floor and the newest) run the tests that touch DCP through .ci/torch-matrix,
-once per change of planning/dcp_internals.py (docs/compatibility.md): its last result must be of the file as it is."""
+once per change of torch_private.py or planning/dcp_internals.py, what dcp_zarr imports or reads of torch's internals
+(docs/compatibility.md): its last result must be of those files as they are."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_matrix_ran_on_the_dcp_internals_of_this_tree_and_passed():
+def test_the_matrix_ran_on_the_torch_internals_of_this_tree_and_passed():
     report = (REPO / "benchmarks" / "reports" / "torch-matrix.md").read_text()
-    internals = hashlib.sha256((REPO / "dcp_zarr" / "planning" / "dcp_internals.py").read_bytes()).hexdigest()
-    recorded = re.search(r"dcp_internals\.py sha256: ([0-9a-f]{16})", report)
+    files = (REPO / "dcp_zarr" / "torch_private.py", REPO / "dcp_zarr" / "planning" / "dcp_internals.py")
+    internals = hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
+    recorded = re.search(r"torch_private\.py \+ dcp_internals\.py sha256: ([0-9a-f]{16})", report)
     assert recorded and recorded[1] == internals[:16], (
-        "dcp_internals.py changed since the last torch matrix: run `bash .ci/torch-matrix` and commit its report")
+        "torch_private.py or dcp_internals.py changed since the last torch matrix: run `bash .ci/torch-matrix` and "
+        "commit its report")
     rows = re.findall(r"^\| (2\.\d+) \| ([^|]+) \| [^|]+ \| ([^|]+) \|$", report, re.MULTILINE)
     assert {"2.12", "2.13", "2.14"} <= {release for release, _, _ in rows}, rows
     for release, torch, result in rows:
