@@ -1,4 +1,5 @@
-"""``python -m dcp_zarr``: the same as the ``dcp-zarr`` command."""
+"""``python -m dcp_zarr``: the same as the ``dcp-zarr`` command.
+Implementation of the command's entry."""
 
 import sys
 

@@ -14,6 +14,8 @@ the training loop. The transfers of ``write_data`` and ``read_data`` pause it on
 threads are dcp_zarr's own and make no reference cycles; an object store's client, for the minutes a transfer may
 take, keeps its collections. Pauses that overlap (threads, nested steps) count: the collector is turned off by the
 first and restored by the last, as it was before the first. A collector the caller turned off stays off.
+
+Implementation.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """JSON documents as dcp_zarr writes and reads them: compact, strict (no NaN or infinities written), and decoded with
-the garbage collector paused. Below both the format (which makes documents) and storage (which moves their bytes)."""
+the garbage collector paused. Below both the format (which makes documents) and storage (which moves their bytes).
+Implementation."""
 
 from __future__ import annotations
 

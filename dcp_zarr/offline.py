@@ -13,6 +13,7 @@ threads, within the storage's requests and bytes in flight.
 Opening, listing and ``read_array`` (numpy) never import torch, so ``dcp-zarr inspect``, ``verify`` and ``diff`` run
 where torch is not installed, and start in well under a second where it is. Only what returns torch objects
 (``read_tensor``, ``load_full_state_dict``, ``Entry.dtype``, decoding ``torch.save`` values) imports it.
+Implementation: its public names (``open_checkpoint``, ``load_full_state_dict``, ...) are in ``dcp_zarr``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Progress bars for long offline operations: tqdm on stderr when asked for and installed, otherwise nothing.
 
 tqdm is an optional dependency (the ``cli`` extra), so the library never imports it unless a bar is wanted.
+
+Implementation.
 """
 
 from __future__ import annotations

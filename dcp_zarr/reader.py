@@ -6,6 +6,7 @@ rank's read items: one per local shard and tensor, however many ranks saved it, 
 planner taken over (set_up_storage_reader, planning/dcp_internals.py) -> read_data (each rank reads only the chunks,
 or inner chunks, under its regions, concurrently, checking every checksum, or shares reads over the process group:
 loading/rank_reads.py).
+Implementation: ``ZarrReader`` is public as ``dcp_zarr.ZarrReader``.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ build a GPU node has, and reading a checkpoint needs no torch at all (zarr-pytho
 ``torch-floor`` section in pyproject.toml; ``tests/project/test_torch_floor.py`` imports each module where torch is
 missing and where it is too old), and the writer, the reader, the planners, ``CheckpointManager`` and the framework
 adapters fail to import with one ``TorchRequiredError`` that names what is missing and the command that fixes it.
+
+Implementation.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ on each release).
 
 What dcp_zarr reads or sets inside a DCP call under way (its frames, its planner's methods, its plan cache) is
 planning's: ``planning/dcp_internals.py``.
+
+Implementation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Versions recorded in every checkpoint."""
+"""Versions recorded in every checkpoint.
+Implementation: ``dcp_zarr.__version__`` is the public name."""
 
 from __future__ import annotations
 

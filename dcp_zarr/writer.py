@@ -3,6 +3,7 @@
 A thin front: each save is one object (saving/), chosen at the save's first callback that carries a plan and dropped
 with the save. Planned locally (DCP's own planner, taken over in ``set_up_storage_writer``, or ``ZarrSavePlanner``):
 ``LocallyPlannedSave``. Planned by DCP: ``DcpPlannedSave``. docs/design.md has the whole data path.
+Implementation: ``ZarrWriter`` is public as ``dcp_zarr.ZarrWriter``.
 """
 
 from __future__ import annotations

@@ -11,4 +11,5 @@
 Importing ``dcp_zarr`` (or this package) imports no framework; importing an adapter without its framework raises
 ``FrameworkNotInstalledError`` naming the package to install, and an adapter whose framework changed the internals
 it relies on raises ``FrameworkVersionError`` naming both versions (``framework.py``).
+The three adapter modules are public (docs/api.md); ``framework.py`` is their implementation.
 """

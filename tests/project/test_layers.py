@@ -290,6 +290,18 @@ def test_torch_private_names_are_imported_in_torch_private_alone():
     assert private == [], "\n".join(private)
 
 
+def test_every_module_that_is_not_public_says_plainly_that_it_is_implementation():
+    """The public modules are PUBLIC_MODULES; every other says so, in its own docstring or its package's."""
+    import ast
+
+    def says(path: Path) -> bool:
+        return "implementation" in (ast.get_docstring(ast.parse(path.read_text())) or "").lower()
+
+    silent = [module for module, path in _modules().items() if module not in PUBLIC_MODULES and not says(path)
+              and not (path.name != "__init__.py" and path.parent != PACKAGE and says(path.parent / "__init__.py"))]
+    assert silent == [], silent
+
+
 def test_the_api_reference_documents_the_public_modules_and_no_other():
     page = (PACKAGE.parent / "docs" / "api.md").read_text()
     documented = set(re.findall(r"^(?:class|function) in `([\w.]+)`$", page, flags=re.M)) | {"dcp_zarr.errors"}
