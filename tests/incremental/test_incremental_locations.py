@@ -1,7 +1,7 @@
 """Where an incremental save's earlier checkpoint is, as ``open_earlier`` tells it: a ``file://`` URL and a plain path
 name one local file system (the storage registry serves both with LocalStorage), so chunks are linked between them,
 as a save into one from the other. (The save's own path however spelt, and other storage:
-tests/save_load/test_incremental_bases.py, tests/storage/test_incremental_s3.py.)"""
+tests/incremental/test_incremental_bases.py, tests/incremental/test_incremental_s3.py.)"""
 
 from __future__ import annotations
 
