@@ -5,7 +5,7 @@ The files are written here, not by the safetensors package: its numpy API has no
 and its raw serializer's arguments changed between releases (0.4: bytes, 0.8: pointers). The format is one
 little-endian u64 (the header's length), a JSON header naming each tensor's dtype, shape and byte range, padded
 with spaces to 8 bytes, then the bytes (https://github.com/huggingface/safetensors, "Format");
-``tests/offline_and_tools/test_convert.py`` reads the files with safetensors itself.
+``tests/tools/test_convert.py`` reads the files with safetensors itself.
 """
 
 from __future__ import annotations
