@@ -28,7 +28,7 @@ from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.tools.convert import convert
 from dcp_zarr.tools.stored_sizes import uncompressed_stored_bytes
-from tests.offline_and_tools.test_cli import run
+from tests.tools.test_cli import run
 from tests.support.compare import assert_state_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
