@@ -211,8 +211,8 @@ def test_an_s3_store_copies_within_the_server_and_says_so(s3):
 
 @pytest.mark.s3
 def test_the_server_counts_copies_apart_from_the_bodies_put_and_got_per_object(s3):
-    """What the incremental tests count on (tests/incremental/test_incremental_s3.py): a CopyObject is a PUT with no body,
-    counted as a copy from its source; a PUT's and a GET's body bytes are counted for their object."""
+    """What the incremental tests count on (tests/incremental/test_incremental_s3.py): a CopyObject is a PUT with no
+    body, counted as a copy from its source; a PUT's and a GET's body bytes are counted for their object."""
     base = f"s3://{s3.bucket}/counts-{uuid.uuid4().hex[:8]}"
     source, target = (open_storage(f"{base}/{name}", s3.storage_options()) for name in ("step 1", "step-2"))
     payload = bytes(range(256)) * 64

@@ -28,8 +28,8 @@ from dcp_zarr.format.manifest import FORMAT_VERSION
 from dcp_zarr.offline import open_checkpoint
 from dcp_zarr.tools.convert import convert
 from dcp_zarr.tools.stored_sizes import uncompressed_stored_bytes
-from tests.tools.test_cli import run
 from tests.support.compare import assert_state_equal
+from tests.tools.test_cli import run
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 INNER_BYTES = 128 << 10  # model.f: 8 inner chunks of 64 rows; model.w: 4 of 128 rows; model.ids: 2 of 256 rows
