@@ -48,10 +48,18 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dcp_zarr.errors import IncrementalBaseError, IncrementalSaveWarning
+from dcp_zarr.errors import CorruptChunkError, IncrementalBaseError, IncrementalSaveWarning
 from dcp_zarr.format.chunk_layout import ChunkLayout
 from dcp_zarr.format.chunk_record import UNHASHED, ArrayRecord, ChunkRecord, StoredChunk, data_digest, metadata_digest
-from dcp_zarr.format.encoding import CHECKSUM_BYTES, MISSING, as_bytes, checksum, encode_chunk, shard_index_bytes
+from dcp_zarr.format.encoding import (
+    CHECKSUM_BYTES,
+    MISSING,
+    as_bytes,
+    checksum,
+    decode_shard_index,
+    encode_chunk,
+    shard_index_bytes,
+)
 from dcp_zarr.storage import Storage
 from dcp_zarr.storage.location import directory_of
 from dcp_zarr.storage.registry import scheme_of
@@ -249,10 +257,14 @@ def _shard_as_recorded(storage: Storage, key: str, recorded: StoredChunk, layout
     if recorded.size < index_bytes:
         return False
     tail = storage.read_range(key, recorded.size - index_bytes, index_bytes + 1)
-    if len(tail) != index_bytes or checksum(tail[:-CHECKSUM_BYTES]) != tail[-CHECKSUM_BYTES:]:
+    if len(tail) != index_bytes:
+        return False
+    try:
+        index = decode_shard_index(tail, layout, key)
+    except CorruptChunkError:  # not the index the record's shard had
         return False
     crcs = []
-    for offset, size in np.frombuffer(tail[:-CHECKSUM_BYTES], dtype="<u8").reshape(-1, 2).tolist():
+    for offset, size in index.tolist():
         if offset == MISSING:
             continue
         end = offset + size
