@@ -35,6 +35,7 @@ import importlib
 import inspect
 import os
 import re
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
@@ -56,6 +57,7 @@ from dcp_zarr.integrations.framework import (
     refuse_unless_committed,
     require_internals,
 )
+from dcp_zarr.lifecycle.background import BackgroundDeletions
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.lifecycle.step_forms import TORCHTITAN
@@ -77,9 +79,13 @@ _OVERRIDDEN = {
     "dcp_save": ("self", "state_dict", "checkpoint_id", "async_mode", "enable_garbage_collection", "to_hf"),
     "dcp_load": ("self", "state_dict", "checkpoint_id", "from_hf", "from_quantized"),
     "_find_load_step": ("self", "folder"),
+    "_purge_stale_checkpoints": ("self",),
+    "_should_purge": ("self",),
+    "_close": ("self",),
 }
 # What CheckpointManager.__init__ sets and the overrides read: the folder, the states (its model wrapper), the
-# gloo group of async saves, the pinned-memory stager and how many checkpoints its purge keeps.
+# gloo group of async saves, the pinned-memory stager, how many checkpoints its purge keeps and the queue of its purge
+# thread (set where keep_latest_k > 0).
 _INSTANCE_ATTRIBUTES = ("folder", "states", "pg", "stager", "keep_latest_k")
 # What torchtitan 0.3.0's _purge_stale_checkpoints counts as a checkpoint: every name holding step-<digits> (a
 # search, not a match), ordered by that number; it deletes all but the newest keep_latest_k.
@@ -176,8 +182,9 @@ class ZarrCheckpointManager(_CheckpointManager):
         super().__init__(config, **components)
         self._zarr_compression, self._zarr_incremental = compression, incremental
         if self.enable:  # a disabled manager sets nothing
+            purging = ("purge_queue",) if getattr(self, "keep_latest_k", 0) > 0 else ()
             require_internals("torchtitan", WRITTEN_FOR, _ADAPTER,
-                              missing_attributes(self, _INSTANCE_ATTRIBUTES, "CheckpointManager instance"))
+                              missing_attributes(self, _INSTANCE_ATTRIBUTES + purging, "CheckpointManager instance"))
 
     @torch.no_grad()
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: Any,
@@ -285,3 +292,53 @@ class ZarrCheckpointManager(_CheckpointManager):
             kept = {n for _, n in counted[-keep:]}
             candidates = [s for s in candidates if s.name in kept]
         return root.location(candidates[-1].name) if candidates else None
+
+    # -- retention -----------------------------------------------------------------------------------------------------
+
+    # Rank 0's, made by its first purge: keep_latest_k's deletions of step-N folders, one at a time, in order.
+    _zarr_deletions: BackgroundDeletions | None = None
+
+    def _purge_stale_checkpoints(self) -> None:
+        """torchtitan's ``keep_latest_k`` purge (the same folders, counted its way), each ``step-N`` deleted by
+        dcp_zarr so that no crash leaves it looking complete: renamed aside then removed on a file system, its commit
+        marks first after a ``deleting`` record on an object store. On a thread of its own, as torchtitan's purge;
+        before its first deletion it finishes those a killed process left. A deletion that failed is raised at
+        rank 0's next purge (after the next save) or by ``close()``. A name that merely holds ``step-N`` (which
+        torchtitan counts too) goes to torchtitan's own purge thread."""
+        if not self._should_purge():
+            return
+        if self._zarr_deletions is None:
+            self._zarr_deletions = BackgroundDeletions(*_crash_safe_deletion(CheckpointRoot(self.folder)))
+        self._zarr_deletions.raise_failure()
+        counted = sorted((int(found.group(1)), name) for name in _filesystem.listdir(self.folder)
+                         if (found := _PURGE_COUNTS.search(name)))
+        for step, name in counted[:-self.keep_latest_k]:
+            if TORCHTITAN.step(name) == step:
+                self._zarr_deletions.submit(step, name, lambda: None)
+            else:
+                self.purge_queue.put(_filesystem.join(self.folder, name))
+
+    def _close(self) -> Any:
+        deletions, self._zarr_deletions = self._zarr_deletions, None
+        try:
+            result = super()._close()  # torchtitan's purge thread joined, its stager closed
+        finally:
+            if deletions is not None:
+                deletions.close()
+        if deletions is not None:
+            deletions.raise_failure()
+        return result
+
+
+def _crash_safe_deletion(root: CheckpointRoot) -> tuple[CheckpointRoot, Callable[[int, str], None]]:
+    """``root`` and the deletion of a step store under it that first finishes, once, the deletions a killed process
+    left (lifecycle/deletion.py: no lease is needed, nothing a save left is touched)."""
+    unfinished = [True]
+
+    def delete(step: int, name: str) -> None:
+        if unfinished:
+            root.finish_deletions()
+            unfinished.clear()
+        root.delete_step(step, name)
+
+    return root, delete

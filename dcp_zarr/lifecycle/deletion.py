@@ -67,6 +67,24 @@ def remove_incomplete(root: RootStorage, name: str) -> None:
     root.open(name, read_only=False).remove_all()
 
 
+def finish_deletions(root: RootStorage) -> list[str]:
+    """Finish the deletions that a stopped process left: the stores renamed aside to be deleted, and those that a
+    ``deleting`` record names. Unlike ``clean_leftovers`` it touches nothing a save left, so it needs no lease: a save
+    of the caller's may be running. Returns what it removed."""
+    finished = []
+    for name in leftovers(root):
+        if DELETING_MARK in name.rpartition("/")[2]:
+            remove_incomplete(root, name)
+            remove_staging_dir(root.location(name))
+            finished.append(name)
+    for kind, step in records(root):
+        if kind == "deleting":
+            name = _recorded_name(root, step)
+            delete_step(root, step, name)  # finishes it, its record last
+            finished.append(f"{name} (a deletion that was interrupted)")
+    return finished
+
+
 def clean_leftovers(root: RootStorage, *, dry_run: bool = False) -> list[str]:
     """Remove what saves and deletions that are no longer running left behind; the caller holds the lease, so
     none is running. Returns what it removed (or would remove)."""

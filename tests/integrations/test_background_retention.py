@@ -1,8 +1,9 @@
 """The frameworks' retention, as the adapters run it: a save never waits for the deletion of a checkpoint it made
 stale, and the adapter's teardown waits for that deletion. Lightning's ``ModelCheckpoint`` removes in the strategy's
 ``remove_checkpoint``, on the training's thread: the adapter's Trainer strategies take it off that thread
-(dcp_zarr.integrations.lightning). torchtitan's ``keep_latest_k`` purge runs on a thread of torchtitan's own, which
-``close()`` joins: checked here as the adapter runs it.
+(dcp_zarr.integrations.lightning). torchtitan's ``keep_latest_k`` purge runs on a thread, which ``close()`` joins: the
+adapter deletes each stale ``step-N`` crash-safely (renamed aside first) on a thread of its own, and raises a deletion
+that failed. A kill in the middle of such a deletion is tried in tests/integrations/test_torchtitan_purge_kills.py.
 
 Each deletion is slowed down: it waits (at most 20 s) for the training to go on past the save that made it stale,
 or to end, then for 0.3 s more. Run on the training's thread, it would find neither (and say so); and a teardown that
@@ -142,37 +143,44 @@ class _State:
         self.value = state["value"]
 
 
-def _torchtitan_purges_in_the_background(rank: int, world_size: int, base: str) -> dict:
-    """Rank program: torchtitan's own manager, made by its own ``__init__`` (``keep_latest_k=2``, its least), saving
-    steps 1 to 3; the purge of step 1 slowed (module docstring), "the training going on" being ``save(3)`` having
-    returned."""
-    import torchtitan.tools.filesystem as titan_filesystem
-
+def _titan_manager(base: str, keep_latest_k: int = 2, model: torch.nn.Module | None = None):
+    """torchtitan's own manager with the adapter's overrides, made by its own ``__init__``; ``keep_latest_k=2`` is
+    its least."""
     from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
 
-    returned, purges = threading.Event(), []
-    rmtree = titan_filesystem.rmtree
+    config = ZarrCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=keep_latest_k)
+    return ZarrCheckpointManager(config, dataloader=None, model_parts=[model or torch.nn.Linear(4, 3)],
+                                 optimizers=_State(), lr_schedulers=_State(), states={}, sd_adapter=None,
+                                 base_folder=base)
 
-    def slow_rmtree(path: str) -> None:
+
+def _torchtitan_purges_in_the_background(rank: int, world_size: int, base: str) -> dict:
+    """Rank program: the manager saving steps 1 to 3; the deletion of step 1 slowed (module docstring), "the
+    training going on" being ``save(3)`` having returned."""
+    from dcp_zarr.lifecycle import deletion
+
+    returned, purges = threading.Event(), []
+    delete_step = deletion.delete_step
+
+    def slow_delete_step(root, step: int, name: str | None = None) -> None:
         went_on = returned.wait(WAIT_S)
         time.sleep(AFTER_S)
-        rmtree(path)
-        purges.append({"name": os.path.basename(path), "training_went_on": went_on,
-                       "thread": threading.current_thread().name})
+        delete_step(root, step, name)
+        purges.append({"name": name, "training_went_on": went_on, "thread": threading.current_thread().name})
 
-    titan_filesystem.rmtree = slow_rmtree  # before the manager: its purge thread is handed the function as it starts
-    config = ZarrCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=2)
-    manager = ZarrCheckpointManager(config, dataloader=None, model_parts=[torch.nn.Linear(4, 3)],
-                                    optimizers=_State(), lr_schedulers=_State(), states={}, sd_adapter=None,
-                                    base_folder=base)
+    deletion.delete_step = slow_delete_step  # this rank process's module only
+    renamed_aside = []
+    rename = os.rename
+    os.rename = lambda source, target: (renamed_aside.append(os.path.basename(source)), rename(source, target))[1]
+    manager = _titan_manager(base)
     folder = os.path.join(base, "checkpoint")
     for step in (1, 2, 3):
-        manager.save(step)  # at step 3, step 1 is stale: torchtitan's purge deletes it
+        manager.save(step)  # at step 3, step 1 is stale: the purge deletes it
     left_when_saved = sorted(os.listdir(folder))
     returned.set()
     manager.close()
     return {"purges": purges, "left_when_saved": left_when_saved, "left_when_closed": sorted(os.listdir(folder)),
-            "main_thread": threading.current_thread().name}
+            "main_thread": threading.current_thread().name, "renamed_aside": renamed_aside}
 
 
 def test_torchtitan_saves_do_not_wait_for_keep_latest_ks_purge_and_close_waits_for_it(tmp_path):
@@ -181,4 +189,51 @@ def test_torchtitan_saves_do_not_wait_for_keep_latest_ks_purge_and_close_waits_f
     assert seen["left_when_saved"] == ["step-1", "step-2", "step-3"], "save(3) returned before step 1 was deleted"
     [purge] = seen["purges"]
     assert purge["name"] == "step-1" and purge["training_went_on"] and purge["thread"] != seen["main_thread"]
+    assert "step-1" in seen["renamed_aside"], "step-1 was not renamed aside before its removal (crash safety)"
     assert seen["left_when_closed"] == ["step-2", "step-3"], "close() returned once the purge was done"
+
+
+def _torchtitan_deletion_fails(rank: int, world_size: int, base: str) -> dict:
+    """Rank program: the deletion of step 1 fails, and the purge after ``save(4)`` raises it. Then, in a second
+    manager, the deletion of step 4 fails and ``close()`` raises it."""
+    from dcp_zarr.lifecycle import deletion
+
+    delete_step, failing_steps = deletion.delete_step, {1}
+
+    def failing(root, step: int, name: str | None = None) -> None:
+        if step in failing_steps:
+            raise PermissionError(f"injected for step {step}")
+        delete_step(root, step, name)
+
+    deletion.delete_step = failing
+    raised, folder = {}, os.path.join(base, "checkpoint")
+    manager = _titan_manager(base)
+    for step in (1, 2, 3):
+        manager.save(step)  # step 1's deletion fails in the background
+    try:
+        manager.save(4)
+    except ZarrCheckpointError as exc:
+        raised["save"] = str(exc)
+    manager.close()  # raised once: nothing more
+    left_after_save = sorted(os.listdir(folder))
+    failing_steps = {4}
+    manager = _titan_manager(base)
+    for step in (5, 6):
+        manager.save(step)  # save(5) deletes steps 1 to 3, save(6) step 4, which fails
+    try:
+        manager.close()
+    except ZarrCheckpointError as exc:
+        raised["close"] = str(exc)
+    return {"raised": raised, "left_after_save": left_after_save, "left_after_close": sorted(os.listdir(folder))}
+
+
+def test_a_failed_torchtitan_purge_is_raised_after_the_next_save_or_by_close(tmp_path):
+    pytest.importorskip("torchtitan")
+    seen = run_ranks(_torchtitan_deletion_fails, 1, str(tmp_path), timeout=300)[0]
+    raised = seen["raised"]
+    assert set(raised) == {"save", "close"}, raised
+    assert "retention could not delete step 1 (step-1): PermissionError: injected for step 1" in raised["save"]
+    assert "retention could not delete step 4 (step-4): PermissionError: injected for step 4" in raised["close"]
+    # the purge that raised asked for nothing more; each failed step was left as it was
+    assert seen["left_after_save"] == ["step-1", "step-2", "step-3", "step-4"]
+    assert seen["left_after_close"] == ["step-4", "step-5", "step-6"]

@@ -480,3 +480,27 @@ def test_an_interrupted_object_store_deletion_is_finished_under_the_name_it_was_
     assert root.clean_leftovers() == ["step-5 (a deletion that was interrupted)"]
     assert root.step_stores() == [] and root.records() == []
     assert "step-5" not in root.names()
+    # finish_deletions (the torchtitan adapter's) finishes it too
+    dcp.save(small_state(5), storage_writer=ZarrWriter(f"{url}/step-5"))
+    with monkeypatch.context() as patched:
+        patched.setattr(ZarrStoreStorage, "remove_all", killed)
+        with pytest.raises(Killed):
+            CheckpointRoot(url).delete_step(5, "step-5")
+    assert root.finish_deletions() == ["step-5 (a deletion that was interrupted)"]
+    assert root.step_stores() == [] and root.records() == []
+
+
+def test_finishing_deletions_leaves_what_a_save_under_way_staged(tmp_path):
+    """``finish_deletions`` (the torchtitan adapter's, which holds no lease) removes the folders a killed deletion
+    renamed aside, never a save's staging directory: that save may be running."""
+    with CheckpointManager(tmp_path) as manager:
+        for step in range(2):
+            manager.save(step, small_state(step))
+    staging = tmp_path / ".dcp-zarr-staging"
+    staging.mkdir()
+    os.rename(tmp_path / step_name(0), staging / f"{step_name(0)}.deleting-0123abcd")  # as a killed deletion left it
+    shutil.copytree(tmp_path / step_name(1), staging / f"{step_name(2)}.partial-4567ef")  # a save under way
+    root = CheckpointRoot(tmp_path)
+    assert root.finish_deletions() == [f".dcp-zarr-staging/{step_name(0)}.deleting-0123abcd"]
+    assert os.listdir(staging) == [f"{step_name(2)}.partial-4567ef"]
+    assert [s.step for s in root.step_stores()] == [1]
