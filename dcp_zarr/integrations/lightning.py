@@ -28,11 +28,11 @@ chunks.
 The Trainer's two strategies also take ``ModelCheckpoint``'s deletions off the training's thread, as
 ``CheckpointManager`` does its retention's (lifecycle/background.py): Lightning removes a checkpoint it no longer keeps
 in ``remove_checkpoint``, on rank 0, right after a save, and a store of ~1,000 files took seconds. A checkpoint
-directory is renamed aside at once, into the staging directory beside it (its name is free at once, and no
-half-deleted store is ever found under it: ``dcp-zarr list`` shows what a crash left there and ``prune`` removes it),
-then removed on a thread of the strategy's own, one at a time, in order; ``teardown`` (the end of ``fit``) waits for
-them. A removal that failed is raised, naming it, by the next ``remove_checkpoint`` or by ``teardown``. A file (a
-full state dict) or a link (``save_last="link"``) is removed by Lightning's own code, at once.
+directory is renamed aside at once, into the staging directory beside it (its name is free at once, and no half-deleted
+store is ever found under it: what a crash left there is removed before the next job's first removal, or by ``dcp-zarr
+prune``), then removed on a thread of the strategy's own, one at a time, in order; ``teardown`` (the end of ``fit``)
+waits for them. A removal that failed is raised, naming it, by the next ``remove_checkpoint`` or by ``teardown``. A file
+(a full state dict) or a link (``save_last="link"``) is removed by Lightning's own code, at once.
 
 Written against lightning 2.6.6 (``WRITTEN_FOR``). Importing this module checks that each Lightning function on the
 way still looks the helpers up by those names, in the module where they are swapped, and that they take (state,
@@ -73,7 +73,7 @@ from dcp_zarr.integrations.framework import (
     require_internals,
     signature_with_compression,
 )
-from dcp_zarr.lifecycle.background import BackgroundDeletions
+from dcp_zarr.lifecycle.background import BackgroundDeletions, finishing_first
 from dcp_zarr.lifecycle.listing import DELETING_MARK
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
@@ -389,13 +389,14 @@ def _removed_in_the_background(strategy: _ZarrStrategy, filepath: str | os.PathL
     if os.path.islink(path) or not os.path.isdir(path):
         return False
     parent, name = os.path.split(path)
+    removals = strategy._zarr_removals.get(parent)
+    if removals is None:  # made before the first rename: a killed job's removals are finished first, not this one's
+        root = RootStorage(parent)
+        removals = strategy._zarr_removals[parent] = BackgroundDeletions(
+            root, finishing_first(root, lambda _, staged: _remove_set_aside(os.path.join(parent, staged))))
     aside = os.path.join(parent, STAGING_DIR, f"{name}{DELETING_MARK}{uuid.uuid4().hex[:12]}")
     os.makedirs(os.path.dirname(aside), exist_ok=True)
     os.rename(path, aside)
-    removals = strategy._zarr_removals.get(parent)
-    if removals is None:
-        removals = strategy._zarr_removals[parent] = BackgroundDeletions(
-            RootStorage(parent), lambda _, staged: _remove_set_aside(os.path.join(parent, staged)))
     removals.submit(_removal_key(name, removals.pending()), os.path.relpath(aside, parent), lambda: None)
     return True
 

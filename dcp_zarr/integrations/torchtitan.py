@@ -35,7 +35,6 @@ import importlib
 import inspect
 import os
 import re
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
@@ -57,7 +56,7 @@ from dcp_zarr.integrations.framework import (
     refuse_unless_committed,
     require_internals,
 )
-from dcp_zarr.lifecycle.background import BackgroundDeletions
+from dcp_zarr.lifecycle.background import BackgroundDeletions, finishing_first
 from dcp_zarr.lifecycle.rank0 import decided_by_rank0
 from dcp_zarr.lifecycle.root import CheckpointRoot
 from dcp_zarr.lifecycle.step_forms import TORCHTITAN
@@ -308,7 +307,8 @@ class ZarrCheckpointManager(_CheckpointManager):
         if not self._should_purge():
             return
         if self._zarr_deletions is None:
-            self._zarr_deletions = BackgroundDeletions(*_crash_safe_deletion(CheckpointRoot(self.folder)))
+            root = CheckpointRoot(self.folder)
+            self._zarr_deletions = BackgroundDeletions(root, finishing_first(root, root.delete_step))
         self._zarr_deletions.raise_failure()
         counted = sorted((int(found.group(1)), name) for name in _filesystem.listdir(self.folder)
                          if (found := _PURGE_COUNTS.search(name)))
@@ -329,16 +329,3 @@ class ZarrCheckpointManager(_CheckpointManager):
             deletions.raise_failure()
         return result
 
-
-def _crash_safe_deletion(root: CheckpointRoot) -> tuple[CheckpointRoot, Callable[[int, str], None]]:
-    """``root`` and the deletion of a step store under it that first finishes, once, the deletions a killed process
-    left (lifecycle/deletion.py: no lease is needed, nothing a save left is touched)."""
-    unfinished = [True]
-
-    def delete(step: int, name: str) -> None:
-        if unfinished:
-            root.finish_deletions()
-            unfinished.clear()
-        root.delete_step(step, name)
-
-    return root, delete

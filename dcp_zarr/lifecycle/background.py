@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from dcp_zarr.errors import ZarrCheckpointError
+from dcp_zarr.lifecycle.deletion import finish_deletions, interrupted_deletions
 from dcp_zarr.lifecycle.root_storage import RootStorage
 
 
@@ -89,3 +90,18 @@ class BackgroundDeletions:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+
+def finishing_first(root: RootStorage, delete: Callable[[int, str], None]) -> Callable[[int, str], None]:
+    """``delete``, whose first call first finishes the deletions that a killed process had left under ``root`` when
+    this was called (``deletion.finish_deletions``): for the frameworks' adapters, which hold no lease and clean
+    nothing up as they start, so that a job killed in a deletion leaves nothing the next one does not remove. Call it
+    before renaming anything aside: what is found now is what is finished."""
+    interrupted = [interrupted_deletions(root)]
+
+    def delete_after_finishing(step: int, name: str) -> None:
+        if interrupted:
+            finish_deletions(root, interrupted.pop())
+        delete(step, name)
+
+    return delete_after_finishing

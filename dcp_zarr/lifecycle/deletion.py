@@ -67,21 +67,29 @@ def remove_incomplete(root: RootStorage, name: str) -> None:
     root.open(name, read_only=False).remove_all()
 
 
-def finish_deletions(root: RootStorage) -> list[str]:
-    """Finish the deletions that a stopped process left: the stores renamed aside to be deleted, and those that a
-    ``deleting`` record names. Unlike ``clean_leftovers`` it touches nothing a save left, so it needs no lease: a save
-    of the caller's may be running. Returns what it removed."""
+def interrupted_deletions(root: RootStorage) -> tuple[list[str], list[int]]:
+    """The deletions a stopped process left under ``root``: the names renamed aside to be deleted (relative to the
+    root, whatever they are named: a Lightning checkpoint's may hold no step; only a deletion renames into the staging
+    directory under ``DELETING_MARK``), and the steps of the ``deleting`` records."""
+    set_aside = [f"{STAGING_DIR}/{name}" for name in root.names(STAGING_DIR) if DELETING_MARK in name] \
+        if root.storage.commits_by_rename else []
+    return set_aside, [step for kind, step in records(root) if kind == "deleting"]
+
+
+def finish_deletions(root: RootStorage, interrupted: tuple[list[str], list[int]] | None = None) -> list[str]:
+    """Finish ``interrupted`` (default: ``interrupted_deletions(root)`` now). Unlike ``clean_leftovers`` it touches
+    nothing a save left, so it needs no lease: a save of the caller's may be running. A caller whose own deletions
+    rename aside before they run takes ``interrupted`` before its first. Returns what it removed."""
+    set_aside, recorded = interrupted_deletions(root) if interrupted is None else interrupted
     finished = []
-    for name in leftovers(root):
-        if DELETING_MARK in name.rpartition("/")[2]:
-            remove_incomplete(root, name)
-            remove_staging_dir(root.location(name))
-            finished.append(name)
-    for kind, step in records(root):
-        if kind == "deleting":
-            name = _recorded_name(root, step)
-            delete_step(root, step, name)  # finishes it, its record last
-            finished.append(f"{name} (a deletion that was interrupted)")
+    for aside in set_aside:
+        remove_incomplete(root, aside)
+        remove_staging_dir(root.location(aside))
+        finished.append(aside)
+    for step in recorded:
+        name = _recorded_name(root, step)
+        delete_step(root, step, name)  # finishes it, its record last
+        finished.append(f"{name} (a deletion that was interrupted)")
     return finished
 
 

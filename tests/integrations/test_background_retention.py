@@ -237,3 +237,19 @@ def test_a_failed_torchtitan_purge_is_raised_after_the_next_save_or_by_close(tmp
     # the purge that raised asked for nothing more; each failed step was left as it was
     assert seen["left_after_save"] == ["step-1", "step-2", "step-3", "step-4"]
     assert seen["left_after_close"] == ["step-4", "step-5", "step-6"]
+
+
+def test_a_lightning_removal_a_killed_job_left_is_finished_before_the_next_jobs_first(tmp_path):
+    pytest.importorskip("lightning")
+    import dcp_zarr.integrations.lightning as adapter
+
+    staging = tmp_path / ".dcp-zarr-staging"
+    for name in ("epoch=0-step=2.ckpt.deleting-0123abcd", "best.ckpt.deleting-4567ef"):  # as a killed job left them
+        (staging / name).mkdir(parents=True)
+        (staging / name / "zarr.json").write_text("{}")
+    (tmp_path / "epoch=0-step=4.ckpt").mkdir()
+    strategy = adapter.ZarrModelParallelStrategy()
+    strategy.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
+    for removals in strategy._zarr_removals.values():
+        removals.join()
+    assert os.listdir(tmp_path) == [], "the removals a killed job left were not finished"
