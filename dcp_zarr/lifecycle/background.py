@@ -75,10 +75,10 @@ class BackgroundDeletions:
         if not failures:
             return None
         step, name, exc = failures[0]
-        more = f" (and {len(failures) - 1} more: steps {', '.join(str(f[0]) for f in failures[1:])})" \
+        more = f" (and {len(failures) - 1} more: {', '.join(_named(*f[:2]) for f in failures[1:])})" \
             if len(failures) > 1 else ""
         error = ZarrCheckpointError(
-            f"{self.root.url}: retention could not delete step {step} ({name}){more}: {type(exc).__name__}: {exc}; "
+            f"{self.root.url}: retention could not delete {_named(step, name)}{more}: {type(exc).__name__}: {exc}; "
             "the next manager on this root finishes an interrupted deletion")
         error.__cause__ = exc
         return error
@@ -90,6 +90,12 @@ class BackgroundDeletions:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+
+
+def _named(step: int, name: str) -> str:
+    """A deletion as its error names it: ``step N (name)``, or the name alone where the key is not a step (a negative
+    number: a Lightning checkpoint whose name holds none)."""
+    return f"step {step} ({name})" if step >= 0 else name
 
 
 def finishing_first(root: RootStorage, delete: Callable[[int, str], None]) -> Callable[[int, str], None]:

@@ -125,6 +125,12 @@ def test_a_lightning_removal_is_renamed_aside_at_once_and_a_failed_one_is_raised
     assert (tmp_path / "epoch=0-step=4.ckpt").is_dir(), "the failure is raised before the next removal starts"
     strategy.remove_checkpoint(tmp_path / "full.ckpt")  # a file: Lightning's own removal, at once
     assert not (tmp_path / "full.ckpt").exists()
+    (tmp_path / "best.ckpt").mkdir()  # a name that holds no step: named alone
+    strategy.remove_checkpoint(tmp_path / "best.ckpt")
+    for removals in strategy._zarr_removals.values():
+        removals.join()
+    with pytest.raises(ZarrCheckpointError, match=r"could not delete \.dcp-zarr-staging/best\.ckpt\.deleting-\w+: "):
+        strategy.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
 
 
 # -- torchtitan ------------------------------------------------------------------------------------------------------
