@@ -7,7 +7,7 @@ or for ``_StridedShard`` an index tensor split and listed): O(piece) per array, 
 magnitude slower at thousands of ranks than at eight (benchmarks/reports/planning.md, "One rank's planning, 8 vs
 8,192 ranks, 2,000 tensors"). Here the indices held along a dim are kept as runs
 ``(start, length)``; a ``Shard`` keeps a torch.chunk piece of them, a ``_StridedShard(split_factor=k)`` a
-torch.chunk piece of each of k torch.chunk pieces. O(runs) a dim. ``tests/planning/test_local_layouts.py`` checks the
+torch.chunk piece of each of k torch.chunk pieces. O(runs) a dim. ``tests/placement/test_local_layouts.py`` checks the
 boxes against torch's on every coordinate of many meshes and uneven sizes.
 """
 
@@ -48,7 +48,7 @@ def strided_split_factor(placement) -> int | None:
     any other placement. Told by what the placement says of itself, not by its class, whose name is private to
     torch: a ``Placement`` other than a plain ``Shard``, a replica or a partial (by their public methods) that
     carries a ``dim`` and a ``split_factor``. ``is_shard()`` is not asked: it is False for torch 2.11 to 2.15's, and
-    would be True were it a ``Shard`` subclass again. ``tests/planning/test_local_layouts.py`` checks that torch's
+    would be True were it a ``Shard`` subclass again. ``tests/placement/test_local_layouts.py`` checks that torch's
     own class is told so."""
     if type(placement) is Shard or placement.is_replicate() or placement.is_partial():
         return None
