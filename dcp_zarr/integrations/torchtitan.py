@@ -42,6 +42,7 @@ from typing import Any
 
 import dcp_zarr.torch_floor  # noqa: F401  (first: torch missing or too old is one clear error)
 
+import fsspec.core
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
@@ -133,6 +134,17 @@ _AsyncMode = _titan.AsyncMode
 _filesystem = _titan.filesystem
 
 
+def _fresh(path: str) -> str:
+    """``path``, its listings (and its parents') dropped from fsspec's cache where it is a URL. torchtitan's
+    ``filesystem`` asks fsspec (s3fs, for ``s3://``), whose cached listings see what fsspec wrote, never what
+    ``ZarrWriter`` wrote through obstore: without this, the purge on S3 listed only the steps there when the folder was
+    first listed, and deleted none of the later ones."""
+    if "://" in str(path):  # torchtitan's own test of a remote path (filesystem.is_remote)
+        file_system, inner = fsspec.core.url_to_fs(path)
+        file_system.invalidate_cache(inner)
+    return path
+
+
 def _compression(name: Any) -> Compression | None:
     return compression_choice(
         name, "ZarrCheckpointManager", "checkpoint.zarr_compression",
@@ -190,7 +202,7 @@ class ZarrCheckpointManager(_CheckpointManager):
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
         if to_hf:  # the HF export: safetensors through torchtitan's adapter and writer
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        if _filesystem.isfile(_filesystem.join(checkpoint_id, ".metadata")):
+        if _filesystem.isfile(_filesystem.join(_fresh(checkpoint_id), ".metadata")):
             raise CheckpointExistsError(
                 f"ZarrCheckpointManager.dcp_save: {checkpoint_id} holds a checkpoint torchtitan's own manager saved "
                 "(DCP's .metadata and .distcp files), which a zarr store is not saved over: this save was refused "
@@ -218,7 +230,7 @@ class ZarrCheckpointManager(_CheckpointManager):
         return result
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf or _filesystem.isfile(_filesystem.join(checkpoint_id, ".metadata")):
+        if from_hf or _filesystem.isfile(_filesystem.join(_fresh(checkpoint_id), ".metadata")):
             # HF safetensors, or a DCP directory (saved by torchtitan's own manager): torchtitan's own load
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         refuse_unless_committed(checkpoint_id, "ZarrCheckpointManager.dcp_load", self._load_instead(checkpoint_id))
@@ -242,7 +254,7 @@ class ZarrCheckpointManager(_CheckpointManager):
                 "(.metadata) or, with checkpoint.initial_load_in_hf, Hugging Face safetensors")
 
     def _find_load_step(self, folder: str = "") -> int:
-        folder = folder or self.folder
+        folder = _fresh(folder or self.folder)
         newest = super()._find_load_step(folder)  # DCP and HF checkpoints, torchtitan's way
         if not _filesystem.isdir(folder):
             return newest
@@ -270,7 +282,7 @@ class ZarrCheckpointManager(_CheckpointManager):
         save's own counted too where it appears before it is complete (an async save to storage written in place:
         the purge runs as soon as dcp_save returns)."""
         folder, name = os.path.split(os.fspath(checkpoint_id).rstrip("/"))
-        if not _filesystem.isdir(folder):
+        if not _filesystem.isdir(_fresh(folder)):
             return None
         root = CheckpointRoot(folder)
         busy = {name}
@@ -304,6 +316,7 @@ class ZarrCheckpointManager(_CheckpointManager):
         before its first deletion it finishes those a killed process left. A deletion that failed is raised at
         rank 0's next purge (after the next save) or by ``close()``. A name that merely holds ``step-N`` (which
         torchtitan counts too) goes to torchtitan's own purge thread."""
+        _fresh(self.folder)  # torchtitan's _should_purge asks whether it is a directory
         if not self._should_purge():
             return
         if self._zarr_deletions is None:

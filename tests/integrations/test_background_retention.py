@@ -149,12 +149,13 @@ class _State:
         self.value = state["value"]
 
 
-def _titan_manager(base: str, keep_latest_k: int = 2, model: torch.nn.Module | None = None):
+def _titan_manager(base: str, keep_latest_k: int = 2, model: torch.nn.Module | None = None, incremental=False):
     """torchtitan's own manager with the adapter's overrides, made by its own ``__init__``; ``keep_latest_k=2`` is
     its least."""
     from dcp_zarr.integrations.torchtitan import ZarrCheckpointManager
 
-    config = ZarrCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=keep_latest_k)
+    config = ZarrCheckpointManager.Config(enable=True, folder="checkpoint", interval=1, keep_latest_k=keep_latest_k,
+                                          zarr_incremental=incremental)
     return ZarrCheckpointManager(config, dataloader=None, model_parts=[model or torch.nn.Linear(4, 3)],
                                  optimizers=_State(), lr_schedulers=_State(), states={}, sd_adapter=None,
                                  base_folder=base)
@@ -259,3 +260,32 @@ def test_a_lightning_removal_a_killed_job_left_is_finished_before_the_next_jobs_
     for removals in strategy._zarr_removals.values():
         removals.join()
     assert os.listdir(tmp_path) == [], "the removals a killed job left were not finished"
+
+
+def _torchtitan_purges_on_an_object_store(rank: int, world_size: int, base: str, environment: dict) -> dict:
+    """Rank program: the manager saving steps 1 to 3 incrementally into an S3 folder (a prefix written in place), step
+    1 purged."""
+    from dcp_zarr.lifecycle.root import CheckpointRoot
+
+    os.environ.update(environment)  # torchtitan's fsspec and the adapter's storage alike
+    manager = _titan_manager(base, incremental=True)
+    for step in (1, 2, 3):
+        manager.save(step)
+    manager.close()
+    root = CheckpointRoot(f"{base}/checkpoint")
+    chunks = root.open("step-3").read_json("zarr.json")["attributes"]["dcp_zarr"]["chunks"]
+    return {"stores": [(s.name, s.complete) for s in root.step_stores()], "records": root.records(),
+            "step 3 from": chunks.get("incremental_from")}
+
+
+@pytest.mark.s3
+def test_a_torchtitan_purge_on_an_object_store_deletes_the_stale_step_and_saves_reuse_the_one_before(s3):
+    pytest.importorskip("torchtitan")
+    from dcp_zarr.testing.s3_server import AWS_ENVIRONMENT
+
+    environment = dict(AWS_ENVIRONMENT, AWS_ENDPOINT_URL=s3.endpoint, AWS_ALLOW_HTTP="true")
+    seen = run_ranks(_torchtitan_purges_on_an_object_store, 1, f"s3://{s3.bucket}/titan-purge", environment,
+                     timeout=300)[0]
+    assert seen["stores"] == [("step-2", True), ("step-3", True)], seen
+    assert seen["records"] == [], "the deleting record outlived the deletion"
+    assert seen["step 3 from"] and seen["step 3 from"]["reused_chunks"] > 0, "step 3 was saved in full"
