@@ -76,11 +76,11 @@ def interrupted_deletions(root: RootStorage) -> tuple[list[str], list[int]]:
     return set_aside, [step for kind, step in records(root) if kind == "deleting"]
 
 
-def finish_deletions(root: RootStorage, interrupted: tuple[list[str], list[int]] | None = None) -> list[str]:
-    """Finish ``interrupted`` (default: ``interrupted_deletions(root)`` now). Unlike ``clean_leftovers`` it touches
-    nothing a save left, so it needs no lease: a save of the caller's may be running. A caller whose own deletions
-    rename aside before they run takes ``interrupted`` before its first. Returns what it removed."""
-    set_aside, recorded = interrupted_deletions(root) if interrupted is None else interrupted
+def finish_deletions(root: RootStorage, interrupted: tuple[list[str], list[int]]) -> list[str]:
+    """Finish ``interrupted`` (``interrupted_deletions``'s, taken before the caller's own first deletion began).
+    Unlike ``clean_leftovers`` it touches nothing a save left, so it needs no lease: a save of the caller's may be
+    running. Returns what it removed."""
+    set_aside, recorded = interrupted
     finished = []
     for aside in set_aside:
         remove_incomplete(root, aside)

@@ -76,10 +76,6 @@ class CheckpointRoot(RootStorage):
         """Delete ``step-N.zarr`` (or ``name``, another form's) so that no crash leaves it looking complete."""
         deletion.delete_step(self, step, name)
 
-    def finish_deletions(self) -> list[str]:
-        """Finish the deletions a stopped process left, touching nothing a save left; returns what it removed."""
-        return deletion.finish_deletions(self)
-
     def clean_leftovers(self, *, dry_run: bool = False) -> list[str]:
         """Remove what stopped saves and deletions left behind; returns what it removed (or would remove)."""
         return deletion.clean_leftovers(self, dry_run=dry_run)

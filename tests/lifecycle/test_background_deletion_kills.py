@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_zarr import CheckpointManager
 from dcp_zarr.format.manifest import ROOT_KEY
+from dcp_zarr.lifecycle.deletion import finish_deletions, interrupted_deletions
 from dcp_zarr.lifecycle.lease import LEASE_KEY
 from dcp_zarr.lifecycle.records import RECORDS
 from dcp_zarr.lifecycle.root import CheckpointRoot
@@ -486,7 +487,7 @@ def test_an_interrupted_object_store_deletion_is_finished_under_the_name_it_was_
         patched.setattr(ZarrStoreStorage, "remove_all", killed)
         with pytest.raises(Killed):
             CheckpointRoot(url).delete_step(5, "step-5")
-    assert root.finish_deletions() == ["step-5 (a deletion that was interrupted)"]
+    assert finish_deletions(root, interrupted_deletions(root)) == ["step-5 (a deletion that was interrupted)"]
     assert root.step_stores() == [] and root.records() == []
 
 
@@ -501,6 +502,7 @@ def test_finishing_deletions_leaves_what_a_save_under_way_staged(tmp_path):
     os.rename(tmp_path / step_name(0), staging / f"{step_name(0)}.deleting-0123abcd")  # as a killed deletion left it
     shutil.copytree(tmp_path / step_name(1), staging / f"{step_name(2)}.partial-4567ef")  # a save under way
     root = CheckpointRoot(tmp_path)
-    assert root.finish_deletions() == [f".dcp-zarr-staging/{step_name(0)}.deleting-0123abcd"]
+    finished = finish_deletions(root, interrupted_deletions(root))
+    assert finished == [f".dcp-zarr-staging/{step_name(0)}.deleting-0123abcd"]
     assert os.listdir(staging) == [f"{step_name(2)}.partial-4567ef"]
     assert [s.step for s in root.step_stores()] == [1]
